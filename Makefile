@@ -1,0 +1,45 @@
+# moetrain: `make demo` and `make test` are the two set-up commands; each creates .venv when it is
+# missing, installs the pinned torch, builds the C++ extension (ninja caches objects in build/temp)
+# and then runs. A second run skips every step whose inputs did not change.
+
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+DEPS_STAMP := $(VENV)/.deps-$(shell echo '$(TORCH)' | tr -c 'A-Za-z0-9.=\n' '_')
+BUILD_STAMP := $(VENV)/.moetrain-built
+SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu csrc/*.cuh)
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint bench build clean
+
+demo: build
+	$(PY) scripts/demo.py
+
+test: build lint
+	OMP_NUM_THREADS=2 $(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(DEPS_STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+bench: build
+	$(PY) benchmarks/moe_layer.py --json benchmarks/moe_layer.json
+
+build: $(BUILD_STAMP)
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(DEPS_STAMP): | $(VENV)/bin/python
+	$(PIP) install --quiet '$(TORCH)' 'setuptools>=64' wheel ninja pybind11 pytest pytest-timeout ruff numpy
+	rm -f $(VENV)/.deps-* $(BUILD_STAMP)
+	touch $@
+
+$(BUILD_STAMP): $(DEPS_STAMP) $(SOURCES)
+	$(PIP) install --quiet --no-build-isolation --no-deps -e .
+	touch $@
+
+clean:
+	rm -rf build moetrain/_C*.so $(BUILD_STAMP)

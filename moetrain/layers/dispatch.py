@@ -1,0 +1,166 @@
+"""Capacity, the dispatch plan and the sort-based permutation between token order and expert order.
+
+Legend: T tokens, D hidden, E experts, K choices per token, S = T*K routing slots (slot
+``s = t*K + j`` is token t's j-th choice), N rows kept after the capacity cut.
+
+The permutation is a counting sort of the slots by expert (``build_dispatch_plan``); the row
+movement in both directions is done by the C++ kernels in ``csrc/permute.cpp``:
+
+- dispatch ``x_ND[r] = x_TD[slot_of_row[r] // K]``
+- combine ``y_TD[t] = sum_j gates_TK[t, j] * y_ND[row_of_slot[t, j]]`` (dropped slots contribute 0)
+
+No dense ``[T, E, C]`` mask is ever built, and experts see exactly their kept rows, no padding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from moetrain._ext import ops
+
+
+def compute_capacity(
+    num_tokens: int, num_experts: int, top_k: int, capacity_factor: float | None, min_capacity: int
+) -> int | None:
+    """Rows an expert keeps: ``max(min_capacity, ceil(capacity_factor * T * K / E))``.
+
+    ``None`` (dropless) when ``capacity_factor`` is ``None`` or 0.
+    """
+    if not capacity_factor:
+        return None
+    return max(min_capacity, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+
+
+def token_priority_order(
+    num_tokens: int, top_k: int, token_score_T: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The order in which slots claim capacity: choice-major (every token's first choice before any
+    second choice), tokens by position (``token_score_T`` None: returns None, the kernel's default)
+    or by descending score (batch-prioritised routing: the lowest-score tokens are dropped first)."""
+    if token_score_T is None:
+        return None
+    token_order_T = torch.argsort(token_score_T, descending=True, stable=True)
+    choice_K1 = torch.arange(top_k, device=token_order_T.device).view(top_k, 1)
+    return (token_order_T.view(1, num_tokens) * top_k + choice_K1).reshape(-1)
+
+
+@dataclass
+class DispatchPlan:
+    """Where each routing slot goes. ``row_of_slot_TK[t, j]`` is the expert-order row of slot
+    (t, j) or -1 if dropped; ``slot_of_row_N`` is its inverse; expert e owns rows
+    ``[sum(kept_per_expert_E[:e]), sum(kept_per_expert_E[:e+1]))``."""
+
+    row_of_slot_TK: torch.Tensor
+    slot_of_row_N: torch.Tensor
+    kept_per_expert_E: torch.Tensor
+    routed_per_expert_E: torch.Tensor
+
+    @property
+    def top_k(self) -> int:
+        return self.row_of_slot_TK.shape[1]
+
+    @property
+    def num_rows(self) -> int:
+        return self.slot_of_row_N.numel()
+
+    @property
+    def num_dropped(self) -> int:
+        return self.row_of_slot_TK.numel() - self.num_rows
+
+
+def build_dispatch_plan(
+    expert_ids_TK: torch.Tensor,
+    num_experts: int,
+    capacity: int | None,
+    priority_order_S: torch.Tensor | None = None,
+) -> DispatchPlan:
+    """Counting sort of the slots by expert; an expert keeps the first ``capacity`` slots in
+    ``priority_order_S`` (default: choice-major, by position). O(S) integer work."""
+    row_of_slot, slot_of_row, kept, routed = ops.build_dispatch_plan(
+        expert_ids_TK.contiguous(),
+        None if priority_order_S is None else priority_order_S.contiguous(),
+        num_experts,
+        -1 if capacity is None else capacity,
+    )
+    return DispatchPlan(row_of_slot, slot_of_row, kept, routed)
+
+
+def _weight_dtype(rows: torch.Tensor) -> torch.dtype:
+    return torch.float64 if rows.dtype == torch.float64 else torch.float32
+
+
+class _PermuteTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        ctx.plan = plan
+        return ops.permute_rows(x_TD.contiguous(), plan.slot_of_row_N, plan.top_k, None)
+
+    @staticmethod
+    def backward(ctx, grad_ND: torch.Tensor):
+        return ops.unpermute_rows(grad_ND.contiguous(), ctx.plan.row_of_slot_TK, None), None
+
+
+class _UnpermuteTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_ND: torch.Tensor, gates_TK: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        y_ND = y_ND.contiguous()
+        weights_TK = gates_TK.detach().to(_weight_dtype(y_ND)).contiguous()
+        ctx.plan = plan
+        ctx.gates_dtype = gates_TK.dtype
+        ctx.save_for_backward(y_ND, weights_TK)
+        return ops.unpermute_rows(y_ND, plan.row_of_slot_TK, weights_TK)
+
+    @staticmethod
+    def backward(ctx, grad_TD: torch.Tensor):
+        y_ND, weights_TK = ctx.saved_tensors
+        plan = ctx.plan
+        grad_TD = grad_TD.contiguous()
+        grad_y = grad_gates = None
+        if ctx.needs_input_grad[0]:
+            grad_y = ops.permute_rows(grad_TD, plan.slot_of_row_N, plan.top_k, weights_TK.view(-1))
+        if ctx.needs_input_grad[1]:
+            grad_gates = ops.unpermute_weight_grad(grad_TD, y_ND, plan.row_of_slot_TK).to(ctx.gates_dtype)
+        return grad_y, grad_gates, None
+
+
+def permute_tokens(x_TD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    """Token order -> expert order: ``x_ND[r] = x_TD[slot_of_row[r] // K]`` (differentiable)."""
+    return _PermuteTokens.apply(x_TD, plan)
+
+
+def unpermute_tokens(y_ND: torch.Tensor, gates_TK: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    """Expert order -> token order, weighted: ``y_TD[t] = sum_j gates[t, j] * y_ND[row_of_slot[t, j]]``
+    (differentiable in ``y_ND`` and ``gates_TK``; dropped slots contribute 0)."""
+    return _UnpermuteTokens.apply(y_ND, gates_TK, plan)
+
+
+class LocalTokenDispatcher:
+    """Dispatcher for experts that all live on this rank: permute, then unpermute.
+
+    ``dispatch`` returns the expert-ordered rows and the row count of each expert; ``combine`` takes
+    the experts' output rows back to token order. The expert-parallel dispatcher adds an all-to-all
+    between these two phases.
+    """
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self.plan: DispatchPlan | None = None
+
+    def dispatch(
+        self,
+        x_TD: torch.Tensor,
+        expert_ids_TK: torch.Tensor,
+        capacity: int | None,
+        priority_order_S: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.plan = build_dispatch_plan(expert_ids_TK, self.num_experts, capacity, priority_order_S)
+        return permute_tokens(x_TD, self.plan), self.plan.kept_per_expert_E
+
+    def combine(self, y_ND: torch.Tensor, gates_TK: torch.Tensor) -> torch.Tensor:
+        if self.plan is None:
+            raise RuntimeError("combine() called before dispatch()")
+        plan, self.plan = self.plan, None
+        return unpermute_tokens(y_ND, gates_TK, plan)

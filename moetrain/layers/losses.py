@@ -1,0 +1,61 @@
+"""Router auxiliary losses and the autograd helper that feeds them to ``loss.backward()``.
+
+Legend: T tokens, E experts, K choices per token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def load_balancing_loss(probs_TE: torch.Tensor, expert_ids_TK: torch.Tensor) -> torch.Tensor:
+    """Switch/GShard load-balancing loss ``E * sum_e f_e * P_e``.
+
+    ``f_e`` is the share of the ``T*K`` routed slots assigned to expert ``e`` (before any capacity
+    cut; not differentiable) and ``P_e`` the mean over tokens of the router's probability for ``e``,
+    normalised per token so that ``sum_e P_e = 1`` (the identity for a plain softmax; it divides by
+    the number of prototype groups for a grouped softmax and makes sigmoid scores a distribution).
+    The loss is 1 for perfectly uniform routing and reaches E when every token picks one expert.
+    """
+    num_tokens, num_experts = probs_TE.shape
+    if num_tokens == 0:
+        return probs_TE.sum() * 0.0
+    distribution_TE = probs_TE / probs_TE.sum(dim=-1, keepdim=True).clamp_min(
+        torch.finfo(probs_TE.dtype).tiny
+    )
+    mean_prob_E = distribution_TE.mean(dim=0)
+    counts_E = torch.bincount(expert_ids_TK.reshape(-1), minlength=num_experts).to(probs_TE.dtype)
+    slot_share_E = counts_E / expert_ids_TK.numel()
+    return num_experts * torch.dot(slot_share_E, mean_prob_E)
+
+
+def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss ``mean_t (logsumexp_e logits[t, e])^2``; keeps router logits small."""
+    if logits_TE.shape[0] == 0:
+        return logits_TE.sum() * 0.0
+    return torch.logsumexp(logits_TE, dim=-1).square().mean()
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``output``; in backward, ``aux_loss`` receives gradient 1 (times ``scale``), as if
+    ``scale * aux_loss`` had been added to the loss that ``output`` flows into."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.full_like(aux_loss, ctx.scale), None
+
+
+def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Returns ``output`` unchanged, arranged so that ``loss.backward()`` on anything computed from
+    it also back-propagates ``scale * aux_loss`` (Megatron's "aux loss auto-scaler" trick): the model
+    does not have to return its aux losses for them to train the router."""
+    if not (torch.is_grad_enabled() and aux_loss.requires_grad and output.requires_grad):
+        return output
+    return _AttachAuxLoss.apply(output, aux_loss, scale)

@@ -1,0 +1,162 @@
+"""MoELayer: a drop-in replacement for a transformer FFN, ``[..., d_model] -> [..., d_model]``.
+
+Forward = route -> dispatch -> experts -> combine (legend: T tokens, D model dim, E experts,
+K choices, N kept rows):
+
+1. ``router``: fp32 ``logits_TE``, ``probs_TE``, top-k ``expert_ids_TK`` and ``gates_TK``.
+2. ``dispatch``: capacity cut and counting-sort permutation into expert-ordered ``x_ND``.
+3. ``experts``: one GEMM per expert over exactly its rows.
+4. ``combine``: ``y_TD[t] = sum_j gates_TK[t, j] * y_ND[row(t, j)]`` (+ the shared expert).
+
+The aux loss ``aux_loss_coef * load_balancing + z_loss_coef * z_loss`` is attached to the output's
+autograd graph, so ``loss.backward()`` trains the router without the model returning it; its value
+and the routing statistics are in ``layer.last_stats`` (and summed over a model by
+:func:`collect_moe_stats`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from moetrain.config import MoEConfig
+from moetrain.layers.dispatch import LocalTokenDispatcher, compute_capacity, token_priority_order
+from moetrain.layers.experts import DenseFFN, GroupedExperts
+from moetrain.layers.losses import attach_aux_loss, load_balancing_loss, router_z_loss
+from moetrain.layers.router import TopKRouter
+
+
+@dataclass
+class MoEStats:
+    """Statistics of a layer's last forward. Tensors are detached; counts are per expert ``[E]``."""
+
+    aux_loss: torch.Tensor
+    load_balancing_loss: torch.Tensor
+    z_loss: torch.Tensor
+    routed_per_expert: torch.Tensor
+    kept_per_expert: torch.Tensor
+    capacity: int | None
+
+    @property
+    def dropped_fraction(self) -> float:
+        """Share of the routed slots cut by the capacity (0 when dropless)."""
+        routed = int(self.routed_per_expert.sum())
+        return 0.0 if routed == 0 else 1.0 - int(self.kept_per_expert.sum()) / routed
+
+    @property
+    def token_share(self) -> torch.Tensor:
+        """Share of the routed slots each expert was chosen for, ``[E]``, summing to 1."""
+        counts = self.routed_per_expert.double()
+        return counts / counts.sum().clamp_min(1)
+
+
+@dataclass
+class MoEModelStats:
+    """Sum of the aux losses and the per-layer statistics of every MoELayer in a model."""
+
+    aux_loss: torch.Tensor
+    load_balancing_loss: torch.Tensor
+    z_loss: torch.Tensor
+    layers: list[MoEStats] = field(default_factory=list)
+
+    @property
+    def dropped_fraction(self) -> float:
+        routed = sum(int(s.routed_per_expert.sum()) for s in self.layers)
+        kept = sum(int(s.kept_per_expert.sum()) for s in self.layers)
+        return 0.0 if routed == 0 else 1.0 - kept / routed
+
+
+class MoELayer(nn.Module):
+    """Mixture-of-Experts FFN. Build it from keyword options or a :class:`MoEConfig`::
+
+    ffn = MoELayer(d_model=512, d_ff=2048, num_experts=8, top_k=2)
+    y = ffn(x)  # x: [..., 512] -> y: [..., 512]
+    """
+
+    def __init__(self, config: MoEConfig | None = None, **options):
+        super().__init__()
+        if config is None:
+            config = MoEConfig(**options)
+        elif options:
+            raise ValueError(f"pass either a MoEConfig or keyword options, not both (got {sorted(options)})")
+        self.config = config
+        self.router = TopKRouter(config)
+        self.experts = GroupedExperts(config.num_experts, config.d_model, config.d_ff, config.activation)
+        self.shared_expert = (
+            DenseFFN(config.d_model, config.shared_expert_d_ff, config.activation)
+            if config.shared_expert_d_ff
+            else None
+        )
+        self.dispatcher = LocalTokenDispatcher(config.num_experts)
+        self.last_stats: MoEStats | None = None
+
+    def capacity(self, num_tokens: int) -> int | None:
+        cfg = self.config
+        factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
+        return compute_capacity(num_tokens, cfg.num_experts, cfg.top_k, factor, cfg.min_capacity)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        if x.shape[-1] != cfg.d_model:
+            raise ValueError(
+                f"MoELayer expects inputs [..., d_model={cfg.d_model}], got shape {tuple(x.shape)}"
+            )
+        x_TD = x.reshape(-1, cfg.d_model)
+        num_tokens = x_TD.shape[0]
+        device_type = x.device.type
+        compute_dtype = (
+            torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        )
+
+        routing = self.router(x_TD)
+        token_score_T = routing.probs_TE.max(dim=-1).values if cfg.batch_prioritized_routing else None
+        priority_S = token_priority_order(num_tokens, cfg.top_k, token_score_T)
+        capacity = self.capacity(num_tokens)
+        with torch.autocast(device_type=device_type, enabled=False):
+            x_ND, kept_per_expert_E = self.dispatcher.dispatch(
+                x_TD.to(compute_dtype), routing.expert_ids_TK, capacity, priority_S
+            )
+            y_ND = self.experts(x_ND, kept_per_expert_E.tolist())
+            y_TD = self.dispatcher.combine(y_ND, routing.gates_TK)
+            if self.shared_expert is not None:
+                y_TD = y_TD + self.shared_expert(x_TD.to(compute_dtype))
+
+        y_TD = self._attach_losses(y_TD, routing, kept_per_expert_E, capacity)
+        return y_TD.view(*x.shape[:-1], cfg.d_model)
+
+    def _attach_losses(self, y_TD, routing, kept_per_expert_E, capacity) -> torch.Tensor:
+        cfg = self.config
+        zero = routing.probs_TE.new_zeros(())
+        balance = load_balancing_loss(routing.probs_TE, routing.expert_ids_TK) if cfg.aux_loss_coef else zero
+        z_loss = router_z_loss(routing.logits_TE) if cfg.z_loss_coef else zero
+        aux_loss = cfg.aux_loss_coef * balance + cfg.z_loss_coef * z_loss
+        self.last_stats = MoEStats(
+            aux_loss=aux_loss.detach(),
+            load_balancing_loss=balance.detach(),
+            z_loss=z_loss.detach(),
+            routed_per_expert=torch.bincount(routing.expert_ids_TK.reshape(-1), minlength=cfg.num_experts),
+            kept_per_expert=kept_per_expert_E,
+            capacity=capacity,
+        )
+        return attach_aux_loss(y_TD, aux_loss) if (cfg.aux_loss_coef or cfg.z_loss_coef) else y_TD
+
+    def extra_repr(self) -> str:
+        cfg = self.config
+        return (
+            f"d_model={cfg.d_model}, d_ff={cfg.d_ff}, num_experts={cfg.num_experts}, top_k={cfg.top_k}, "
+            f"capacity_factor={cfg.capacity_factor}, num_prototypes={cfg.num_prototypes}, "
+            f"activation={cfg.activation!r}"
+        )
+
+
+def collect_moe_stats(model: nn.Module) -> MoEModelStats:
+    """Sums the aux losses of every MoELayer's last forward in ``model`` and lists their stats."""
+    layers = [m.last_stats for m in model.modules() if isinstance(m, MoELayer) and m.last_stats is not None]
+    zero = torch.zeros(())
+
+    def total(name: str) -> torch.Tensor:
+        return sum((getattr(s, name).cpu().float() for s in layers), zero)
+
+    return MoEModelStats(total("aux_loss"), total("load_balancing_loss"), total("z_loss"), layers)

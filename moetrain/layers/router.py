@@ -1,0 +1,68 @@
+"""Top-k router: token features -> routing probabilities, chosen experts and their gates.
+
+Legend: T tokens, D model dim, E experts, K choices per token, G prototype groups.
+Router math runs in fp32 (fp64 for fp64 inputs), also under autocast, so every rank routes a
+token identically whatever the training precision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetrain.config import MoEConfig
+
+
+@dataclass
+class RouterOutput:
+    logits_TE: torch.Tensor
+    probs_TE: torch.Tensor
+    expert_ids_TK: torch.Tensor
+    gates_TK: torch.Tensor
+
+
+class TopKRouter(nn.Module):
+    """``logits_TE = x_TD @ weight_ED^T``; scores by softmax (per prototype group) or sigmoid; each
+    of the G groups of E/G consecutive experts picks its top K/G experts (G = 1: plain top-k;
+    K = G: M6-T expert prototyping, "k top-1"). Gates are the chosen scores, divided by their sum
+    over the K choices when ``normalize_gates`` (auto: when K > 1).
+
+    Training-time jitter multiplies the router input by ``U(1 - eps, 1 + eps)`` (Switch).
+    """
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.d_model))
+        nn.init.normal_(self.weight, std=config.d_model**-0.5)
+
+    def router_dtype(self, x: torch.Tensor) -> torch.dtype:
+        return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+    def forward(self, x_TD: torch.Tensor) -> RouterOutput:
+        cfg = self.config
+        dtype = self.router_dtype(x_TD)
+        num_tokens = x_TD.shape[0]
+        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+            x_TD = x_TD.to(dtype)
+            if self.training and cfg.router_jitter > 0:
+                noise_TD = torch.empty_like(x_TD).uniform_(1.0 - cfg.router_jitter, 1.0 + cfg.router_jitter)
+                x_TD = x_TD * noise_TD
+            logits_TE = F.linear(x_TD, self.weight.to(dtype))
+            groups, per_group = cfg.num_prototypes, cfg.experts_per_prototype
+            if cfg.score_function == "softmax":
+                probs_TE = logits_TE.view(num_tokens, groups, per_group).softmax(dim=-1).view_as(logits_TE)
+            else:
+                probs_TE = logits_TE.sigmoid()
+            top_probs_TGk, top_index_TGk = probs_TE.view(num_tokens, groups, per_group).topk(
+                cfg.top_k_per_prototype, dim=-1
+            )
+            group_offset_G1 = torch.arange(groups, device=x_TD.device).mul_(per_group).view(groups, 1)
+            expert_ids_TK = (top_index_TGk + group_offset_G1).reshape(num_tokens, cfg.top_k)
+            gates_TK = top_probs_TGk.reshape(num_tokens, cfg.top_k)
+            if cfg.gates_normalized:
+                gates_TK = gates_TK / gates_TK.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
+        return RouterOutput(logits_TE, probs_TE, expert_ids_TK, gates_TK)

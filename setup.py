@@ -1,0 +1,116 @@
+"""Builds moetrain and its extension ``moetrain._C`` from ``csrc/``.
+
+CPU sources (``csrc/*.cpp``) are always compiled: C++17, -O3, OpenMP; SIMD code paths are chosen at
+run time inside the kernels, so no ``-march`` flag is used and the build runs on any x86-64 CPU.
+CUDA sources (``csrc/*.cu``) are added only when torch was built with CUDA and nvcc is found.
+"""
+
+import importlib.util
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).resolve().parent
+CSRC = ROOT / "csrc"
+GENERATED = ROOT / "build" / "generated"
+
+
+def _load_source_hash_module():
+    spec = importlib.util.spec_from_file_location(
+        "_moetrain_source_hash", ROOT / "moetrain" / "_source_hash.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _require_torch():
+    try:
+        import torch  # noqa: F401
+        from torch.utils import cpp_extension
+    except ImportError:
+        sys.exit(
+            "moetrain needs PyTorch installed before it is built: run `make build` (which installs "
+            "torch==2.13.0 into .venv), or `pip install torch` and then "
+            "`pip install -e . --no-build-isolation` (build isolation would hide the installed torch)."
+        )
+    return cpp_extension
+
+
+def _nvcc_available(cpp_extension) -> bool:
+    import torch
+
+    if torch.version.cuda is None:
+        return False
+    cuda_home = cpp_extension.CUDA_HOME
+    return bool(cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists()) or shutil.which("nvcc") is not None
+
+
+def _write_fingerprint_header() -> None:
+    """Only bindings.cpp includes this header, so a source edit recompiles that file and the edited one."""
+    fingerprint = _load_source_hash_module().csrc_fingerprint(CSRC)
+    GENERATED.mkdir(parents=True, exist_ok=True)
+    header = GENERATED / "moetrain_source_fingerprint.h"
+    text = f'#pragma once\n#define MOETRAIN_SOURCE_FINGERPRINT "{fingerprint}"\n'
+    if not header.exists() or header.read_text() != text:
+        header.write_text(text)
+
+
+def _extensions():
+    cpp_extension = _require_torch()
+    _write_fingerprint_header()
+    sources = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cpp"))
+    cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
+    define_macros = []
+    extension_class = cpp_extension.CppExtension
+    extra_compile_args = {"cxx": cxx_flags}
+    if _nvcc_available(cpp_extension) and os.environ.get("MOETRAIN_SKIP_CUDA_BUILD") != "1":
+        sources += sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cu"))
+        extension_class = cpp_extension.CUDAExtension
+        extra_compile_args["nvcc"] = ["-O3", "-std=c++17", "--expt-relaxed-constexpr"]
+        define_macros.append(("MOETRAIN_WITH_CUDA", "1"))
+    return [
+        extension_class(
+            name="moetrain._C",
+            sources=sources,
+            include_dirs=[str(CSRC), str(GENERATED)],
+            define_macros=define_macros,
+            extra_compile_args=extra_compile_args,
+            extra_link_args=["-fopenmp"],
+        )
+    ], cpp_extension
+
+
+def _build_ext_class(cpp_extension):
+    class BuildExtWithCache(cpp_extension.BuildExtension):
+        """Keeps ninja's object files in build/temp, so a rebuild (also through `pip install -e`,
+        which would otherwise use a fresh temporary directory) recompiles only edited sources."""
+
+        def build_extensions(self):
+            self.build_temp = str(ROOT / "build" / "temp")
+            super().build_extensions()
+
+    return BuildExtWithCache.with_options(use_ninja=True)
+
+
+def main() -> None:
+    ext_modules, cpp_extension = _extensions()
+    setup(
+        name="moetrain",
+        version="0.1.0",
+        description="Mixture-of-Experts training toolkit for PyTorch",
+        packages=find_packages(include=["moetrain", "moetrain.*", "models", "models.*"]),
+        package_data={"moetrain": ["data/*.txt"]},
+        python_requires=">=3.10",
+        install_requires=["torch>=2.4"],
+        ext_modules=ext_modules,
+        cmdclass={"build_ext": _build_ext_class(cpp_extension)},
+        entry_points={"console_scripts": ["moetrain=moetrain.cli:main"]},
+    )
+
+
+if __name__ == "__main__":
+    main()
