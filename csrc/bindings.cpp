@@ -19,4 +19,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         [](const std::string& name) { moetrain::set_max_simd_level(moetrain::parse_simd_level(name)); },
         pybind11::arg("level"), "Cap the SIMD code path ('avx512', 'avx2' or 'scalar'); for tests and benchmarks.");
   moetrain::register_permute_ops(m);
+  moetrain::register_a2a_layout_ops(m);
+  moetrain::register_cpu_adam_ops(m);
 }

@@ -6,6 +6,7 @@
 namespace moetrain {
 
 void register_permute_ops(pybind11::module_& m);
+void register_a2a_layout_ops(pybind11::module_& m);
 void register_cpu_adam_ops(pybind11::module_& m);
 
 }  // namespace moetrain

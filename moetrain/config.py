@@ -120,3 +120,39 @@ class MoEConfig:
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+
+EP_LAYOUTS = ("packed", "spread")
+ALL_TO_ALL_ALGORITHMS = ("auto", "flat", "hierarchical")
+COMM_DTYPES = (None, "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How ranks are arranged for expert parallelism.
+
+    - ``ep_size``: ranks that share one token exchange and split the experts between them;
+      must divide the world size (and ``num_experts``).
+    - ``ep_layout``: ``"packed"`` puts an expert-parallel group on consecutive ranks (inside a node
+      first); ``"spread"`` takes one rank every ``world_size / ep_size`` (across nodes).
+    - ``all_to_all``: ``"flat"``, ``"hierarchical"`` (2-D: intra-node, then inter-node among the
+      same local rank) or ``"auto"`` (hierarchical when a group spans > 1 node with > 1 rank each).
+    - ``comm_dtype``: ``None`` (send the payload as it is), ``"bf16"``, or ``"fp16"`` (with a
+      per-row power-of-two scale so nothing overflows); gradients travel in the same precision.
+    - ``local_world_size``: ranks per node; ``None`` reads ``LOCAL_WORLD_SIZE`` (torchrun) or
+      ``SLURM_NTASKS_PER_NODE``; tests set it to emulate several nodes on one machine.
+    """
+
+    ep_size: int = 1
+    ep_layout: str = "packed"
+    all_to_all: str = "auto"
+    comm_dtype: str | None = None
+    local_world_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _require_int("ep_size", self.ep_size, 1)
+        _require_choice("ep_layout", self.ep_layout, EP_LAYOUTS)
+        _require_choice("all_to_all", self.all_to_all, ALL_TO_ALL_ALGORITHMS)
+        _require_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
+        if self.local_world_size is not None:
+            _require_int("local_world_size", self.local_world_size, 1)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from moetrain._ext import ops
+from moetrain.comm.all_to_all import all_to_all, all_to_all_reverse, exchange_counts, regroup_chunks
 
 
 def compute_capacity(
@@ -140,14 +141,15 @@ def unpermute_tokens(y_ND: torch.Tensor, gates_TK: torch.Tensor, plan: DispatchP
 class LocalTokenDispatcher:
     """Dispatcher for experts that all live on this rank: permute, then unpermute.
 
-    ``dispatch`` returns the expert-ordered rows and the row count of each expert; ``combine`` takes
-    the experts' output rows back to token order. The expert-parallel dispatcher adds an all-to-all
-    between these two phases.
+    ``dispatch`` returns the expert-ordered rows and the row count of each local expert;
+    ``combine`` takes the experts' output rows back to token order. ``kept_per_expert_E`` holds the
+    last dispatch's kept slots per global expert (for statistics).
     """
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
         self.plan: DispatchPlan | None = None
+        self.kept_per_expert_E: torch.Tensor | None = None
 
     def dispatch(
         self,
@@ -157,6 +159,7 @@ class LocalTokenDispatcher:
         priority_order_S: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.plan = build_dispatch_plan(expert_ids_TK, self.num_experts, capacity, priority_order_S)
+        self.kept_per_expert_E = self.plan.kept_per_expert_E
         return permute_tokens(x_TD, self.plan), self.plan.kept_per_expert_E
 
     def combine(self, y_ND: torch.Tensor, gates_TK: torch.Tensor) -> torch.Tensor:
@@ -164,3 +167,35 @@ class LocalTokenDispatcher:
             raise RuntimeError("combine() called before dispatch()")
         plan, self.plan = self.plan, None
         return unpermute_tokens(y_ND, gates_TK, plan)
+
+
+class AllToAllTokenDispatcher(LocalTokenDispatcher):
+    """Expert-parallel dispatcher: permute into global-expert order (which is destination-rank
+    order), exchange counts then rows with the EP group, regroup the received rows from
+    [source rank][local expert] to [local expert][source rank]; combine undoes each step.
+
+    Legend: P EP ranks, El local experts. A rank whose experts receive nothing still joins every
+    exchange (with zero-row splits), so no rank can hang the group.
+    """
+
+    def __init__(self, num_experts: int, parallel):
+        super().__init__(num_experts)
+        self.parallel = parallel
+        self.comm_dtype = parallel.config.comm_dtype
+        self.a2a_plan = None
+        self.recv_counts_PE: torch.Tensor | None = None
+
+    def dispatch(self, x_TD, expert_ids_TK, capacity, priority_order_S=None):
+        x_ND, kept_E = super().dispatch(x_TD, expert_ids_TK, capacity, priority_order_S)
+        send_counts_PE = kept_E.view(self.parallel.ep_size, -1)
+        self.recv_counts_PE, self.a2a_plan = exchange_counts(send_counts_PE, self.parallel)
+        received = all_to_all(x_ND, self.a2a_plan, self.comm_dtype)  # [source rank][local expert]
+        return regroup_chunks(received, self.recv_counts_PE), self.recv_counts_PE.sum(0)
+
+    def combine(self, y_ND, gates_TK):
+        if self.a2a_plan is None:
+            raise RuntimeError("combine() called before dispatch()")
+        returned = regroup_chunks(y_ND, self.recv_counts_PE.t().contiguous())  # back to [source rank][expert]
+        y_ND = all_to_all_reverse(returned, self.a2a_plan, self.comm_dtype)
+        self.a2a_plan = None
+        return super().combine(y_ND, gates_TK)

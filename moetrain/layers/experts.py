@@ -81,22 +81,43 @@ def apply_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 class GroupedExperts(nn.Module):
-    """E feed-forward experts ``y = act(x @ w1[e]) @ w2[e]`` stored as stacked weights."""
+    """E feed-forward experts ``y = act(x @ w1[e]) @ w2[e]`` stored as stacked weights.
 
-    def __init__(self, num_experts: int, d_model: int, d_ff: int, activation: str):
+    Under expert parallelism a rank holds the ``num_experts`` experts starting at global index
+    ``first_expert``. Each expert is initialised from its own generator seeded with
+    ``seed + global index``, so an expert's initial weights do not depend on the parallel layout.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        d_model: int,
+        d_ff: int,
+        activation: str,
+        first_expert: int = 0,
+        seed: int | None = None,
+    ):
         super().__init__()
         self.num_experts = num_experts
+        self.first_expert = first_expert
         self.activation = activation
         inner = 2 * d_ff if activation == "swiglu" else d_ff
         self.w1_EDF = nn.Parameter(torch.empty(num_experts, d_model, inner))
         self.w2_EFD = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
+        self.seed = int(torch.randint(0, 2**62, ())) if seed is None else seed
         self.reset_parameters()
 
+    @torch.no_grad()
     def reset_parameters(self) -> None:
-        """``nn.Linear``'s default: ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``."""
-        for weight in (self.w1_EDF, self.w2_EFD):
-            bound = 1.0 / math.sqrt(weight.shape[1])
-            nn.init.uniform_(weight, -bound, bound)
+        """``nn.Linear``'s default per expert: ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``."""
+        if self.w1_EDF.device.type == "meta":
+            return
+        for local in range(self.num_experts):
+            generator = torch.Generator().manual_seed(self.seed + self.first_expert + local)
+            for weight in (self.w1_EDF, self.w2_EFD):
+                bound = 1.0 / math.sqrt(weight.shape[1])
+                values = torch.empty(weight.shape[1:]).uniform_(-bound, bound, generator=generator)
+                weight[local].copy_(values)
 
     def forward(self, x_ND: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
         dtype = x_ND.dtype

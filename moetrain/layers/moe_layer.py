@@ -22,10 +22,16 @@ import torch
 from torch import nn
 
 from moetrain.config import MoEConfig
-from moetrain.layers.dispatch import LocalTokenDispatcher, compute_capacity, token_priority_order
+from moetrain.layers.dispatch import (
+    AllToAllTokenDispatcher,
+    LocalTokenDispatcher,
+    compute_capacity,
+    token_priority_order,
+)
 from moetrain.layers.experts import DenseFFN, GroupedExperts
 from moetrain.layers.losses import attach_aux_loss, load_balancing_loss, router_z_loss
 from moetrain.layers.router import TopKRouter
+from moetrain.parallel import ParallelContext
 
 
 @dataclass
@@ -75,21 +81,28 @@ class MoELayer(nn.Module):
     y = ffn(x)  # x: [..., 512] -> y: [..., 512]
     """
 
-    def __init__(self, config: MoEConfig | None = None, **options):
+    def __init__(
+        self, config: MoEConfig | None = None, *, parallel: ParallelContext | None = None, **options
+    ):
         super().__init__()
         if config is None:
             config = MoEConfig(**options)
         elif options:
             raise ValueError(f"pass either a MoEConfig or keyword options, not both (got {sorted(options)})")
         self.config = config
+        self.parallel = parallel
         self.router = TopKRouter(config)
-        self.experts = GroupedExperts(config.num_experts, config.d_model, config.d_ff, config.activation)
+        local = range(config.num_experts) if parallel is None else parallel.local_experts(config.num_experts)
+        self.experts = GroupedExperts(len(local), config.d_model, config.d_ff, config.activation, local.start)
         self.shared_expert = (
             DenseFFN(config.d_model, config.shared_expert_d_ff, config.activation)
             if config.shared_expert_d_ff
             else None
         )
-        self.dispatcher = LocalTokenDispatcher(config.num_experts)
+        if parallel is None or parallel.ep_size == 1:
+            self.dispatcher = LocalTokenDispatcher(config.num_experts)
+        else:
+            self.dispatcher = AllToAllTokenDispatcher(config.num_experts, parallel)
         self.last_stats: MoEStats | None = None
 
     def capacity(self, num_tokens: int) -> int | None:
@@ -115,15 +128,15 @@ class MoELayer(nn.Module):
         priority_S = token_priority_order(num_tokens, cfg.top_k, token_score_T)
         capacity = self.capacity(num_tokens)
         with torch.autocast(device_type=device_type, enabled=False):
-            x_ND, kept_per_expert_E = self.dispatcher.dispatch(
+            x_ND, rows_per_local_expert = self.dispatcher.dispatch(
                 x_TD.to(compute_dtype), routing.expert_ids_TK, capacity, priority_S
             )
-            y_ND = self.experts(x_ND, kept_per_expert_E.tolist())
+            y_ND = self.experts(x_ND, rows_per_local_expert.tolist())
             y_TD = self.dispatcher.combine(y_ND, routing.gates_TK)
             if self.shared_expert is not None:
                 y_TD = y_TD + self.shared_expert(x_TD.to(compute_dtype))
 
-        y_TD = self._attach_losses(y_TD, routing, kept_per_expert_E, capacity)
+        y_TD = self._attach_losses(y_TD, routing, self.dispatcher.kept_per_expert_E, capacity)
         return y_TD.view(*x.shape[:-1], cfg.d_model)
 
     def _attach_losses(self, y_TD, routing, kept_per_expert_E, capacity) -> torch.Tensor:

@@ -1,0 +1,143 @@
+// Layout transforms around the all-to-all exchanges (CPU).
+//
+// transpose_chunks: the rows of x form an A x B matrix of chunks stored row-major ([a][b], chunk
+// (a, b) has sizes[a][b] rows); the output stores the same chunks column-major ([b][a]). It is the
+// local step of the 2-D (hierarchical) all-to-all — after the intra-node exchange a rank holds
+// [source local rank][destination node] and must send [destination node][source local rank] — and
+// it regroups received tokens from [source rank][local expert] to [local expert][source rank]
+// for the expert GEMMs. Its inverse is transpose_chunks(y, sizes^T).
+//
+// pack_scaled_fp16 / unpack_scaled_fp16: fp16 wire format for fp32/fp64 rows that cannot overflow:
+// each row r is divided by 2^e_r, e_r the smallest power of two making max|x_r| <= 2^15, and sent as
+// D fp16 values followed by e_r stored in one 16-bit slot. Power-of-two scales are exact, so the
+// only error is fp16 rounding (relative 2^-11) for values within 2^-24 of their row's maximum.
+// Rows holding inf/nan are sent unscaled so that the non-finite values arrive as they left.
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "ops.h"
+
+namespace moetrain {
+namespace {
+
+torch::Tensor transpose_chunks(const torch::Tensor& x, const torch::Tensor& sizes_AB) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "x must be a contiguous CPU tensor");
+  TORCH_CHECK(x.dim() >= 1, "x must have a row dimension");
+  TORCH_CHECK(sizes_AB.device().is_cpu() && sizes_AB.scalar_type() == at::kLong && sizes_AB.dim() == 2,
+              "sizes must be a 2-D int64 CPU tensor [A, B]");
+  const torch::Tensor sizes = sizes_AB.contiguous();
+  const int64_t a_count = sizes.size(0);
+  const int64_t b_count = sizes.size(1);
+  const int64_t* size = sizes.data_ptr<int64_t>();
+  const int64_t rows = x.size(0);
+  const int64_t row_bytes = rows == 0 ? 0 : static_cast<int64_t>(x.nbytes() / rows);
+
+  // Source offsets in [a][b] order and destination offsets in [b][a] order.
+  std::vector<int64_t> src_offset(a_count * b_count), dst_offset(a_count * b_count);
+  int64_t total = 0;
+  for (int64_t a = 0; a < a_count; ++a) {
+    for (int64_t b = 0; b < b_count; ++b) {
+      TORCH_CHECK(size[a * b_count + b] >= 0, "sizes must be >= 0, got ", size[a * b_count + b], " at [", a, ", ",
+                  b, "]");
+      src_offset[a * b_count + b] = total;
+      total += size[a * b_count + b];
+    }
+  }
+  TORCH_CHECK(total == rows, "sizes sum to ", total, " but x has ", rows, " rows");
+  int64_t offset = 0;
+  for (int64_t b = 0; b < b_count; ++b) {
+    for (int64_t a = 0; a < a_count; ++a) {
+      dst_offset[a * b_count + b] = offset;
+      offset += size[a * b_count + b];
+    }
+  }
+
+  torch::Tensor out = torch::empty_like(x);
+  const char* src = static_cast<const char*>(x.data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(row_bytes, 1));
+  // Parallel over rows: each row finds its chunk by walking the (small) chunk table once per task.
+  at::parallel_for(0, a_count * b_count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t chunk = begin; chunk < end; ++chunk) {
+      const int64_t n = size[chunk];
+      for (int64_t r = 0; r < n; r += grain) {
+        const int64_t count = std::min(grain, n - r);
+        std::memcpy(dst + (dst_offset[chunk] + r) * row_bytes, src + (src_offset[chunk] + r) * row_bytes,
+                    count * row_bytes);
+      }
+    }
+  });
+  return out;
+}
+
+// x [N, D] float/double -> packed [N, D + 1] int16 (fp16 bit patterns, then the exponent).
+torch::Tensor pack_scaled_fp16(const torch::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() == 2, "x must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, "x must be float32 or float64, got ",
+              x.scalar_type());
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  torch::Tensor packed = torch::empty({rows, hidden + 1}, x.options().dtype(at::kShort));
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "pack_scaled_fp16", [&] {
+    const scalar_t* src = x.data_ptr<scalar_t>();
+    int16_t* dst = packed.data_ptr<int16_t>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / std::max<int64_t>(hidden, 1)), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const scalar_t* row = src + r * hidden;
+        double amax = 0.0;
+        for (int64_t i = 0; i < hidden; ++i) amax = std::max(amax, std::abs(static_cast<double>(row[i])));
+        int exponent = 0;  // non-finite rows travel unscaled, so inf/nan still reach the loss scaler
+        if (amax > 0 && std::isfinite(amax)) exponent = static_cast<int>(std::ceil(std::log2(amax))) - 15;
+        const double inv_scale = std::ldexp(1.0, -exponent);
+        int16_t* out = dst + r * (hidden + 1);
+        for (int64_t i = 0; i < hidden; ++i) {
+          const c10::Half h(static_cast<float>(static_cast<double>(row[i]) * inv_scale));
+          std::memcpy(out + i, &h, sizeof(int16_t));
+        }
+        out[hidden] = static_cast<int16_t>(exponent);
+      }
+    });
+  });
+  return packed;
+}
+
+torch::Tensor unpack_scaled_fp16(const torch::Tensor& packed, c10::ScalarType dtype) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous() && packed.dim() == 2 &&
+                  packed.scalar_type() == at::kShort && packed.size(1) >= 1,
+              "packed must be a contiguous 2-D int16 CPU tensor [N, D + 1]");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "dtype must be float32 or float64");
+  const int64_t rows = packed.size(0), hidden = packed.size(1) - 1;
+  torch::Tensor x = torch::empty({rows, hidden}, packed.options().dtype(dtype));
+  AT_DISPATCH_FLOATING_TYPES(dtype, "unpack_scaled_fp16", [&] {
+    const int16_t* src = packed.data_ptr<int16_t>();
+    scalar_t* dst = x.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / std::max<int64_t>(hidden, 1)), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const int16_t* in = src + r * (hidden + 1);
+        const double scale = std::ldexp(1.0, in[hidden]);
+        for (int64_t i = 0; i < hidden; ++i) {
+          c10::Half h;
+          std::memcpy(&h, in + i, sizeof(int16_t));
+          dst[r * hidden + i] = static_cast<scalar_t>(static_cast<double>(static_cast<float>(h)) * scale);
+        }
+      }
+    });
+  });
+  return x;
+}
+
+}  // namespace
+
+void register_a2a_layout_ops(pybind11::module_& m) {
+  m.def("transpose_chunks", &transpose_chunks, pybind11::arg("x"), pybind11::arg("sizes"),
+        "Rows grouped as chunks [a][b] (sizes [A, B]) -> the same chunks in [b][a] order.");
+  m.def("pack_scaled_fp16", &pack_scaled_fp16, pybind11::arg("x"),
+        "[N, D] fp32/fp64 -> [N, D+1] int16: fp16 values divided by a per-row power of two, then its exponent.");
+  m.def("unpack_scaled_fp16", &unpack_scaled_fp16, pybind11::arg("packed"), pybind11::arg("dtype"),
+        "Inverse of pack_scaled_fp16.");
+}
+
+}  // namespace moetrain

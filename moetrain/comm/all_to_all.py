@@ -1,0 +1,152 @@
+"""Autograd-aware all-to-all with uneven splits: flat, and hierarchical (2-D).
+
+Legend: P ranks in the expert-parallel group, numbered node-major as p = m * L + l (M nodes, L
+ranks of the group per node); El experts per rank.
+
+A plan is built once per dispatch from the per-expert row counts (``exchange_counts``, which
+also tells every rank how many rows it will receive from each source for each local expert);
+``plan.exchange(x)`` sends rows grouped by destination rank and returns rows grouped by source
+rank; ``plan.reverse(y)`` is its exact inverse (the backward pass, and the return trip of combine).
+
+Flat: one ``all_to_all_single`` in the EP group: P - 1 messages per rank.
+Hierarchical (Tutel's 2-D algorithm): rows for destination (m', l') go first to this node's rank
+l' (intra-node all-to-all, L - 1 messages), are regrouped by destination node (a C++ chunk
+transpose), then travel to node m' among the ranks with local index l' (inter-node all-to-all,
+M - 1 messages): L + M - 2 messages instead of P - 1, each inter-node message L times larger.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moetrain._ext import ops
+from moetrain.comm.compression import decode_rows, encode_rows
+
+
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
+
+
+def transpose_chunks(x: torch.Tensor, sizes_AB: torch.Tensor) -> torch.Tensor:
+    """Rows stored as chunks [a][b] (``sizes_AB[a, b]`` rows each) -> the same chunks in [b][a] order."""
+    return ops.transpose_chunks(x.contiguous(), sizes_AB.contiguous())
+
+
+class FlatAllToAllPlan:
+    def __init__(self, send_counts_P: torch.Tensor, recv_counts_P: torch.Tensor, group):
+        self.send = send_counts_P.tolist()
+        self.recv = recv_counts_P.tolist()
+        self.group = group
+
+    def exchange(self, x: torch.Tensor) -> torch.Tensor:
+        return _all_to_all(x, self.send, self.recv, self.group)
+
+    def reverse(self, y: torch.Tensor) -> torch.Tensor:
+        return _all_to_all(y, self.recv, self.send, self.group)
+
+
+class HierarchicalAllToAllPlan:
+    """Stage sizes: ``send_ML[m', l']`` rows to each destination; after the intra-node stage this
+    rank holds ``stage1_LM[l, m']`` rows from local source l for destination node m'; after the
+    inter-node stage, ``stage2_ML[m, l]`` rows from source rank (m, l)."""
+
+    def __init__(self, send_ML: torch.Tensor, stage1_LM: torch.Tensor, stage2_ML: torch.Tensor, intra, inter):
+        self.send_ML, self.stage1_LM, self.stage2_ML = send_ML, stage1_LM, stage2_ML
+        self.intra, self.inter = intra, inter
+        self.intra_send = send_ML.sum(0).tolist()  # to local rank l'
+        self.intra_recv = stage1_LM.sum(1).tolist()  # from local rank l
+        self.inter_send = stage1_LM.sum(0).tolist()  # to node m'
+        self.inter_recv = stage2_ML.sum(1).tolist()  # from node m
+
+    def exchange(self, x: torch.Tensor) -> torch.Tensor:
+        x_LM = transpose_chunks(x, self.send_ML)  # [m'][l'] -> [l'][m']
+        y_LM = _all_to_all(x_LM, self.intra_send, self.intra_recv, self.intra)  # [src l][dst m']
+        x_ML = transpose_chunks(y_LM, self.stage1_LM)  # -> [dst m'][src l]
+        return _all_to_all(x_ML, self.inter_send, self.inter_recv, self.inter)  # [src m][src l]
+
+    def reverse(self, y: torch.Tensor) -> torch.Tensor:
+        x_ML = _all_to_all(y, self.inter_recv, self.inter_send, self.inter)
+        y_LM = transpose_chunks(x_ML, self.stage1_LM.t())
+        x_LM = _all_to_all(y_LM, self.intra_recv, self.intra_send, self.intra)
+        return transpose_chunks(x_LM, self.send_ML.t())
+
+
+def exchange_counts(
+    send_counts_PE: torch.Tensor, ctx
+) -> tuple[torch.Tensor, FlatAllToAllPlan | HierarchicalAllToAllPlan]:
+    """Exchanges per-expert row counts in the EP group and builds the rows' plan.
+
+    ``send_counts_PE[p, e]``: rows this rank sends to local expert e of EP rank p. Returns
+    ``recv_counts_PE[p, e]`` (rows from EP rank p for this rank's local expert e) and the plan.
+    The counts travel by the same algorithm as the rows (one small message per stage).
+    """
+    send_counts_PE = send_counts_PE.to(torch.int64).contiguous()
+    ranks, experts = send_counts_PE.shape
+    if ctx.all_to_all == "flat":
+        recv_counts_PE = _all_to_all(
+            send_counts_PE.view(-1), [experts] * ranks, [experts] * ranks, ctx.ep_group
+        )
+        recv_counts_PE = recv_counts_PE.view(ranks, experts)
+        return recv_counts_PE, FlatAllToAllPlan(send_counts_PE.sum(1), recv_counts_PE.sum(1), ctx.ep_group)
+    nodes, per_node = ctx.ep_node_grid
+    send_MLE = send_counts_PE.view(nodes, per_node, experts)
+    stage1_send = send_MLE.transpose(0, 1).contiguous().view(-1)  # [l'][m'][e]
+    block = nodes * experts
+    stage1_LME = _all_to_all(stage1_send, [block] * per_node, [block] * per_node, ctx.intra_node_group)
+    stage1_LME = stage1_LME.view(per_node, nodes, experts)
+    stage2_send = stage1_LME.transpose(0, 1).contiguous().view(-1)  # [m'][l][e]
+    block = per_node * experts
+    stage2_MLE = _all_to_all(stage2_send, [block] * nodes, [block] * nodes, ctx.inter_node_group)
+    stage2_MLE = stage2_MLE.view(nodes, per_node, experts)
+    plan = HierarchicalAllToAllPlan(
+        send_MLE.sum(-1), stage1_LME.sum(-1), stage2_MLE.sum(-1), ctx.intra_node_group, ctx.inter_node_group
+    )
+    return stage2_MLE.reshape(ranks, experts), plan
+
+
+class _Exchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, plan, comm_dtype: str | None, forward_direction: bool) -> torch.Tensor:
+        ctx.plan, ctx.comm_dtype, ctx.forward_direction = plan, comm_dtype, forward_direction
+        move = plan.exchange if forward_direction else plan.reverse
+        return decode_rows(move(encode_rows(x, comm_dtype)), comm_dtype, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        plan, comm_dtype = ctx.plan, ctx.comm_dtype
+        move = plan.reverse if ctx.forward_direction else plan.exchange
+        return (
+            decode_rows(move(encode_rows(grad.contiguous(), comm_dtype)), comm_dtype, grad.dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def all_to_all(x: torch.Tensor, plan, comm_dtype: str | None = None) -> torch.Tensor:
+    """Rows grouped by destination rank -> rows grouped by source rank (differentiable)."""
+    return _Exchange.apply(x, plan, comm_dtype, True)
+
+
+def all_to_all_reverse(y: torch.Tensor, plan, comm_dtype: str | None = None) -> torch.Tensor:
+    """The return trip of :func:`all_to_all` (differentiable)."""
+    return _Exchange.apply(y, plan, comm_dtype, False)
+
+
+class _TransposeChunks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sizes_AB: torch.Tensor) -> torch.Tensor:
+        ctx.sizes_AB = sizes_AB
+        return transpose_chunks(x, sizes_AB)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return transpose_chunks(grad, ctx.sizes_AB.t()), None
+
+
+def regroup_chunks(x: torch.Tensor, sizes_AB: torch.Tensor) -> torch.Tensor:
+    """Differentiable :func:`transpose_chunks`: [source rank][expert] -> [expert][source rank], say."""
+    return _TransposeChunks.apply(x, sizes_AB)

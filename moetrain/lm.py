@@ -1,0 +1,102 @@
+"""A small decoder-only transformer language model whose FFNs are MoELayers.
+
+Used by ``make demo`` and as the engine's default model. Legend: B batch, S sequence, D model dim,
+V vocabulary. Pre-norm blocks: ``x + attn(norm(x))`` then ``x + moe(norm(x))``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetrain.config import MoEConfig
+from moetrain.layers import MoELayer
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    vocab_size: int = 256
+    d_model: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    max_seq_len: int = 128
+    moe: MoEConfig = field(default_factory=lambda: MoEConfig(d_model=128, d_ff=256, num_experts=4, top_k=2))
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"num_heads must divide d_model = {self.d_model}, got {self.num_heads}")
+        if self.moe.d_model != self.d_model:
+            raise ValueError(f"moe.d_model must equal d_model = {self.d_model}, got {self.moe.d_model}")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.proj = nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        batch, seq, d_model = x_BSD.shape
+        q, k, v = self.qkv(x_BSD).view(batch, seq, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(attn.transpose(1, 2).reshape(batch, seq, d_model))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: LMConfig):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config.d_model, config.num_heads)
+        self.ffn_norm = nn.LayerNorm(config.d_model)
+        self.ffn = MoELayer(config.moe)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
+        return x_BSD + self.ffn(self.ffn_norm(x_BSD))
+
+
+class MoETransformerLM(nn.Module):
+    """Token ids ``[B, S]`` -> next-token logits ``[B, S, V]``."""
+
+    def __init__(self, config: LMConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos = nn.Parameter(torch.zeros(config.max_seq_len, config.d_model))
+        self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
+        self.norm = nn.LayerNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        nn.init.normal_(self.pos, std=0.02)
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        seq = tokens_BS.shape[1]
+        if seq > self.config.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds max_seq_len = {self.config.max_seq_len}")
+        x_BSD = self.embed(tokens_BS) + self.pos[:seq]
+        for block in self.blocks:
+            x_BSD = block(x_BSD)
+        return self.head(self.norm(x_BSD))
+
+
+def load_tiny_corpus() -> torch.Tensor:
+    """The embedded demo corpus as a 1-D tensor of UTF-8 byte values (``moetrain/data``)."""
+    from importlib.resources import files
+
+    text = files("moetrain").joinpath("data/tiny_corpus.txt").read_text(encoding="utf-8")
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+
+
+def sample_batch(corpus: torch.Tensor, batch: int, seq: int, generator: torch.Generator):
+    """Random windows: inputs ``[B, S]`` and next-byte targets ``[B, S]``."""
+    starts = torch.randint(0, corpus.numel() - seq - 1, (batch,), generator=generator)
+    windows = torch.stack([corpus[s : s + seq + 1] for s in starts.tolist()])
+    return windows[:, :-1], windows[:, 1:]

@@ -1,0 +1,145 @@
+"""ParallelContext: the process groups and node topology of a run, created once and passed explicitly.
+
+World = DP x EP for expert layers. Groups (all built here, never read from global state elsewhere):
+
+- ``dp_group``: every rank; dense parameters are averaged over it.
+- ``ep_group``: the ``ep_size`` ranks that exchange tokens and split the experts; EP rank ``i``
+  holds global experts ``[i * E / ep_size, (i + 1) * E / ep_size)``.
+- ``expert_dp_group``: the ``world / ep_size`` ranks holding copies of the same experts (same EP
+  rank); expert gradients are reduced only over it.
+- ``intra_node_group`` / ``inter_node_group``: inside an EP group, its members on this node, and
+  its members with this node-local index on every node: the two stages of the 2-D all-to-all.
+
+Ranks are numbered node-major (rank = node * local_world_size + local_rank), as torchrun and
+SLURM do, so an EP group's ranks sorted by number are also node-major.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from moetrain.config import ParallelConfig
+
+
+def _local_world_size_from_env(world_size: int) -> int:
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(name)
+        if value and value.isdigit():
+            return int(value)
+    return world_size
+
+
+def ep_group_ranks(world_size: int, ep_size: int, layout: str) -> list[list[int]]:
+    """The expert-parallel groups: consecutive ranks (packed) or one every world/ep (spread)."""
+    dp = world_size // ep_size
+    if layout == "packed":
+        return [list(range(g * ep_size, (g + 1) * ep_size)) for g in range(dp)]
+    return [[d + i * dp for i in range(ep_size)] for d in range(dp)]
+
+
+def node_grid(ranks: list[int], local_world_size: int) -> tuple[int, int] | None:
+    """(nodes M, members per node L) of a sorted rank list if every node holds the same number of
+    its members; None otherwise (the 2-D all-to-all needs a full M x L grid)."""
+    per_node: dict[int, int] = {}
+    for rank in ranks:
+        per_node[rank // local_world_size] = per_node.get(rank // local_world_size, 0) + 1
+    sizes = set(per_node.values())
+    return (len(per_node), sizes.pop()) if len(sizes) == 1 else None
+
+
+class ParallelContext:
+    """Process groups and topology. ``ParallelContext()`` is the single-process context; with
+    ``torch.distributed`` initialised, it builds every group (a collective call: all ranks must
+    construct the same context in the same order)."""
+
+    def __init__(self, config: ParallelConfig | None = None, **options):
+        if config is None:
+            config = ParallelConfig(**options)
+        elif options:
+            raise ValueError(
+                f"pass either a ParallelConfig or keyword options, not both (got {sorted(options)})"
+            )
+        self.config = config
+        initialized = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size() if initialized else 1
+        self.rank = dist.get_rank() if initialized else 0
+        self.ep_size = config.ep_size
+        if self.world_size % self.ep_size:
+            raise ValueError(
+                f"ep_size = {self.ep_size} must divide the world size = {self.world_size} "
+                f"(possible: {[d for d in range(1, self.world_size + 1) if self.world_size % d == 0]})"
+            )
+        if self.world_size == 1 and not initialized and config.ep_size > 1:
+            raise ValueError(
+                f"ep_size = {config.ep_size} needs torch.distributed initialised with that many ranks"
+            )
+        self.local_world_size = config.local_world_size or _local_world_size_from_env(self.world_size)
+        if self.world_size % self.local_world_size:
+            raise ValueError(
+                f"local_world_size = {self.local_world_size} (ranks per node) must divide the world size = "
+                f"{self.world_size}"
+            )
+        self.num_nodes = self.world_size // self.local_world_size
+        self.node = self.rank // self.local_world_size
+        self.local_rank = self.rank % self.local_world_size
+        self.expert_dp_size = self.world_size // self.ep_size
+
+        groups = ep_group_ranks(self.world_size, self.ep_size, config.ep_layout)
+        self.ep_ranks = next(g for g in groups if self.rank in g)
+        self.ep_rank = self.ep_ranks.index(self.rank)
+        self.expert_dp_ranks = [g[self.ep_rank] for g in groups]
+        grid = node_grid(self.ep_ranks, self.local_world_size)
+        uniform = all(node_grid(g, self.local_world_size) == grid for g in groups)
+        self.ep_node_grid = grid if uniform else None
+        self.all_to_all = self._choose_algorithm()
+
+        self.dp_group = self.ep_group = self.expert_dp_group = None
+        self.intra_node_group = self.inter_node_group = None
+        if initialized:
+            self.dp_group = dist.group.WORLD
+            self.ep_group, _ = dist.new_subgroups_by_enumeration(groups)
+            expert_dp = [[g[i] for g in groups] for i in range(self.ep_size)]
+            self.expert_dp_group, _ = dist.new_subgroups_by_enumeration(expert_dp)
+            if self.all_to_all == "hierarchical":
+                self._build_node_groups(groups)
+
+    def _choose_algorithm(self) -> str:
+        choice = self.config.all_to_all
+        grid = self.ep_node_grid
+        spans_nodes = grid is not None and grid[0] > 1 and grid[1] > 1
+        if choice == "hierarchical" and self.ep_size > 1 and grid is None:
+            raise ValueError(
+                f"all_to_all = 'hierarchical' needs every expert-parallel group to hold the same number of "
+                f"ranks on each of its nodes; ep_size = {self.ep_size}, layout = {self.config.ep_layout!r}, "
+                f"{self.num_nodes} nodes x {self.local_world_size} ranks do not"
+            )
+        if choice == "auto":
+            return "hierarchical" if spans_nodes else "flat"
+        return choice
+
+    def _build_node_groups(self, groups: list[list[int]]) -> None:
+        nodes, per_node = self.ep_node_grid
+        intra = [g[m * per_node : (m + 1) * per_node] for g in groups for m in range(nodes)]
+        inter = [[g[m * per_node + l] for m in range(nodes)] for g in groups for l in range(per_node)]
+        self.intra_node_group, _ = dist.new_subgroups_by_enumeration(intra)
+        self.inter_node_group, _ = dist.new_subgroups_by_enumeration(inter)
+
+    def local_experts(self, num_experts: int) -> range:
+        """Global indices of the experts this rank holds."""
+        if num_experts % self.ep_size:
+            raise ValueError(
+                f"num_experts = {num_experts} must be divisible by ep_size = {self.ep_size} "
+                f"(each expert-parallel rank holds the same number of experts)"
+            )
+        per_rank = num_experts // self.ep_size
+        return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
+
+    def __repr__(self) -> str:
+        return (
+            f"ParallelContext(rank={self.rank}/{self.world_size}, "
+            f"nodes={self.num_nodes}x{self.local_world_size}, "
+            f"ep_size={self.ep_size} ep_rank={self.ep_rank}, expert_dp_size={self.expert_dp_size}, "
+            f"all_to_all={self.all_to_all!r})"
+        )
