@@ -104,6 +104,7 @@ class MoELayer(nn.Module):
         else:
             self.dispatcher = AllToAllTokenDispatcher(config.num_experts, parallel)
         self.last_stats: MoEStats | None = None
+        self.aux_loss_scale = 1.0
 
     def capacity(self, num_tokens: int) -> int | None:
         cfg = self.config
@@ -153,7 +154,9 @@ class MoELayer(nn.Module):
             kept_per_expert=kept_per_expert_E,
             capacity=capacity,
         )
-        return attach_aux_loss(y_TD, aux_loss) if (cfg.aux_loss_coef or cfg.z_loss_coef) else y_TD
+        if not (cfg.aux_loss_coef or cfg.z_loss_coef):
+            return y_TD
+        return attach_aux_loss(y_TD, aux_loss, self.aux_loss_scale)
 
     def extra_repr(self) -> str:
         cfg = self.config
@@ -162,6 +165,20 @@ class MoELayer(nn.Module):
             f"capacity_factor={cfg.capacity_factor}, num_prototypes={cfg.num_prototypes}, "
             f"activation={cfg.activation!r}"
         )
+
+
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    """Sets the factor applied to the aux-loss gradient that every MoELayer injects into backward.
+
+    The injected gradient is that of ``scale * aux_loss`` added to the loss. Use it when the loss
+    you call ``backward()`` on is scaled: ``1 / accumulation_steps`` under gradient accumulation,
+    ``1 / n`` when averaging n separate forward calls, or the fp16 loss scale. Default 1.
+    """
+    if not (isinstance(scale, (int, float)) and scale >= 0):
+        raise ValueError(f"scale must be a number >= 0, got {scale!r}")
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.aux_loss_scale = float(scale)
 
 
 def collect_moe_stats(model: nn.Module) -> MoEModelStats:

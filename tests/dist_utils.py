@@ -1,0 +1,78 @@
+"""Runs a function on several gloo ranks (CPU processes) with a hard timeout and a free port."""
+
+from __future__ import annotations
+
+import os
+import queue as queue_module
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world_size, port, results, args):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+        results.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> list:
+    """Calls ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; returns the
+    per-rank results in rank order. Raises on any rank's exception or when ``timeout`` seconds
+    pass (the ranks are killed, so a hang never blocks the suite)."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    procs = [
+        context.Process(target=_entry, args=(fn, r, world_size, port, results, args))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outputs) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"distributed test timed out after {timeout:.0f}s; ranks done: {sorted(outputs)}"
+                )
+            try:
+                rank, status, value = results.get(timeout=min(remaining, 1.0))
+            except queue_module.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in outputs]
+                if dead:
+                    raise RuntimeError(
+                        f"ranks {dead} died (exit codes {[procs[i].exitcode for i in dead]})"
+                    ) from None
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            outputs[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [outputs[r] for r in range(world_size)]

@@ -1,0 +1,297 @@
+"""Expert parallelism on real gloo ranks against single-process references.
+
+World 4 is emulated as 2 nodes x 2 local ranks and world 8 as 2 nodes x 4 (``local_world_size``).
+Every rank builds the single-process reference itself from the same seed: the EP layer's
+per-expert initialisation depends only on the global expert index, so the reference holds the
+very experts that are spread over the EP group.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetrain import MoEConfig, MoELayer, set_aux_loss_scale
+from moetrain.comm.all_to_all import all_to_all, all_to_all_reverse, exchange_counts
+from moetrain.comm.grad_sync import ExpertGradReducer, clip_grad_norm_, global_grad_norm, wrap_data_parallel
+from moetrain.parallel import ParallelContext
+from tests.dist_utils import run_distributed
+
+D_MODEL, D_FF, EXPERTS = 16, 24, 8
+# Relative error bound (vs max |reference|) for reduced-precision payloads: each row is rounded on
+# the way out and the output rows again on the way back, unit roundoff u = 2^-9 (bf16) or 2^-11
+# (fp16 after the exact power-of-two scaling); with fp32 accumulation elsewhere, 8u covers both
+# roundings and their propagation through the expert FFN and the gate-weighted sum.
+PAYLOAD_RTOL = {None: 1e-5, "bf16": 8 * 2**-9, "fp16": 8 * 2**-11}
+
+
+def _inputs(rank: int, tokens: int):
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(tokens, D_MODEL, generator=g), torch.randn(tokens, D_MODEL, generator=g)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) if b.numel() else 0.0
+
+
+def layer_equivalence_worker(rank, world, local_world, cases):
+    errors = []
+    for ep_size, layout, algorithm, comm_dtype, capacity_factor, tokens_of in cases:
+        ctx = ParallelContext(
+            ep_size=ep_size,
+            ep_layout=layout,
+            all_to_all=algorithm,
+            comm_dtype=comm_dtype,
+            local_world_size=local_world,
+        )
+        cfg = MoEConfig(
+            d_model=D_MODEL,
+            d_ff=D_FF,
+            num_experts=EXPERTS,
+            top_k=2,
+            capacity_factor=capacity_factor,
+            min_capacity=1,
+            aux_loss_coef=0.01,
+        )
+        torch.manual_seed(1234)
+        layer = MoELayer(cfg, parallel=ctx)
+        torch.manual_seed(1234)
+        reference = MoELayer(cfg)
+        if tokens_of == "skewed":  # every token to experts 0 and 1: the other EP ranks' experts get nothing
+            with torch.no_grad():
+                for m in (layer, reference):
+                    m.router.weight[2:] -= 100.0 * m.router.weight[2:].sign()
+                    m.router.weight[:2] = 0
+        tokens = {
+            "even": lambda r: 20,
+            "uneven": lambda r: 5 + 7 * r,
+            "skewed": lambda r: 12,
+            "one_empty": lambda r: 0 if r == 1 else 9,
+        }[tokens_of]
+
+        x, upstream = _inputs(rank, tokens(rank))
+        x.requires_grad_(True)
+        out = layer(x)
+        out.backward(upstream)
+
+        ref_x = x.detach().clone().requires_grad_(True)
+        ref_out = reference(ref_x)
+        ref_out.backward(upstream)
+        # The EP experts' gradients sum the contributions of every rank of the EP group.
+        reference.zero_grad()
+        for src in ctx.ep_ranks:
+            xs, us = _inputs(src, tokens(src))
+            reference(xs).backward(us)
+        local = ctx.local_experts(EXPERTS)
+        rtol = PAYLOAD_RTOL[comm_dtype]
+        errors.append(
+            {
+                "case": (ep_size, layout, ctx.all_to_all, comm_dtype, capacity_factor, tokens_of),
+                "rtol": rtol,
+                "out": _rel_err(out.detach(), ref_out.detach()),
+                "grad_x": _rel_err(x.grad, ref_x.grad),
+                "w1": _rel_err(
+                    layer.experts.w1_EDF.grad, reference.experts.w1_EDF.grad[local.start : local.stop]
+                ),
+                "w2": _rel_err(
+                    layer.experts.w2_EFD.grad, reference.experts.w2_EFD.grad[local.start : local.stop]
+                ),
+            }
+        )
+    return errors
+
+
+def _check(all_errors):
+    for rank_errors in all_errors:
+        for e in rank_errors:
+            for key in ("out", "grad_x", "w1", "w2"):
+                assert e[key] <= e["rtol"], (
+                    f"{e['case']}: {key} relative error {e[key]:.2e} > {e['rtol']:.1e}"
+                )
+
+
+WORLD4_CASES = [
+    (2, "packed", "flat", None, None, "even"),
+    (2, "spread", "flat", None, 0.75, "uneven"),
+    (4, "packed", "flat", None, None, "uneven"),
+    (4, "packed", "hierarchical", None, None, "uneven"),
+    (4, "packed", "hierarchical", None, 0.75, "even"),
+    (4, "packed", "auto", None, None, "skewed"),
+    (4, "packed", "hierarchical", None, None, "one_empty"),
+    (2, "spread", "hierarchical", None, None, "uneven"),
+    (4, "packed", "hierarchical", "bf16", None, "uneven"),
+    (4, "packed", "hierarchical", "fp16", None, "uneven"),
+    (2, "packed", "flat", "fp16", 1.0, "even"),
+]
+
+WORLD8_CASES = [
+    (2, "packed", "flat", None, None, "uneven"),
+    (4, "packed", "flat", None, None, "even"),
+    (4, "spread", "hierarchical", None, None, "uneven"),
+    (8, "packed", "flat", None, None, "uneven"),
+    (8, "packed", "hierarchical", None, 0.75, "uneven"),
+    (8, "packed", "auto", "bf16", None, "skewed"),
+    (8, "packed", "hierarchical", "fp16", None, "one_empty"),
+]
+
+
+@pytest.mark.timeout(300)
+def test_moe_layer_world4_two_nodes_matches_single_process():
+    _check(run_distributed(layer_equivalence_worker, 4, 2, WORLD4_CASES))
+
+
+@pytest.mark.timeout(300)
+def test_moe_layer_world8_two_nodes_matches_single_process():
+    _check(run_distributed(layer_equivalence_worker, 8, 4, WORLD8_CASES))
+
+
+def round_trip_worker(rank, world, local_world):
+    results = []
+    for algorithm in ("flat", "hierarchical"):
+        ctx = ParallelContext(ep_size=world, all_to_all=algorithm, local_world_size=local_world)
+        g = torch.Generator().manual_seed(rank)
+        counts = torch.randint(0, 4, (world, 2), generator=g)
+        counts[(rank + 1) % world] = 0  # zeros in the counts
+        if rank == 2:
+            counts.zero_()  # a rank that sends nothing
+        recv_counts, plan = exchange_counts(counts, ctx)
+        x = torch.randn(int(counts.sum()), 5, generator=g, requires_grad=True)
+        received = all_to_all(x, plan)
+        back = all_to_all_reverse(received, plan)
+        back.backward(torch.ones_like(back))
+        results.append(
+            {
+                "algorithm": ctx.all_to_all,
+                "exact": torch.equal(back.detach(), x.detach()),
+                "grad_ones": bool((x.grad == 1).all()),
+                "rows": received.shape[0] == int(recv_counts.sum()),
+                "sent_counts": counts.tolist(),
+                "recv_counts": recv_counts.tolist(),
+                "received_first_value_by_source": received.detach().tolist(),
+            }
+        )
+    return results
+
+
+@pytest.mark.timeout(120)
+def test_all_to_all_round_trip_and_counts():
+    results = run_distributed(round_trip_worker, 4, 2)
+    for rank, per_algorithm in enumerate(results):
+        for r in per_algorithm:
+            assert r["exact"] and r["grad_ones"] and r["rows"], (rank, r["algorithm"])
+            # recv_counts[src] is what src sent to this rank
+            for src in range(4):
+                assert r["recv_counts"][src] == results[src][0]["sent_counts"][rank]
+    # both algorithms deliver identical rows in identical order
+    for per_algorithm in results:
+        assert (
+            per_algorithm[0]["received_first_value_by_source"]
+            == per_algorithm[1]["received_first_value_by_source"]
+        )
+
+
+class TinyMoENet(nn.Module):
+    def __init__(self, parallel=None):
+        super().__init__()
+        self.inp = nn.Linear(6, D_MODEL)
+        cfg = MoEConfig(
+            d_model=D_MODEL, d_ff=D_FF, num_experts=4, top_k=2, capacity_factor=None, aux_loss_coef=0.05
+        )
+        self.moe = MoELayer(cfg, parallel=parallel)
+        self.out = nn.Linear(D_MODEL, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.moe(self.inp(x))))
+
+
+def _batch(rank):
+    g = torch.Generator().manual_seed(50 + rank)
+    return torch.randn(10, 6, generator=g), torch.randn(10, 3, generator=g)
+
+
+def optimizer_step_worker(rank, world, local_world, ep_sizes):
+    reports = []
+    for ep_size in ep_sizes:
+        ctx = ParallelContext(ep_size=ep_size, local_world_size=local_world)
+        torch.manual_seed(7)
+        model = TinyMoENet(ctx)
+        torch.manual_seed(7)
+        reference = TinyMoENet()
+        set_aux_loss_scale(reference, 1.0 / world)  # its loss averages `world` separate forward calls
+        ddp = wrap_data_parallel(model, ctx)
+        reducer = ExpertGradReducer(model, ctx)
+        x, y = _batch(rank)
+        F.mse_loss(ddp(x), y).backward()
+        reducer.reduce()
+        norm = global_grad_norm(model, ctx)
+        clipped_norm = clip_grad_norm_(model, max_norm=0.5 * float(norm), parallel=ctx)
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+        total = sum(F.mse_loss(reference(*_batch(r)[:1]), _batch(r)[1]) for r in range(world)) / world
+        total.backward()
+        ref_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in reference.parameters()))
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.5 * float(ref_norm))
+        torch.optim.SGD(reference.parameters(), lr=0.1).step()
+
+        local = ctx.local_experts(4)
+        ref_params = dict(reference.named_parameters())
+        worst = 0.0
+        for name, p in model.named_parameters():
+            want = ref_params[name]
+            if name.startswith("moe.experts."):
+                want = want[local.start : local.stop]
+            worst = max(worst, float((p - want).detach().abs().max()))
+        reports.append(
+            {
+                "ep_size": ep_size,
+                "param_err": worst,
+                "norm": float(norm),
+                "ref_norm": float(ref_norm),
+                "clipped_norm": float(clipped_norm),
+            }
+        )
+    return reports
+
+
+@pytest.mark.timeout(300)
+def test_optimizer_step_and_grad_norm_for_dp_x_ep_layouts():
+    """DP x EP in {4x1, 2x2, 1x4}: one clipped SGD step equals one process on the same global batch."""
+    results = run_distributed(optimizer_step_worker, 4, 2, [1, 2, 4])
+    for rank_reports in results:
+        for r in rank_reports:
+            assert r["param_err"] < 1e-6, r
+            assert r["norm"] == pytest.approx(r["ref_norm"], rel=1e-5), r
+            assert r["clipped_norm"] == pytest.approx(r["norm"], rel=1e-6), r
+
+
+def context_errors_worker(rank, world):
+    messages = []
+    for options in (
+        {"ep_size": 3},
+        {"ep_size": 2, "local_world_size": 3},
+        {"ep_size": 4, "ep_layout": "spread", "all_to_all": "hierarchical", "local_world_size": 4},
+    ):
+        try:
+            ParallelContext(**options)
+            messages.append(None)
+        except ValueError as error:
+            messages.append(str(error))
+    ctx = ParallelContext(ep_size=4, local_world_size=2)
+    try:
+        MoELayer(d_model=8, d_ff=8, num_experts=6, top_k=2, parallel=ctx)
+        messages.append(None)
+    except ValueError as error:
+        messages.append(str(error))
+    return messages, repr(ctx), ctx.all_to_all
+
+
+@pytest.mark.timeout(120)
+def test_impossible_layouts_raise_value_errors_naming_the_numbers():
+    messages, description, algorithm = run_distributed(context_errors_worker, 4)[0]
+    assert "ep_size = 3 must divide the world size = 4" in messages[0]
+    assert "local_world_size = 3" in messages[1]
+    assert messages[2] is None or "hierarchical" in messages[2]
+    assert "num_experts = 6 must be divisible by ep_size = 4" in messages[3]
+    assert algorithm == "hierarchical" and "ep_size=4" in description
