@@ -295,3 +295,49 @@ def test_impossible_layouts_raise_value_errors_naming_the_numbers():
     assert messages[2] is None or "hierarchical" in messages[2]
     assert "num_experts = 6 must be divisible by ep_size = 4" in messages[3]
     assert algorithm == "hierarchical" and "ep_size=4" in description
+
+
+def replay_worker(rank, world, local_world):
+    import torch.distributed as dist
+
+    ctx = ParallelContext(ep_size=world, all_to_all="hierarchical", local_world_size=local_world)
+    cfg = MoEConfig(
+        d_model=D_MODEL, d_ff=D_FF, num_experts=EXPERTS, top_k=2, router_jitter=0.1, capacity_factor=1.0
+    )
+    torch.manual_seed(5)
+    layer = MoELayer(cfg, parallel=ctx)
+    x, upstream = _inputs(rank, 11)
+    calls = {"n": 0}
+    original = dist.all_to_all_single
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    dist.all_to_all_single = counting
+    try:
+        grads, counts = [], []
+        for checkpointed in (False, True):
+            layer.set_recompute_replay(checkpointed)
+            layer.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(True)
+            torch.manual_seed(rank)
+            calls["n"] = 0
+            if checkpointed:
+                out = torch.utils.checkpoint.checkpoint(layer, xi, use_reentrant=False)
+            else:
+                out = layer(xi)
+            out.backward(upstream)
+            counts.append(calls["n"])
+            grads.append([xi.grad] + [p.grad for p in layer.parameters()])
+    finally:
+        dist.all_to_all_single = original
+    worst = max(float((a - b).abs().max()) for a, b in zip(grads[0], grads[1], strict=True))
+    return worst, counts
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_recompute_replays_instead_of_communicating():
+    for worst, (plain_calls, checkpointed_calls) in run_distributed(replay_worker, 4, 2):
+        assert worst < 1e-6
+        assert checkpointed_calls == plain_calls  # the recompute sent nothing

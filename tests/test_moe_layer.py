@@ -225,3 +225,53 @@ def test_config_and_options_are_exclusive_and_input_checked():
     with pytest.raises(ValueError, match="d_model=12"):
         MoELayer(config)(torch.randn(3, 5))
     assert dataclasses.replace(config, top_k=1).top_k == 1
+
+
+def _grads_of(layer, x, upstream, checkpointed, preserve_rng_state=True):
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    torch.manual_seed(99)
+    if checkpointed:
+        out = torch.utils.checkpoint.checkpoint(
+            layer, x, use_reentrant=False, preserve_rng_state=preserve_rng_state
+        )
+    else:
+        out = layer(x)
+    out.backward(upstream)
+    return [x.grad] + [p.grad for p in layer.parameters()]
+
+
+def test_recompute_replay_reuses_the_routing_decision():
+    config = {
+        **BASE,
+        "router_jitter": 0.2,
+        "capacity_factor": 0.75,
+        "min_capacity": 1,
+        "batch_prioritized_routing": True,
+    }
+    layer = MoELayer(**config).double()
+    x = torch.randn(30, BASE["d_model"], dtype=torch.float64)
+    upstream = torch.randn_like(x)
+    plain = _grads_of(layer, x, upstream, checkpointed=False)
+    layer.set_recompute_replay(True)
+    replayed = _grads_of(layer, x, upstream, checkpointed=True)
+    for a, b in zip(plain, replayed, strict=True):
+        torch.testing.assert_close(a, b)
+    assert not layer._replay_queue  # the record was consumed by the recompute
+
+    # Without the RNG state restored, a recompute would draw other jitter noise: the replayed
+    # recompute must still use the recorded experts and capacity cut.
+    chosen = []
+    original_dispatch = layer.dispatcher.dispatch
+
+    def spy(x_TD, expert_ids_TK, *args, **kwargs):
+        chosen.append(expert_ids_TK.clone())
+        return original_dispatch(x_TD, expert_ids_TK, *args, **kwargs)
+
+    layer.dispatcher.dispatch = spy
+    _grads_of(layer, x, upstream, checkpointed=True, preserve_rng_state=False)
+    assert len(chosen) == 2 and torch.equal(chosen[0], chosen[1])
+    layer.set_recompute_replay(False)
+    chosen.clear()
+    _grads_of(layer, x, upstream, checkpointed=True, preserve_rng_state=False)
+    assert len(chosen) == 2 and not torch.equal(chosen[0], chosen[1])  # shows the test can tell

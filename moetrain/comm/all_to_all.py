@@ -116,14 +116,33 @@ class _Exchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        plan, comm_dtype = ctx.plan, ctx.comm_dtype
-        move = plan.reverse if ctx.forward_direction else plan.exchange
-        return (
-            decode_rows(move(encode_rows(grad.contiguous(), comm_dtype)), comm_dtype, grad.dtype),
-            None,
-            None,
-            None,
-        )
+        return _move_gradient(ctx, grad), None, None, None
+
+
+def _move_gradient(ctx, grad: torch.Tensor) -> torch.Tensor:
+    """The backward of an exchange: the opposite trip, in the same wire precision."""
+    move = ctx.plan.reverse if ctx.forward_direction else ctx.plan.exchange
+    return decode_rows(move(encode_rows(grad.contiguous(), ctx.comm_dtype)), ctx.comm_dtype, grad.dtype)
+
+
+class _ReplayedExchange(torch.autograd.Function):
+    """Forward returns rows recorded by an earlier identical exchange (no communication); backward
+    communicates the gradient exactly as :class:`_Exchange` does. Used when a checkpointed block
+    is recomputed, so recompute never re-communicates."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, recorded: torch.Tensor, plan, comm_dtype, forward_direction: bool):
+        ctx.plan, ctx.comm_dtype, ctx.forward_direction = plan, comm_dtype, forward_direction
+        return recorded.view_as(recorded)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _move_gradient(ctx, grad), None, None, None, None
+
+
+def replay_all_to_all(x: torch.Tensor, recorded: torch.Tensor, plan, comm_dtype=None, forward_direction=True):
+    """Differentiable stand-in for :func:`all_to_all` (or its reverse) whose output was recorded."""
+    return _ReplayedExchange.apply(x, recorded, plan, comm_dtype, forward_direction)
 
 
 def all_to_all(x: torch.Tensor, plan, comm_dtype: str | None = None) -> torch.Tensor:

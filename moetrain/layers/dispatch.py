@@ -20,7 +20,13 @@ from dataclasses import dataclass
 import torch
 
 from moetrain._ext import ops
-from moetrain.comm.all_to_all import all_to_all, all_to_all_reverse, exchange_counts, regroup_chunks
+from moetrain.comm.all_to_all import (
+    all_to_all,
+    all_to_all_reverse,
+    exchange_counts,
+    regroup_chunks,
+    replay_all_to_all,
+)
 
 
 def compute_capacity(
@@ -138,17 +144,32 @@ def unpermute_tokens(y_ND: torch.Tensor, gates_TK: torch.Tensor, plan: DispatchP
     return _UnpermuteTokens.apply(y_ND, gates_TK, plan)
 
 
+@dataclass
+class DispatchRecord:
+    """What one forward decided and received, kept so that recomputing the layer (activation
+    checkpointing) neither re-routes nor re-communicates: the dispatch plan, and under expert
+    parallelism the exchange plan and the rows each all-to-all delivered."""
+
+    plan: DispatchPlan
+    recv_counts_PE: torch.Tensor | None = None
+    a2a_plan: object = None
+    received_rows: torch.Tensor | None = None
+    returned_rows: torch.Tensor | None = None
+
+
 class LocalTokenDispatcher:
     """Dispatcher for experts that all live on this rank: permute, then unpermute.
 
     ``dispatch`` returns the expert-ordered rows and the row count of each local expert;
-    ``combine`` takes the experts' output rows back to token order. ``kept_per_expert_E`` holds the
-    last dispatch's kept slots per global expert (for statistics).
+    ``combine`` takes the experts' output rows back to token order. After ``combine``,
+    ``record`` describes the round (see :class:`DispatchRecord`); passing a record to ``dispatch``
+    replays it. ``kept_per_expert_E`` holds the kept slots per global expert (for statistics).
     """
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
-        self.plan: DispatchPlan | None = None
+        self.record: DispatchRecord | None = None
+        self.replaying = False
         self.kept_per_expert_E: torch.Tensor | None = None
 
     def dispatch(
@@ -157,16 +178,21 @@ class LocalTokenDispatcher:
         expert_ids_TK: torch.Tensor,
         capacity: int | None,
         priority_order_S: torch.Tensor | None = None,
+        replay: DispatchRecord | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.plan = build_dispatch_plan(expert_ids_TK, self.num_experts, capacity, priority_order_S)
-        self.kept_per_expert_E = self.plan.kept_per_expert_E
-        return permute_tokens(x_TD, self.plan), self.plan.kept_per_expert_E
+        self.replaying = replay is not None
+        if replay is None:
+            plan = build_dispatch_plan(expert_ids_TK, self.num_experts, capacity, priority_order_S)
+            self.record = DispatchRecord(plan)
+        else:
+            self.record = replay
+        self.kept_per_expert_E = self.record.plan.kept_per_expert_E
+        return permute_tokens(x_TD, self.record.plan), self.kept_per_expert_E
 
     def combine(self, y_ND: torch.Tensor, gates_TK: torch.Tensor) -> torch.Tensor:
-        if self.plan is None:
+        if self.record is None:
             raise RuntimeError("combine() called before dispatch()")
-        plan, self.plan = self.plan, None
-        return unpermute_tokens(y_ND, gates_TK, plan)
+        return unpermute_tokens(y_ND, gates_TK, self.record.plan)
 
 
 class AllToAllTokenDispatcher(LocalTokenDispatcher):
@@ -182,20 +208,28 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         super().__init__(num_experts)
         self.parallel = parallel
         self.comm_dtype = parallel.config.comm_dtype
-        self.a2a_plan = None
-        self.recv_counts_PE: torch.Tensor | None = None
 
-    def dispatch(self, x_TD, expert_ids_TK, capacity, priority_order_S=None):
-        x_ND, kept_E = super().dispatch(x_TD, expert_ids_TK, capacity, priority_order_S)
-        send_counts_PE = kept_E.view(self.parallel.ep_size, -1)
-        self.recv_counts_PE, self.a2a_plan = exchange_counts(send_counts_PE, self.parallel)
-        received = all_to_all(x_ND, self.a2a_plan, self.comm_dtype)  # [source rank][local expert]
-        return regroup_chunks(received, self.recv_counts_PE), self.recv_counts_PE.sum(0)
+    def dispatch(self, x_TD, expert_ids_TK, capacity, priority_order_S=None, replay=None):
+        x_ND, kept_E = super().dispatch(x_TD, expert_ids_TK, capacity, priority_order_S, replay)
+        record = self.record
+        if replay is None:
+            record.recv_counts_PE, record.a2a_plan = exchange_counts(
+                kept_E.view(self.parallel.ep_size, -1), self.parallel
+            )
+            received = all_to_all(x_ND, record.a2a_plan, self.comm_dtype)  # [source rank][local expert]
+            record.received_rows = received.detach()
+        else:
+            received = replay_all_to_all(x_ND, record.received_rows, record.a2a_plan, self.comm_dtype, True)
+        return regroup_chunks(received, record.recv_counts_PE), record.recv_counts_PE.sum(0)
 
     def combine(self, y_ND, gates_TK):
-        if self.a2a_plan is None:
+        record = self.record
+        if record is None or record.a2a_plan is None:
             raise RuntimeError("combine() called before dispatch()")
-        returned = regroup_chunks(y_ND, self.recv_counts_PE.t().contiguous())  # back to [source rank][expert]
-        y_ND = all_to_all_reverse(returned, self.a2a_plan, self.comm_dtype)
-        self.a2a_plan = None
+        returned = regroup_chunks(y_ND, record.recv_counts_PE.t().contiguous())  # [source rank][expert]
+        if self.replaying:
+            y_ND = replay_all_to_all(returned, record.returned_rows, record.a2a_plan, self.comm_dtype, False)
+        else:
+            y_ND = all_to_all_reverse(returned, record.a2a_plan, self.comm_dtype)
+            record.returned_rows = y_ND.detach()
         return super().combine(y_ND, gates_TK)

@@ -16,6 +16,7 @@ and the routing statistics are in ``layer.last_stats`` (and summed over a model 
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,7 @@ from torch import nn
 from moetrain.config import MoEConfig
 from moetrain.layers.dispatch import (
     AllToAllTokenDispatcher,
+    DispatchRecord,
     LocalTokenDispatcher,
     compute_capacity,
     token_priority_order,
@@ -105,6 +107,17 @@ class MoELayer(nn.Module):
             self.dispatcher = AllToAllTokenDispatcher(config.num_experts, parallel)
         self.last_stats: MoEStats | None = None
         self.aux_loss_scale = 1.0
+        self.recompute_replay = False
+        self._replay_queue: deque[tuple[torch.Tensor, DispatchRecord]] = deque()
+
+    def set_recompute_replay(self, enabled: bool) -> None:
+        """For activation checkpointing: when enabled, each forward that builds a graph records its
+        routing decision and what its all-to-alls delivered, and a forward re-run during backward
+        (a recompute) replays the oldest record: the same experts, capacity cut and received rows,
+        with no communication. Gates and expert outputs are recomputed as usual. Records are
+        consumed first-in first-out, so backward passes must run in the order of their forwards."""
+        self.recompute_replay = bool(enabled)
+        self._replay_queue.clear()
 
     def capacity(self, num_tokens: int) -> int | None:
         cfg = self.config
@@ -124,19 +137,32 @@ class MoELayer(nn.Module):
             torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         )
 
-        routing = self.router(x_TD)
-        token_score_T = routing.probs_TE.max(dim=-1).values if cfg.batch_prioritized_routing else None
-        priority_S = token_priority_order(num_tokens, cfg.top_k, token_score_T)
+        replaying = self.recompute_replay and torch._C._current_graph_task_id() != -1
+        recording = self.recompute_replay and not replaying and torch.is_grad_enabled()
+        replay_ids, replay_record = None, None
+        if replaying:
+            if not self._replay_queue:
+                raise RuntimeError("MoELayer recompute found no recorded forward to replay")
+            replay_ids, replay_record = self._replay_queue.popleft()
+
+        routing = self.router(x_TD, replay_ids)
+        priority_S = None
+        if cfg.batch_prioritized_routing and not replaying:
+            with torch.no_grad():
+                token_score_T = routing.probs_TE.max(dim=-1).values
+                priority_S = token_priority_order(num_tokens, cfg.top_k, token_score_T)
         capacity = self.capacity(num_tokens)
         with torch.autocast(device_type=device_type, enabled=False):
             x_ND, rows_per_local_expert = self.dispatcher.dispatch(
-                x_TD.to(compute_dtype), routing.expert_ids_TK, capacity, priority_S
+                x_TD.to(compute_dtype), routing.expert_ids_TK, capacity, priority_S, replay_record
             )
             y_ND = self.experts(x_ND, rows_per_local_expert.tolist())
             y_TD = self.dispatcher.combine(y_ND, routing.gates_TK)
             if self.shared_expert is not None:
                 y_TD = y_TD + self.shared_expert(x_TD.to(compute_dtype))
 
+        if recording:
+            self._replay_queue.append((routing.expert_ids_TK, self.dispatcher.record))
         y_TD = self._attach_losses(y_TD, routing, self.dispatcher.kept_per_expert_E, capacity)
         return y_TD.view(*x.shape[:-1], cfg.d_model)
 

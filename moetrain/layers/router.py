@@ -42,7 +42,9 @@ class TopKRouter(nn.Module):
     def router_dtype(self, x: torch.Tensor) -> torch.dtype:
         return torch.float64 if x.dtype == torch.float64 else torch.float32
 
-    def forward(self, x_TD: torch.Tensor) -> RouterOutput:
+    def forward(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor | None = None) -> RouterOutput:
+        """Routes ``x_TD``; with ``expert_ids_TK`` given (a recorded decision being replayed), the
+        scores and gates are recomputed (differentiably) but the choice of experts is not."""
         cfg = self.config
         dtype = self.router_dtype(x_TD)
         num_tokens = x_TD.shape[0]
@@ -57,12 +59,16 @@ class TopKRouter(nn.Module):
                 probs_TE = logits_TE.view(num_tokens, groups, per_group).softmax(dim=-1).view_as(logits_TE)
             else:
                 probs_TE = logits_TE.sigmoid()
-            top_probs_TGk, top_index_TGk = probs_TE.view(num_tokens, groups, per_group).topk(
-                cfg.top_k_per_prototype, dim=-1
-            )
-            group_offset_G1 = torch.arange(groups, device=x_TD.device).mul_(per_group).view(groups, 1)
-            expert_ids_TK = (top_index_TGk + group_offset_G1).reshape(num_tokens, cfg.top_k)
-            gates_TK = top_probs_TGk.reshape(num_tokens, cfg.top_k)
+            if expert_ids_TK is None:  # the choice is not differentiable; the gates below are
+                with torch.no_grad():
+                    top_index_TGk = (
+                        probs_TE.view(num_tokens, groups, per_group)
+                        .topk(cfg.top_k_per_prototype, dim=-1)
+                        .indices
+                    )
+                    group_offset_G1 = torch.arange(groups, device=x_TD.device).mul_(per_group).view(groups, 1)
+                    expert_ids_TK = (top_index_TGk + group_offset_G1).reshape(num_tokens, cfg.top_k)
+            gates_TK = probs_TE.gather(1, expert_ids_TK)
             if cfg.gates_normalized:
                 gates_TK = gates_TK / gates_TK.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
         return RouterOutput(logits_TE, probs_TE, expert_ids_TK, gates_TK)
