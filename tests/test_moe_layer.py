@@ -257,7 +257,7 @@ def test_recompute_replay_reuses_the_routing_decision():
     replayed = _grads_of(layer, x, upstream, checkpointed=True)
     for a, b in zip(plain, replayed, strict=True):
         torch.testing.assert_close(a, b)
-    assert not layer._replay_queue  # the record was consumed by the recompute
+    assert layer.replay_record_bytes() == 0  # the record was consumed by the recompute and freed
 
     # Without the RNG state restored, a recompute would draw other jitter noise: the replayed
     # recompute must still use the recorded experts and capacity cut.
@@ -275,3 +275,19 @@ def test_recompute_replay_reuses_the_routing_decision():
     chosen.clear()
     _grads_of(layer, x, upstream, checkpointed=True, preserve_rng_state=False)
     assert len(chosen) == 2 and not torch.equal(chosen[0], chosen[1])  # shows the test can tell
+
+
+def test_recompute_replay_skips_records_of_forwards_that_never_ran_backward():
+    layer = MoELayer(**{**BASE, "router_jitter": 0.3}).double()
+    x = torch.randn(25, BASE["d_model"], dtype=torch.float64)
+    other = torch.randn(25, BASE["d_model"], dtype=torch.float64)  # same shape: a stale replay would fit
+    upstream = torch.randn_like(x)
+    plain = _grads_of(layer, x, upstream, checkpointed=False)
+    layer.set_recompute_replay(True)
+    abandoned = torch.utils.checkpoint.checkpoint(layer, other.requires_grad_(True), use_reentrant=False)
+    assert layer.replay_record_bytes() > 0
+    del abandoned  # e.g. a step skipped before backward: its graph and record go away
+    assert layer.replay_record_bytes() == 0
+    replayed = _grads_of(layer, x, upstream, checkpointed=True)
+    for a, b in zip(plain, replayed, strict=True):
+        torch.testing.assert_close(a, b)

@@ -112,10 +112,13 @@ class _PermuteTokens(torch.autograd.Function):
 
 class _UnpermuteTokens(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_ND: torch.Tensor, gates_TK: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    def forward(
+        ctx, y_ND: torch.Tensor, gates_TK: torch.Tensor, plan: DispatchPlan, keep_alive
+    ) -> torch.Tensor:
         y_ND = y_ND.contiguous()
         weights_TK = gates_TK.detach().to(_weight_dtype(y_ND)).contiguous()
         ctx.plan = plan
+        ctx.keep_alive = keep_alive
         ctx.gates_dtype = gates_TK.dtype
         ctx.save_for_backward(y_ND, weights_TK)
         return ops.unpermute_rows(y_ND, plan.row_of_slot_TK, weights_TK)
@@ -130,7 +133,7 @@ class _UnpermuteTokens(torch.autograd.Function):
             grad_y = ops.permute_rows(grad_TD, plan.slot_of_row_N, plan.top_k, weights_TK.view(-1))
         if ctx.needs_input_grad[1]:
             grad_gates = ops.unpermute_weight_grad(grad_TD, y_ND, plan.row_of_slot_TK).to(ctx.gates_dtype)
-        return grad_y, grad_gates, None
+        return grad_y, grad_gates, None, None
 
 
 def permute_tokens(x_TD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
@@ -138,39 +141,51 @@ def permute_tokens(x_TD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     return _PermuteTokens.apply(x_TD, plan)
 
 
-def unpermute_tokens(y_ND: torch.Tensor, gates_TK: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+def unpermute_tokens(
+    y_ND: torch.Tensor, gates_TK: torch.Tensor, plan: DispatchPlan, keep_alive=None
+) -> torch.Tensor:
     """Expert order -> token order, weighted: ``y_TD[t] = sum_j gates[t, j] * y_ND[row_of_slot[t, j]]``
-    (differentiable in ``y_ND`` and ``gates_TK``; dropped slots contribute 0)."""
-    return _UnpermuteTokens.apply(y_ND, gates_TK, plan)
+    (differentiable in ``y_ND`` and ``gates_TK``; dropped slots contribute 0). ``keep_alive`` is
+    held by the autograd graph for as long as the graph lives (a :class:`DispatchRecord`)."""
+    return _UnpermuteTokens.apply(y_ND, gates_TK, plan, keep_alive)
 
 
-@dataclass
+@dataclass(eq=False)
 class DispatchRecord:
-    """What one forward decided and received, kept so that recomputing the layer (activation
-    checkpointing) neither re-routes nor re-communicates: the dispatch plan, and under expert
-    parallelism the exchange plan and the rows each all-to-all delivered."""
+    """What one forward decided and received: the routing choice, the dispatch plan, and under
+    expert parallelism the exchange plan and the rows each all-to-all delivered. The autograd
+    graph of that forward owns it, so that recomputing the layer (activation checkpointing) can
+    replay it, neither re-routing nor re-communicating, and it is freed with the graph."""
 
+    expert_ids_TK: torch.Tensor
     plan: DispatchPlan
     recv_counts_PE: torch.Tensor | None = None
     a2a_plan: object = None
     received_rows: torch.Tensor | None = None
     returned_rows: torch.Tensor | None = None
+    replayed: bool = False
+
+    def release_rows(self) -> None:
+        """Drops the all-to-all rows (when no recompute will replay this round)."""
+        self.received_rows = self.returned_rows = None
+
+    def nbytes(self) -> int:
+        """Bytes this record keeps beyond the autograd graph's own tensors: the expert ids and the
+        all-to-all rows (the plan's index tensors are held by the graph with or without replay)."""
+        tensors = [t for t in (self.expert_ids_TK, self.received_rows, self.returned_rows) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class LocalTokenDispatcher:
     """Dispatcher for experts that all live on this rank: permute, then unpermute.
 
-    ``dispatch`` returns the expert-ordered rows and the row count of each local expert;
-    ``combine`` takes the experts' output rows back to token order. After ``combine``,
-    ``record`` describes the round (see :class:`DispatchRecord`); passing a record to ``dispatch``
-    replays it. ``kept_per_expert_E`` holds the kept slots per global expert (for statistics).
+    ``dispatch`` returns the expert-ordered rows, the row count of each local expert and the
+    round's :class:`DispatchRecord` (pass a record to replay it); ``combine`` takes the experts'
+    output rows back to token order.
     """
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
-        self.record: DispatchRecord | None = None
-        self.replaying = False
-        self.kept_per_expert_E: torch.Tensor | None = None
 
     def dispatch(
         self,
@@ -179,20 +194,17 @@ class LocalTokenDispatcher:
         capacity: int | None,
         priority_order_S: torch.Tensor | None = None,
         replay: DispatchRecord | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.replaying = replay is not None
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchRecord]:
         if replay is None:
             plan = build_dispatch_plan(expert_ids_TK, self.num_experts, capacity, priority_order_S)
-            self.record = DispatchRecord(plan)
+            record = DispatchRecord(expert_ids_TK, plan)
         else:
-            self.record = replay
-        self.kept_per_expert_E = self.record.plan.kept_per_expert_E
-        return permute_tokens(x_TD, self.record.plan), self.kept_per_expert_E
+            record = replay
+            record.replayed = True
+        return permute_tokens(x_TD, record.plan), record.plan.kept_per_expert_E, record
 
-    def combine(self, y_ND: torch.Tensor, gates_TK: torch.Tensor) -> torch.Tensor:
-        if self.record is None:
-            raise RuntimeError("combine() called before dispatch()")
-        return unpermute_tokens(y_ND, gates_TK, self.record.plan)
+    def combine(self, y_ND: torch.Tensor, gates_TK: torch.Tensor, record: DispatchRecord) -> torch.Tensor:
+        return unpermute_tokens(y_ND, gates_TK, record.plan, keep_alive=record)
 
 
 class AllToAllTokenDispatcher(LocalTokenDispatcher):
@@ -210,8 +222,7 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         self.comm_dtype = parallel.config.comm_dtype
 
     def dispatch(self, x_TD, expert_ids_TK, capacity, priority_order_S=None, replay=None):
-        x_ND, kept_E = super().dispatch(x_TD, expert_ids_TK, capacity, priority_order_S, replay)
-        record = self.record
+        x_ND, kept_E, record = super().dispatch(x_TD, expert_ids_TK, capacity, priority_order_S, replay)
         if replay is None:
             record.recv_counts_PE, record.a2a_plan = exchange_counts(
                 kept_E.view(self.parallel.ep_size, -1), self.parallel
@@ -220,16 +231,13 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
             record.received_rows = received.detach()
         else:
             received = replay_all_to_all(x_ND, record.received_rows, record.a2a_plan, self.comm_dtype, True)
-        return regroup_chunks(received, record.recv_counts_PE), record.recv_counts_PE.sum(0)
+        return regroup_chunks(received, record.recv_counts_PE), record.recv_counts_PE.sum(0), record
 
-    def combine(self, y_ND, gates_TK):
-        record = self.record
-        if record is None or record.a2a_plan is None:
-            raise RuntimeError("combine() called before dispatch()")
+    def combine(self, y_ND, gates_TK, record):
         returned = regroup_chunks(y_ND, record.recv_counts_PE.t().contiguous())  # [source rank][expert]
-        if self.replaying:
+        if record.replayed:
             y_ND = replay_all_to_all(returned, record.returned_rows, record.a2a_plan, self.comm_dtype, False)
         else:
             y_ND = all_to_all_reverse(returned, record.a2a_plan, self.comm_dtype)
             record.returned_rows = y_ND.detach()
-        return super().combine(y_ND, gates_TK)
+        return super().combine(y_ND, gates_TK, record)

@@ -15,6 +15,41 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class ReusableGradBuffer:
+    """Storage for one CPU weight gradient, reused across steps when nobody else holds it.
+
+    Each backward writes the stacked expert gradient into a fresh tensor object sharing this
+    buffer's storage; autograd hands that object to ``param.grad`` without a copy. When the
+    previous step's gradient has been released (``zero_grad(set_to_none=True)``), the storage has
+    no other owner and is written again, so the ``E*D*F`` floats are not re-allocated and
+    re-faulted every step. If anything still references the storage (a kept ``.grad``, gradient
+    accumulation, a view held by a reducer) a new buffer is allocated instead, so a live gradient
+    is never overwritten. The same test guards torch's own CUDA-graph output reuse.
+    """
+
+    def __init__(self):
+        self._buffer: torch.Tensor | None = None
+
+    def _reusable(self, like: torch.Tensor) -> bool:
+        buffer = self._buffer
+        if (
+            buffer is None
+            or buffer.shape != like.shape
+            or buffer.dtype != like.dtype
+            or buffer.device != like.device
+        ):
+            return False
+        # Owners of the storage: self._buffer and the temporary Python storage object below.
+        return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
+
+    def get(self, like: torch.Tensor) -> torch.Tensor:
+        if like.device.type != "cpu":  # device allocators cache blocks themselves
+            return torch.empty_like(like)
+        if not self._reusable(like):
+            self._buffer = torch.empty_like(like, memory_format=torch.contiguous_format)
+        return self._buffer.view(like.shape)
+
+
 def _row_offsets(rows_per_expert: list[int]) -> list[int]:
     offsets = [0]
     for count in rows_per_expert:
@@ -28,9 +63,10 @@ class _GroupedMatmul(torch.autograd.Function):
     into the stacked gradient (no per-expert full-size zero tensors)."""
 
     @staticmethod
-    def forward(ctx, x_NI: torch.Tensor, w_EIO: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+    def forward(ctx, x_NI, w_EIO, offsets: list[int], grad_buffer: ReusableGradBuffer | None) -> torch.Tensor:
         ctx.save_for_backward(x_NI, w_EIO)
         ctx.offsets = offsets
+        ctx.grad_buffer = grad_buffer
         out_NO = x_NI.new_empty(x_NI.shape[0], w_EIO.shape[2])
         for e in range(w_EIO.shape[0]):
             start, end = offsets[e], offsets[e + 1]
@@ -47,7 +83,7 @@ class _GroupedMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = x_NI.new_empty(x_NI.shape)
         if ctx.needs_input_grad[1]:
-            grad_w = w_EIO.new_empty(w_EIO.shape)
+            grad_w = ctx.grad_buffer.get(w_EIO) if ctx.grad_buffer is not None else torch.empty_like(w_EIO)
         for e in range(w_EIO.shape[0]):
             start, end = offsets[e], offsets[e + 1]
             if grad_x is not None and end > start:
@@ -57,17 +93,24 @@ class _GroupedMatmul(torch.autograd.Function):
                     torch.mm(x_NI[start:end].t(), grad_NO[start:end], out=grad_w[e])
                 else:
                     grad_w[e].zero_()
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
-def grouped_matmul(x_NI: torch.Tensor, w_EIO: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
-    """Per-expert GEMM over contiguous row blocks: ``out[rows_e] = x[rows_e] @ w[e]``."""
+def grouped_matmul(
+    x_NI: torch.Tensor,
+    w_EIO: torch.Tensor,
+    rows_per_expert: list[int],
+    grad_buffer: ReusableGradBuffer | None = None,
+) -> torch.Tensor:
+    """Per-expert GEMM over contiguous row blocks: ``out[rows_e] = x[rows_e] @ w[e]``.
+
+    ``grad_buffer`` (optional) provides reusable storage for the weight gradient."""
     if sum(rows_per_expert) != x_NI.shape[0] or len(rows_per_expert) != w_EIO.shape[0]:
         raise ValueError(
             f"rows_per_expert {rows_per_expert} must have {w_EIO.shape[0]} entries summing to the "
             f"{x_NI.shape[0]} rows of x"
         )
-    return _GroupedMatmul.apply(x_NI.contiguous(), w_EIO, _row_offsets(rows_per_expert))
+    return _GroupedMatmul.apply(x_NI.contiguous(), w_EIO, _row_offsets(rows_per_expert), grad_buffer)
 
 
 def apply_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -105,6 +148,7 @@ class GroupedExperts(nn.Module):
         self.w1_EDF = nn.Parameter(torch.empty(num_experts, d_model, inner))
         self.w2_EFD = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
         self.seed = int(torch.randint(0, 2**62, ())) if seed is None else seed
+        self._grad_buffers = (ReusableGradBuffer(), ReusableGradBuffer())
         self.reset_parameters()
 
     @torch.no_grad()
@@ -121,8 +165,12 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_ND: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
         dtype = x_ND.dtype
-        h_NF = grouped_matmul(x_ND, self.w1_EDF.to(dtype), rows_per_expert)
-        return grouped_matmul(apply_activation(h_NF, self.activation), self.w2_EFD.to(dtype), rows_per_expert)
+        # Weights already in the compute dtype are the parameters themselves: their gradient can
+        # then live in a reused buffer (a cast copy's gradient is converted by autograd anyway).
+        w1, w2 = self.w1_EDF.to(dtype), self.w2_EFD.to(dtype)
+        buffers = self._grad_buffers if w1 is self.w1_EDF else (None, None)
+        h_NF = grouped_matmul(x_ND, w1, rows_per_expert, buffers[0])
+        return grouped_matmul(apply_activation(h_NF, self.activation), w2, rows_per_expert, buffers[1])
 
 
 class DenseFFN(nn.Module):

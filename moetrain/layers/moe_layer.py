@@ -16,6 +16,7 @@ and the routing statistics are in ``layer.last_stats`` (and summed over a model 
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -108,16 +109,33 @@ class MoELayer(nn.Module):
         self.last_stats: MoEStats | None = None
         self.aux_loss_scale = 1.0
         self.recompute_replay = False
-        self._replay_queue: deque[tuple[torch.Tensor, DispatchRecord]] = deque()
+        self._replay_records: deque[weakref.ref[DispatchRecord]] = deque()
 
     def set_recompute_replay(self, enabled: bool) -> None:
-        """For activation checkpointing: when enabled, each forward that builds a graph records its
-        routing decision and what its all-to-alls delivered, and a forward re-run during backward
-        (a recompute) replays the oldest record: the same experts, capacity cut and received rows,
-        with no communication. Gates and expert outputs are recomputed as usual. Records are
-        consumed first-in first-out, so backward passes must run in the order of their forwards."""
+        """For activation checkpointing: when enabled, each forward that builds a graph keeps its
+        :class:`DispatchRecord` (routing choice, capacity cut, all-to-all results) alive with its
+        autograd graph, and a forward re-run during backward (a recompute) replays the oldest
+        record whose graph is still alive: the same experts and received rows, no communication.
+        Gates and expert outputs are recomputed as usual. A forward whose graph is dropped without
+        backward (a skipped step) leaves nothing behind. Backward passes of graphs that are alive
+        at the same time must run in the order of their forwards."""
         self.recompute_replay = bool(enabled)
-        self._replay_queue.clear()
+        self._replay_records.clear()
+
+    def replay_record_bytes(self) -> int:
+        """Bytes held by the replay records of this layer's live graphs (0 without replay)."""
+        records = [r() for r in self._replay_records]
+        return sum(r.nbytes() for r in records if r is not None)
+
+    def _next_replay_record(self) -> DispatchRecord:
+        while self._replay_records:
+            record = self._replay_records.popleft()()
+            if record is not None:
+                return record
+        raise RuntimeError(
+            "MoELayer is recomputed during backward but holds no recorded forward to replay; "
+            "set_recompute_replay(True) must be on before the forward that is recomputed"
+        )
 
     def capacity(self, num_tokens: int) -> int | None:
         cfg = self.config
@@ -139,13 +157,9 @@ class MoELayer(nn.Module):
 
         replaying = self.recompute_replay and torch._C._current_graph_task_id() != -1
         recording = self.recompute_replay and not replaying and torch.is_grad_enabled()
-        replay_ids, replay_record = None, None
-        if replaying:
-            if not self._replay_queue:
-                raise RuntimeError("MoELayer recompute found no recorded forward to replay")
-            replay_ids, replay_record = self._replay_queue.popleft()
+        replay = self._next_replay_record() if replaying else None
 
-        routing = self.router(x_TD, replay_ids)
+        routing = self.router(x_TD, None if replay is None else replay.expert_ids_TK)
         priority_S = None
         if cfg.batch_prioritized_routing and not replaying:
             with torch.no_grad():
@@ -153,17 +167,19 @@ class MoELayer(nn.Module):
                 priority_S = token_priority_order(num_tokens, cfg.top_k, token_score_T)
         capacity = self.capacity(num_tokens)
         with torch.autocast(device_type=device_type, enabled=False):
-            x_ND, rows_per_local_expert = self.dispatcher.dispatch(
-                x_TD.to(compute_dtype), routing.expert_ids_TK, capacity, priority_S, replay_record
+            x_ND, rows_per_local_expert, record = self.dispatcher.dispatch(
+                x_TD.to(compute_dtype), routing.expert_ids_TK, capacity, priority_S, replay
             )
             y_ND = self.experts(x_ND, rows_per_local_expert.tolist())
-            y_TD = self.dispatcher.combine(y_ND, routing.gates_TK)
+            y_TD = self.dispatcher.combine(y_ND, routing.gates_TK, record)
             if self.shared_expert is not None:
                 y_TD = y_TD + self.shared_expert(x_TD.to(compute_dtype))
 
         if recording:
-            self._replay_queue.append((routing.expert_ids_TK, self.dispatcher.record))
-        y_TD = self._attach_losses(y_TD, routing, self.dispatcher.kept_per_expert_E, capacity)
+            self._replay_records.append(weakref.ref(record))
+        elif not replaying:
+            record.release_rows()
+        y_TD = self._attach_losses(y_TD, routing, record.plan.kept_per_expert_E, capacity)
         return y_TD.view(*x.shape[:-1], cfg.d_model)
 
     def _attach_losses(self, y_TD, routing, kept_per_expert_E, capacity) -> torch.Tensor:
