@@ -291,3 +291,27 @@ def test_recompute_replay_skips_records_of_forwards_that_never_ran_backward():
     replayed = _grads_of(layer, x, upstream, checkpointed=True)
     for a, b in zip(plain, replayed, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_expert_weight_gradient_storage_is_reused_only_when_free():
+    layer = MoELayer(**BASE)
+    x, upstream = torch.randn(20, BASE["d_model"]), torch.randn(20, BASE["d_model"])
+    weight = layer.experts.w1_EDF
+    layer(x).backward(upstream)
+    first = weight.grad.clone()
+    layer(x).backward(upstream)  # accumulation into a live .grad must not overwrite it
+    torch.testing.assert_close(weight.grad, 2 * first)
+
+    layer.zero_grad(set_to_none=True)
+    layer(x).backward(upstream)
+    address = weight.grad.data_ptr()
+    layer.zero_grad(set_to_none=True)
+    layer(x).backward(upstream)
+    assert weight.grad.data_ptr() == address  # released storage is written again
+    torch.testing.assert_close(weight.grad, first)
+
+    kept = weight.grad  # someone still holds last step's gradient
+    layer.zero_grad(set_to_none=True)
+    layer(2 * x).backward(upstream)
+    assert weight.grad.data_ptr() != kept.data_ptr()
+    torch.testing.assert_close(kept, first)
