@@ -1,5 +1,7 @@
-"""Optimizer-state offloading: the fused C++ CPU Adam and the offloaded optimizer built on it."""
+"""Optimizer-state offloading: the fused C++ CPU Adam, the offloaded optimizer built on it, and
+group-wise stepping of ordinary torch optimizers."""
 
 from moetrain.offload.cpu_adam import CPUAdam
+from moetrain.offload.optimizer import GroupwiseApply, OffloadOptimizer
 
-__all__ = ["CPUAdam"]
+__all__ = ["CPUAdam", "GroupwiseApply", "OffloadOptimizer"]
