@@ -113,6 +113,63 @@ def grouped_matmul(
     return _GroupedMatmul.apply(x_NI.contiguous(), w_EIO, _row_offsets(rows_per_expert), grad_buffer)
 
 
+def _grouped_mm_into(
+    out: torch.Tensor, a: torch.Tensor, w_EIO: torch.Tensor, offsets: list[int], transpose_w: bool
+):
+    """``out[rows_e] = a[rows_e] @ w[e]`` (``w[e]^T`` when ``transpose_w``) for each expert e."""
+    for e in range(w_EIO.shape[0]):
+        start, end = offsets[e], offsets[e + 1]
+        if end > start:
+            torch.mm(a[start:end], w_EIO[e].t() if transpose_w else w_EIO[e], out=out[start:end])
+    return out
+
+
+def _grouped_weight_grad(grad_w: torch.Tensor, a: torch.Tensor, g: torch.Tensor, offsets: list[int]):
+    """``grad_w[e] = a[rows_e]^T @ g[rows_e]``; experts without rows get zeros."""
+    for e in range(grad_w.shape[0]):
+        start, end = offsets[e], offsets[e + 1]
+        if end > start:
+            torch.mm(a[start:end].t(), g[start:end], out=grad_w[e])
+        else:
+            grad_w[e].zero_()
+    return grad_w
+
+
+class _ExpertMLP(torch.autograd.Function):
+    """``y = act(x @ w1[e]) @ w2[e]`` over each expert's rows, for elementwise activations (relu,
+    gelu). Saves x, h = x @ w1, a = act(h), like autograd would; its backward writes the
+    activation's gradient into the buffer of ``grad_a`` in place (``aten.*_backward.grad_input``
+    with the output aliasing the input), sparing one [N, F] allocation per step."""
+
+    @staticmethod
+    def forward(ctx, x_ND, w1_EDF, w2_EFD, offsets, activation, grad_buffers):
+        h_NF = _grouped_mm_into(x_ND.new_empty(x_ND.shape[0], w1_EDF.shape[2]), x_ND, w1_EDF, offsets, False)
+        a_NF = torch.relu(h_NF) if activation == "relu" else torch.nn.functional.gelu(h_NF)
+        y_ND = _grouped_mm_into(x_ND.new_empty(x_ND.shape[0], w2_EFD.shape[2]), a_NF, w2_EFD, offsets, False)
+        ctx.save_for_backward(x_ND, w1_EDF, w2_EFD, h_NF, a_NF)
+        ctx.offsets, ctx.activation, ctx.grad_buffers = offsets, activation, grad_buffers
+        return y_ND
+
+    @staticmethod
+    def backward(ctx, grad_y_ND):
+        x_ND, w1_EDF, w2_EFD, h_NF, a_NF = ctx.saved_tensors
+        offsets, buffers = ctx.offsets, ctx.grad_buffers
+        grad_y_ND = grad_y_ND.contiguous()
+        grad_w1 = grad_w2 = grad_x = None
+        if ctx.needs_input_grad[2]:
+            grad_w2 = _grouped_weight_grad(buffers[1].get(w2_EFD), a_NF, grad_y_ND, offsets)
+        grad_NF = _grouped_mm_into(torch.empty_like(h_NF), grad_y_ND, w2_EFD, offsets, True)
+        if ctx.activation == "relu":
+            torch.ops.aten.threshold_backward.grad_input(grad_NF, h_NF, 0.0, grad_input=grad_NF)
+        else:
+            torch.ops.aten.gelu_backward.grad_input(grad_NF, h_NF, grad_input=grad_NF)
+        if ctx.needs_input_grad[1]:
+            grad_w1 = _grouped_weight_grad(buffers[0].get(w1_EDF), x_ND, grad_NF, offsets)
+        if ctx.needs_input_grad[0]:
+            grad_x = _grouped_mm_into(torch.empty_like(x_ND), grad_NF, w1_EDF, offsets, True)
+        return grad_x, grad_w1, grad_w2, None, None, None
+
+
 def apply_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
     """relu / gelu (tanh-free, exact) / swiglu (``silu(h[:, :F]) * h[:, F:]``)."""
     if activation == "relu":
@@ -169,6 +226,11 @@ class GroupedExperts(nn.Module):
         # then live in a reused buffer (a cast copy's gradient is converted by autograd anyway).
         w1, w2 = self.w1_EDF.to(dtype), self.w2_EFD.to(dtype)
         buffers = self._grad_buffers if w1 is self.w1_EDF else (None, None)
+        if self.activation != "swiglu":
+            if buffers[0] is None:
+                buffers = (ReusableGradBuffer(), ReusableGradBuffer())  # used once: plain allocations
+            offsets = _row_offsets(rows_per_expert)
+            return _ExpertMLP.apply(x_ND.contiguous(), w1, w2, offsets, self.activation, buffers)
         h_NF = grouped_matmul(x_ND, w1, rows_per_expert, buffers[0])
         return grouped_matmul(apply_activation(h_NF, self.activation), w2, rows_per_expert, buffers[1])
 
