@@ -17,18 +17,103 @@ SLURM do, so an EP group's ranks sorted by number are also node-major.
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from moetrain.config import ParallelConfig
 
+DEFAULT_MASTER_PORT = 29500
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a SLURM node list: ``"gpu[03-05,9],cpu1"`` -> ``"gpu03"``."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match or not match.group(1):
+        raise ValueError(f"SLURM_JOB_NODELIST {nodelist!r} is not a node list like 'node[01-04],gpu7'")
+    prefix, ranges = match.group(1), match.group(2)
+    return prefix if ranges is None else prefix + re.split(r"[-,]", ranges)[0]
+
+
+def tasks_per_node(value: str) -> int:
+    """First node's task count from ``SLURM_TASKS_PER_NODE`` (``"4(x2),3"`` -> 4)."""
+    match = re.match(r"(\d+)", value or "")
+    if not match:
+        raise ValueError(f"SLURM_TASKS_PER_NODE {value!r} is not like '4(x2)'")
+    return int(match.group(1))
+
+
+@dataclass(frozen=True)
+class LaunchEnvironment:
+    """Where this process sits, read from torchrun's or SLURM's environment variables."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun", "slurm" or "single"
+
+
+def read_launch_environment(env: Mapping[str, str] | None = None) -> LaunchEnvironment:
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT; under
+    ``srun`` (one task per GPU) SLURM sets SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID and the node
+    list, from which the first host becomes the master (port: MASTER_PORT, else 29500). Neither:
+    a single process."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = int(env["WORLD_SIZE"])
+        return LaunchEnvironment(
+            rank=int(env["RANK"]),
+            world_size=world,
+            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT)),
+            launcher="torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        world = int(env["SLURM_NTASKS"])
+        per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world)
+        return LaunchEnvironment(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=world,
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            local_world_size=tasks_per_node(per_node),
+            master_addr=env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
+            master_port=int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT)),
+            launcher="slurm",
+        )
+    return LaunchEnvironment(0, 1, 0, 1, "127.0.0.1", DEFAULT_MASTER_PORT, "single")
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> LaunchEnvironment:
+    """Initialises ``torch.distributed`` from the launcher's environment (see
+    :func:`read_launch_environment`) unless it already is, or there is a single process.
+    ``backend``: None picks nccl when CUDA is available, else gloo."""
+    launch = read_launch_environment()
+    if launch.world_size > 1 and not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(launch.local_rank)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    return launch
+
 
 def _local_world_size_from_env(world_size: int) -> int:
-    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        value = os.environ.get(name)
-        if value and value.isdigit():
-            return int(value)
-    return world_size
+    launch = read_launch_environment()
+    return launch.local_world_size if launch.world_size == world_size else world_size
 
 
 def ep_group_ranks(world_size: int, ep_size: int, layout: str) -> list[list[int]]:

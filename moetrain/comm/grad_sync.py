@@ -43,6 +43,11 @@ def wrap_data_parallel(model: nn.Module, parallel, comm_hook: str | None = None,
         raise ValueError(f"comm_hook must be one of {DDP_COMM_HOOKS}, got {comm_hook!r}")
     if parallel.world_size == 1:
         return model
+    if comm_hook == "bf16" and dist.get_backend(parallel.dp_group) != "nccl":
+        raise ValueError(
+            f"comm_hook 'bf16' uses PyTorch's bf16_compress_hook, which needs the nccl backend; this run "
+            f"uses {dist.get_backend(parallel.dp_group)!r}: use comm_hook='fp16' or None"
+        )
     expert_ids = {id(p) for p in expert_parameters(model)}
     ignored = [name for name, p in model.named_parameters() if id(p) in expert_ids]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
