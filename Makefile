@@ -26,6 +26,8 @@ lint: $(DEPS_STAMP)
 
 bench: build
 	$(PY) benchmarks/moe_layer.py --json benchmarks/moe_layer.json
+	$(PY) benchmarks/cpu_adam.py --json benchmarks/cpu_adam.json
+	$(PY) benchmarks/all_to_all.py --json benchmarks/all_to_all.json
 
 build: $(BUILD_STAMP)
 
