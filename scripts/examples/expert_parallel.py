@@ -53,7 +53,9 @@ def main():
         norm = clip_grad_norm_(model, 1.0, ctx)
         optimizer.step()
         if launch.rank == 0 and step % 5 == 0:
-            print(f"step {step} loss {loss.item():.4f} grad-norm {float(norm):.3f} ({ctx.all_to_all} all-to-all)")
+            print(
+                f"step {step} loss {loss.item():.4f} grad-norm {float(norm):.3f} ({ctx.all_to_all} all-to-all)"
+            )
 
 
 if __name__ == "__main__":
