@@ -53,9 +53,7 @@ def main():
         norm = clip_grad_norm_(model, 1.0, ctx)
         optimizer.step()
         if launch.rank == 0 and step % 5 == 0:
-            print(
-                f"step {step} loss {loss.item():.4f} grad-norm {float(norm):.3f} ({ctx.all_to_all})"
-            )
+            print(f"step {step} loss {loss.item():.4f} grad-norm {float(norm):.3f} ({ctx.all_to_all})")
 
 
 if __name__ == "__main__":
