@@ -23,3 +23,4 @@ report = {
 }
 with open(f"{sys.argv[1]}/rank{launch.rank}.json", "w") as f:
     json.dump(report, f)
+torch.distributed.destroy_process_group()  # gloo's threads must stop before the interpreter exits
