@@ -54,7 +54,8 @@ def main():
         optimizer.step()
         if launch.rank == 0 and step % 5 == 0:
             print(f"step {step} loss {loss.item():.4f} grad-norm {float(norm):.3f} ({ctx.all_to_all})")
-    torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
