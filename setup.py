@@ -105,7 +105,7 @@ def main() -> None:
         packages=find_packages(include=["moetrain", "moetrain.*", "models", "models.*"]),
         package_data={"moetrain": ["data/*.txt"]},
         python_requires=">=3.10",
-        install_requires=["torch>=2.4"],
+        install_requires=["torch>=2.4", "pyyaml"],
         ext_modules=ext_modules,
         cmdclass={"build_ext": _build_ext_class(cpp_extension)},
         entry_points={"console_scripts": ["moetrain=moetrain.cli:main"]},

@@ -6,7 +6,7 @@ Every invalid value raises ``ValueError`` naming the field, the value and what i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ACTIVATIONS = ("relu", "gelu", "swiglu")
@@ -156,3 +156,174 @@ class ParallelConfig:
         _require_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
         if self.local_world_size is not None:
             _require_int("local_world_size", self.local_world_size, 1)
+
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "groupwise", "offload")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """``source``: ``"embedded"`` (the demo corpus in ``moetrain/data``) or the path of a UTF-8
+    text file, read as bytes; ``micro_batch_size`` sequences of ``seq_len`` tokens per rank and
+    micro-step."""
+
+    source: str = "embedded"
+    micro_batch_size: int = 8
+    seq_len: int = 64
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, str) or not self.source:
+            raise ValueError(f"data.source must be 'embedded' or a file path, got {self.source!r}")
+        _require_int("data.micro_batch_size", self.micro_batch_size, 1)
+        _require_int("data.seq_len", self.seq_len, 1)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW settings and the schedule: linear warm-up over ``warmup_steps`` to ``lr``, then cosine
+    decay to ``min_lr_ratio * lr`` at the last step. ``name``: ``"adamw"`` (torch's), ``"groupwise"``
+    (torch's AdamW stepped ``num_apply_groups`` groups at a time) or ``"offload"`` (fp32 masters and
+    moments in host memory, C++ Adam, ``num_apply_groups`` groups). ``grad_clip`` 0: no clipping."""
+
+    name: str = "adamw"
+    lr: float = 3e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    num_apply_groups: int = 4
+
+    def __post_init__(self) -> None:
+        _require_choice("optim.name", self.name, OPTIMIZERS)
+        _require_nonneg_float("optim.lr", self.lr)
+        betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else None
+        if (
+            betas is None
+            or len(betas) != 2
+            or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)
+        ):
+            raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas!r}")
+        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
+        _require_nonneg_float("optim.eps", self.eps)
+        _require_nonneg_float("optim.weight_decay", self.weight_decay)
+        _require_int("optim.warmup_steps", self.warmup_steps, 0)
+        _require_nonneg_float("optim.min_lr_ratio", self.min_lr_ratio)
+        if self.min_lr_ratio > 1:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        _require_nonneg_float("optim.grad_clip", self.grad_clip)
+        _require_int("optim.num_apply_groups", self.num_apply_groups, 1)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run (``moetrain train --config FILE``). ``model`` is the config of the model
+    named by its ``name`` key (``"moe_lm"``: :class:`moetrain.lm.LMConfig`); ``grad_accum``
+    micro-steps per optimizer step; ``checkpoint_every`` steps (0: only at the end and on SIGTERM),
+    ``keep_last`` checkpoints kept; ``recompute_budget_mb``: activation-memory budget for
+    automatic checkpointing (None: off); ``threads``: torch CPU threads per rank (None: torch's)."""
+
+    model: object
+    parallel: ParallelConfig = ParallelConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    steps: int = 100
+    grad_accum: int = 1
+    precision: str = "fp32"
+    seed: int = 0
+    out_dir: str = "runs/default"
+    log_every: int = 10
+    checkpoint_every: int = 0
+    keep_last: int = 3
+    resume: bool = True
+    recompute_budget_mb: float | None = None
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        _require_int("steps", self.steps, 1)
+        _require_int("grad_accum", self.grad_accum, 1)
+        _require_choice("precision", self.precision, PRECISIONS)
+        _require_int("seed", self.seed, 0)
+        if not isinstance(self.out_dir, str) or not self.out_dir:
+            raise ValueError(f"out_dir must be a directory path, got {self.out_dir!r}")
+        _require_int("log_every", self.log_every, 1)
+        _require_int("checkpoint_every", self.checkpoint_every, 0)
+        _require_int("keep_last", self.keep_last, 1)
+        _require_bool("resume", self.resume)
+        if self.recompute_budget_mb is not None:
+            _require_nonneg_float("recompute_budget_mb", self.recompute_budget_mb)
+        if self.threads is not None:
+            _require_int("threads", self.threads, 1)
+
+
+def model_config_classes() -> dict[str, type]:
+    """Model name (the ``model.name`` key of a training config) -> its config dataclass."""
+    from moetrain.lm import LMConfig
+
+    classes: dict[str, type] = {"moe_lm": LMConfig}
+    return classes
+
+
+def config_from_dict(cls: type, data, path: str = ""):
+    """Builds dataclass ``cls`` from nested dicts (YAML/JSON), recursing into dataclass fields.
+
+    Unknown keys and invalid values raise ``ValueError`` naming the key path (``optim.lr``) and
+    what is allowed. ``MoEConfig`` under a model inherits the model's ``d_model`` when not given.
+    """
+    import typing
+    from dataclasses import is_dataclass
+
+    where = path or "config"
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a mapping of keys to values, got {type(data).__name__}")
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(
+            f"unknown key '{_join(path, unknown[0])}'; allowed keys there: {', '.join(sorted(names))}"
+        )
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        hint = hints[key]
+        if cls is TrainConfig and key == "model":
+            kwargs[key] = _model_config_from_dict(value, _join(path, key))
+        elif isinstance(hint, type) and is_dataclass(hint):
+            if hint is MoEConfig and isinstance(value, dict) and "d_model" not in value:
+                parent_d_model = data.get("d_model", _field_default(cls, "d_model"))
+                if parent_d_model is not None:
+                    value = {**value, "d_model": parent_d_model}
+            kwargs[key] = config_from_dict(hint, value, _join(path, key))
+        else:
+            kwargs[key] = value
+    if cls is TrainConfig and "model" not in kwargs:
+        raise ValueError(f"missing key '{_join(path, 'model')}' (a mapping with a 'name')")
+    try:
+        return cls(**kwargs)
+    except TypeError as error:
+        raise ValueError(f"{where}: {error}") from None
+    except ValueError as error:
+        message = str(error)
+        raise ValueError(message if not path or message.startswith(path) else f"{path}.{message}") from None
+
+
+def _model_config_from_dict(data, path: str):
+    classes = model_config_classes()
+    if not isinstance(data, dict) or data.get("name") not in classes:
+        name = data.get("name") if isinstance(data, dict) else data
+        raise ValueError(f"{path}.name must be one of {', '.join(map(repr, classes))}, got {name!r}")
+    body = {k: v for k, v in data.items() if k != "name"}
+    return config_from_dict(classes[data["name"]], body, path)
+
+
+def _field_default(cls: type, name: str):
+    for f in fields(cls):
+        if f.name == name:
+            return None if f.default is MISSING else f.default
+    return None
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key

@@ -7,6 +7,7 @@ V vocabulary. Pre-norm blocks: ``x + attn(norm(x))`` then ``x + moe(norm(x))``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -51,12 +52,12 @@ class CausalSelfAttention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: LMConfig):
+    def __init__(self, config: LMConfig, parallel=None):
         super().__init__()
         self.attn_norm = nn.LayerNorm(config.d_model)
         self.attn = CausalSelfAttention(config.d_model, config.num_heads)
         self.ffn_norm = nn.LayerNorm(config.d_model)
-        self.ffn = MoELayer(config.moe)
+        self.ffn = MoELayer(config.moe, parallel=parallel)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
@@ -64,14 +65,15 @@ class TransformerBlock(nn.Module):
 
 
 class MoETransformerLM(nn.Module):
-    """Token ids ``[B, S]`` -> next-token logits ``[B, S, V]``."""
+    """Token ids ``[B, S]`` -> next-token logits ``[B, S, V]``. ``parallel``: a ParallelContext
+    for expert parallelism (each MoE layer then holds this rank's slice of the experts)."""
 
-    def __init__(self, config: LMConfig):
+    def __init__(self, config: LMConfig, parallel=None):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.pos = nn.Parameter(torch.zeros(config.max_seq_len, config.d_model))
-        self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
+        self.blocks = nn.ModuleList(TransformerBlock(config, parallel) for _ in range(config.num_layers))
         self.norm = nn.LayerNorm(config.d_model)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         nn.init.normal_(self.embed.weight, std=0.02)
@@ -93,6 +95,21 @@ def load_tiny_corpus() -> torch.Tensor:
 
     text = files("moetrain").joinpath("data/tiny_corpus.txt").read_text(encoding="utf-8")
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+
+
+def load_text_corpus(source: str, min_bytes: int) -> torch.Tensor:
+    """``"embedded"`` or a UTF-8 text file as byte values; errors name the file."""
+    if source == "embedded":
+        corpus = load_tiny_corpus()
+    else:
+        try:
+            data = Path(source).read_bytes()
+        except OSError as error:
+            raise ValueError(f"data.source: cannot read {source}: {error.strerror}") from None
+        corpus = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    if corpus.numel() < min_bytes:
+        raise ValueError(f"data.source {source} holds {corpus.numel()} bytes; a sequence needs {min_bytes}")
+    return corpus
 
 
 def sample_batch(corpus: torch.Tensor, batch: int, seq: int, generator: torch.Generator):

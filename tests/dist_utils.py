@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import queue as queue_module
 import socket
@@ -20,6 +21,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _serialize(value) -> bytes:
+    """Results travel as bytes: tensors passed through a multiprocessing queue would be shared by file
+    descriptors that vanish when the worker exits before the parent reads them."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
 def _entry(fn, rank, world_size, port, results, args):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
@@ -27,7 +36,7 @@ def _entry(fn, rank, world_size, port, results, args):
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-        results.put((rank, "ok", fn(rank, world_size, *args)))
+        results.put((rank, "ok", _serialize(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -68,7 +77,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> list:
                 continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            outputs[rank] = value
+            outputs[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=5)

@@ -1,0 +1,410 @@
+"""The training loop: ``Trainer(TrainConfig).train()``.
+
+One optimizer step = ``grad_accum`` micro-steps of ``data.micro_batch_size`` sequences per rank:
+
+1. forward under autocast (bf16 / fp16) and ``loss / grad_accum`` backward (DDP syncs dense
+   gradients on the last micro-step only); MoE aux losses are injected into the same backward with
+   the matching scale (``set_aux_loss_scale``: ``loss_scale / grad_accum``);
+2. expert gradients reduced over their expert-data-parallel group, fp16 gradients unscaled;
+3. clipping by the true global norm (each expert once), optimizer step (AdamW, group-wise or
+   CPU-offloaded), LR schedule: linear warm-up then cosine decay to ``min_lr_ratio * lr``.
+
+Rank 0 shows a progress bar and writes ``out_dir/metrics.jsonl`` (and TensorBoard events when the
+``tensorboard`` package is installed): loss, aux loss, learning rate, grad norm, tokens/s, and per
+MoE layer the expert-load coefficient of variation and the dropped-token fraction. Checkpoints go
+to ``out_dir/checkpoints`` every ``checkpoint_every`` steps, at the end, and when SIGTERM arrives
+(SLURM pre-emption or time limit); a run resumes from the latest one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import signal
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moetrain.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
+from moetrain.comm.grad_sync import ExpertGradReducer, clip_grad_norm_, global_grad_norm, wrap_data_parallel
+from moetrain.config import TrainConfig
+from moetrain.layers import collect_moe_stats, set_aux_loss_scale
+from moetrain.offload import GroupwiseApply, OffloadOptimizer
+from moetrain.parallel import ParallelContext, init_distributed
+from moetrain.progress import ProgressBar
+
+
+class TextBatches:
+    """Random windows of a byte corpus for next-token prediction; the generator is seeded per
+    rank (``seed * 1000003 + rank``) and its state is the data position saved in checkpoints."""
+
+    def __init__(self, corpus: torch.Tensor, batch: int, seq: int, seed: int, rank: int):
+        self.corpus, self.batch, self.seq = corpus, batch, seq
+        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+        self.batches_drawn = 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(0, self.corpus.numel() - self.seq - 1, (self.batch,), generator=self.generator)
+        offsets = torch.arange(self.seq + 1)
+        windows = self.corpus[starts.unsqueeze(1) + offsets]
+        self.batches_drawn += 1
+        return windows[:, :-1], windows[:, 1:]
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.batch * self.seq
+
+    def reseed(self, seed: int, rank: int, step: int) -> None:
+        """A new stream for ``rank`` resuming at ``step`` when no saved position exists for it
+        (the run was saved with fewer ranks)."""
+        self.generator.manual_seed((seed * 1_000_003 + rank) * 1_000_033 + step)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state(), "batches_drawn": self.batches_drawn}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.batches_drawn = state["batches_drawn"]
+
+
+def build_moe_lm(config: TrainConfig, parallel: ParallelContext, rank: int):
+    """The foundation's MoE language model on a byte corpus: (model, batches, loss function)."""
+    from moetrain.lm import MoETransformerLM, load_text_corpus
+
+    if config.data.seq_len > config.model.max_seq_len:
+        raise ValueError(
+            f"data.seq_len = {config.data.seq_len} exceeds model.max_seq_len = {config.model.max_seq_len}"
+        )
+    corpus = load_text_corpus(config.data.source, config.data.seq_len + 2)
+    model = MoETransformerLM(config.model, parallel)
+    batches = TextBatches(corpus, config.data.micro_batch_size, config.data.seq_len, config.seed, rank)
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    return model, batches, loss_fn
+
+
+MODEL_BUILDERS = {"moe_lm": build_moe_lm}
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    """Learning-rate multiplier at optimizer step ``step`` (0-based): ``(step + 1) / warmup`` during
+    warm-up, then ``min + (1 - min) * (1 + cos(pi * progress)) / 2`` with progress in [0, 1]."""
+    optim = config.optim
+    if step < optim.warmup_steps:
+        return (step + 1) / optim.warmup_steps
+    span = max(1, config.steps - optim.warmup_steps)
+    progress = min(1.0, (step - optim.warmup_steps) / span)
+    return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _model_name(config: TrainConfig) -> str:
+    for name, cls in _model_classes().items():
+        if isinstance(config.model, cls):
+            return name
+    raise ValueError(f"model config {type(config.model).__name__} has no registered model builder")
+
+
+def _model_classes() -> dict:
+    from moetrain.config import model_config_classes
+
+    return model_config_classes()
+
+
+class Trainer:
+    """Builds everything a run needs from a validated :class:`TrainConfig`, then ``train()``."""
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        self.launch = init_distributed()
+        self.parallel = ParallelContext(config.parallel)
+        self.rank = self.parallel.rank
+        self.is_main = self.rank == 0
+        torch.manual_seed(config.seed)  # identical on every rank: dense replicas start equal
+        random.seed(config.seed)
+        builder = MODEL_BUILDERS[_model_name(config)]
+        self.model, self.batches, self.loss_fn = builder(config, self.parallel, self.rank)
+        self.ddp = wrap_data_parallel(self.model, self.parallel)
+        self.reducer = ExpertGradReducer(self.model, self.parallel)
+        self.optimizer = self._build_optimizer()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_at(step, config))
+        device_type = "cpu"
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
+        self.device_type = device_type
+        self.scaler = torch.amp.GradScaler(device_type) if config.precision == "fp16" else None
+        self.out_dir = Path(config.out_dir)
+        self.checkpoint_dir = self.out_dir / "checkpoints"
+        self.step = 0
+        self.stop_requested = False
+        self.recompute_plan = None
+        if config.recompute_budget_mb is not None:
+            self._plan_recompute()
+
+    # ------------------------------------------------------------------------------------------
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        optim = self.config.optim
+        decay, no_decay = [], []
+        for name, param in self.model.named_parameters():
+            (no_decay if param.dim() < 2 or "norm" in name else decay).append(param)
+        groups = [
+            {"params": decay, "weight_decay": optim.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        if optim.name == "offload":
+            return OffloadOptimizer(
+                groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, num_apply_groups=optim.num_apply_groups
+            )
+        adamw = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, foreach=True)
+        return GroupwiseApply(adamw, optim.num_apply_groups) if optim.name == "groupwise" else adamw
+
+    def _plan_recompute(self) -> None:
+        from moetrain.recompute import apply_recompute_plan, auto_checkpoint, remove_recompute
+
+        inputs, targets = TextBatches(
+            self.batches.corpus, self.batches.batch, self.batches.seq, self.config.seed + 7, self.rank
+        ).next()
+        budget = int(self.config.recompute_budget_mb * 2**20)
+        plan = auto_checkpoint(
+            self.model, inputs, budget, loss_fn=lambda out: self.loss_fn(out, targets), verbose=self.is_main
+        )
+        names = [list(plan.recomputed)]
+        if self.parallel.world_size > 1:  # every rank recomputes what rank 0 chose
+            dist.broadcast_object_list(names, src=0)
+            remove_recompute(self.model)
+            apply_recompute_plan(self.model, names[0])
+        self.recompute_plan = plan
+
+    # ------------------------------------------------------------------------------------------
+    def _extra_state(self) -> dict:
+        return {
+            "data": self.batches.state_dict(),
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "config": asdict(self.config),
+        }
+
+    def save(self) -> None:
+        save_checkpoint(
+            self.checkpoint_dir,
+            self.step,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            extra_state=self._extra_state(),
+            parallel=self.parallel,
+            keep_last=self.config.keep_last,
+        )
+
+    def maybe_resume(self) -> None:
+        if not self.config.resume or latest_checkpoint(self.checkpoint_dir) is None:
+            return
+        loaded = load_checkpoint(
+            self.checkpoint_dir,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            parallel=self.parallel,
+        )
+        self.step = loaded["step"]
+        extra = loaded["extra_state"]
+        if loaded["extra_state_rank"] == self.rank:
+            self.batches.load_state_dict(extra["data"])
+        else:  # a rank the saved run did not have: a fresh stream, distinct from the others
+            self.batches.reseed(self.config.seed, self.rank, self.step)
+        if self.scaler is not None and extra.get("scaler"):
+            self.scaler.load_state_dict(extra["scaler"])
+        if self.is_main:
+            print(f"resumed from step {self.step} ({self.checkpoint_dir})", flush=True)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.stop_requested = True
+
+    # ------------------------------------------------------------------------------------------
+    def _micro_step(self, last: bool, loss_scale: float) -> tuple[float, float]:
+        inputs, targets = self.batches.next()
+        accum = self.config.grad_accum
+        set_aux_loss_scale(self.model, loss_scale / accum)
+        sync = last or self.ddp is self.model
+        context = contextlib.nullcontext() if sync else self.ddp.no_sync()
+        with context:
+            with torch.autocast(
+                self.device_type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
+            ):
+                output = self.ddp(inputs)
+            loss = self.loss_fn(output, targets)
+            scaled = loss / accum
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        return loss.item(), collect_moe_stats(self.model).aux_loss.item()
+
+    def _global_mean(self, values: list[float]) -> list[float]:
+        if self.parallel.world_size == 1:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor)
+        return (tensor / self.parallel.world_size).tolist()
+
+    def _expert_metrics(self) -> dict:
+        """Per MoE layer: coefficient of variation of the tokens routed to each expert, summed
+        over the data-parallel ranks, and the global dropped-token fraction."""
+        stats = collect_moe_stats(self.model).layers
+        if not stats:
+            return {}
+        routed = torch.stack([s.routed_per_expert for s in stats]).double()
+        kept = torch.stack([s.kept_per_expert for s in stats]).double()
+        if self.parallel.world_size > 1:
+            both = torch.stack([routed, kept])
+            dist.all_reduce(both)
+            routed, kept = both[0], both[1]
+        cv = (routed.std(dim=1, unbiased=False) / routed.mean(dim=1).clamp_min(1e-12)).tolist()
+        dropped = (1 - kept.sum(1) / routed.sum(1).clamp_min(1)).tolist()
+        return {"expert_load_cv": cv, "dropped_fraction": dropped}
+
+    def train_step(self) -> dict:
+        config = self.config
+        start = time.perf_counter()
+        loss_scale = self.scaler.get_scale() if self.scaler is not None else 1.0
+        self.optimizer.zero_grad(set_to_none=True)
+        losses, auxes = [], []
+        for micro in range(config.grad_accum):
+            loss, aux = self._micro_step(micro == config.grad_accum - 1, loss_scale)
+            losses.append(loss)
+            auxes.append(aux)
+        self.reducer.reduce()
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if config.optim.grad_clip > 0:
+            grad_norm = float(clip_grad_norm_(self.model, config.optim.grad_clip, self.parallel))
+        else:
+            grad_norm = float(global_grad_norm(self.model, self.parallel))
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
+        self.step += 1
+        loss, aux = self._global_mean([sum(losses) / len(losses), sum(auxes) / len(auxes)])
+        elapsed = time.perf_counter() - start
+        tokens = self.batches.tokens_per_batch * config.grad_accum * self.parallel.world_size
+        return {
+            "step": self.step,
+            "loss": loss,
+            "aux_loss": aux,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens / elapsed,
+            **self._expert_metrics(),
+        }
+
+    def train(self, until: int | None = None) -> list[dict]:
+        """Runs to ``config.steps`` (resuming first when a checkpoint exists), or only to step
+        ``until`` (then checkpoints, as if interrupted); returns the metrics of every step run
+        here. Stops early, after a checkpoint, when SIGTERM arrives."""
+        config = self.config
+        last_step = config.steps if until is None else min(until, config.steps)
+        self.maybe_resume()
+        if self.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.json").write_text(json.dumps(asdict(config), indent=2, default=str))
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        writer = _MetricsWriter(self.out_dir) if self.is_main else None
+        bar = ProgressBar(config.steps, "train") if self.is_main else None
+        history = []
+        try:
+            while self.step < last_step:
+                metrics = self.train_step()
+                history.append(metrics)
+                if writer is not None:
+                    writer.write(metrics)
+                    bar.update(
+                        self.step,
+                        loss=metrics["loss"],
+                        aux=metrics["aux_loss"],
+                        **{"tok/s": int(metrics["tokens_per_s"])},
+                    )
+                stop = self._agree(self.stop_requested)
+                if stop or (config.checkpoint_every and self.step % config.checkpoint_every == 0):
+                    self.save()
+                if stop:
+                    if self.is_main:
+                        print(f"\nSIGTERM: checkpoint saved at step {self.step}, stopping", flush=True)
+                    break
+            else:
+                if not checkpoint_path(self.checkpoint_dir, self.step).exists():
+                    self.save()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            if bar is not None:
+                bar.close()
+            if writer is not None:
+                writer.close()
+        return history
+
+    def _agree(self, flag: bool) -> bool:
+        """True on every rank when any rank's flag is set (all ranks checkpoint together)."""
+        if self.parallel.world_size == 1:
+            return flag
+        tensor = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return bool(tensor.item())
+
+
+class _MetricsWriter:
+    """``metrics.jsonl`` (one JSON object per step) and, when installed, TensorBoard events."""
+
+    def __init__(self, out_dir: Path):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(out_dir / "metrics.jsonl", "a")  # noqa: SIM115 - open for the whole run
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(out_dir / "tensorboard"))
+        except ImportError:
+            self.tensorboard = None
+            print("tensorboard is not installed: metrics go to metrics.jsonl only", flush=True)
+
+    def write(self, metrics: dict) -> None:
+        self.file.write(json.dumps(metrics) + "\n")
+        self.file.flush()
+        if self.tensorboard is not None:
+            step = metrics["step"]
+            for key, value in metrics.items():
+                if isinstance(value, list):
+                    for layer, item in enumerate(value):
+                        self.tensorboard.add_scalar(f"{key}/layer{layer}", item, step)
+                elif key != "step":
+                    self.tensorboard.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def check_fits(config: TrainConfig, world_size: int) -> None:
+    """Validates the parallel layout against the model before anything is built: one-line
+    ValueErrors naming the numbers."""
+    ep = config.parallel.ep_size
+    if world_size % ep:
+        raise ValueError(f"parallel.ep_size = {ep} must divide the world size = {world_size}")
+    moe = getattr(config.model, "moe", None)
+    if moe is not None and moe.num_experts % ep:
+        raise ValueError(
+            f"model.moe.num_experts = {moe.num_experts} must be divisible by parallel.ep_size = {ep}"
+        )
+
+
+def world_size_from_env() -> int:
+    from moetrain.parallel import read_launch_environment
+
+    return read_launch_environment(os.environ).world_size

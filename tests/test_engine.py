@@ -1,0 +1,178 @@
+"""The training engine and the `moetrain train` command."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetrain.cli import build_train_config, main
+from moetrain.config import TrainConfig, config_from_dict
+from moetrain.engine import Trainer, check_fits, lr_at
+from tests.dist_utils import run_distributed
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny(out_dir, **overrides) -> dict:
+    config = {
+        "model": {
+            "name": "moe_lm",
+            "d_model": 32,
+            "num_layers": 1,
+            "num_heads": 2,
+            "max_seq_len": 16,
+            "moe": {"d_ff": 32, "num_experts": 4, "top_k": 2, "router_jitter": 0.05},
+        },
+        "data": {"micro_batch_size": 4, "seq_len": 16},
+        "optim": {"lr": 3e-3, "warmup_steps": 2},
+        "steps": 8,
+        "out_dir": str(out_dir),
+        "threads": 1,
+        "log_every": 1,
+    }
+    for key, value in overrides.items():
+        node = config
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return config
+
+
+def run(config: dict, until=None) -> list[float]:
+    return [m["loss"] for m in Trainer(config_from_dict(TrainConfig, config)).train(until=until)]
+
+
+def test_same_config_twice_gives_the_same_losses(tmp_path):
+    first = run(tiny(tmp_path / "a"))
+    second = run(tiny(tmp_path / "b"))
+    assert first == second and len(first) == 8
+    assert all(torch.isfinite(torch.tensor(first)))
+
+
+def test_resume_equals_straight_run(tmp_path):
+    straight = run(tiny(tmp_path / "straight", grad_accum=2))
+    interrupted = run(tiny(tmp_path / "resumed", grad_accum=2), until=4)
+    resumed = run(tiny(tmp_path / "resumed", grad_accum=2))
+    assert len(interrupted) == 4 and len(resumed) == 4
+    assert interrupted + resumed == straight
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"precision": "bf16"},
+        {"precision": "fp16"},
+        {"optim.name": "groupwise"},
+        {"optim.name": "offload", "precision": "bf16"},
+        {"recompute_budget_mb": 0.05},
+    ],
+)
+def test_precisions_and_optimizers_train(tmp_path, overrides):
+    losses = run(tiny(tmp_path, steps=12, **overrides))
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def test_metrics_file_and_checkpoints(tmp_path):
+    run(tiny(tmp_path, checkpoint_every=3, keep_last=2))
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(1, 9))
+    for key in ("loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "expert_load_cv", "dropped_fraction"):
+        assert key in lines[-1]
+    assert len(lines[-1]["expert_load_cv"]) == 1  # one MoE layer
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if not p.name.endswith(".tmp"))
+    assert len([c for c in checkpoints if c.startswith("step_")]) == 2  # keep_last
+
+
+def test_lr_schedule_warmup_then_cosine():
+    config = config_from_dict(
+        TrainConfig, tiny("x", steps=12, **{"optim.warmup_steps": 2, "optim.min_lr_ratio": 0.1})
+    )
+    values = [lr_at(step, config) for step in range(12)]
+    assert values[:2] == [0.5, 1.0] and values[2] == pytest.approx(1.0)
+    assert values[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(0.9 * torch.pi)).item()))
+    assert all(a >= b for a, b in zip(values[2:], values[3:], strict=False))
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_cli_errors_are_one_line_before_training(tmp_path, capsys):
+    good = tiny(tmp_path)
+    cases = {
+        _write(
+            tmp_path, "unknown.json", json.dumps({**good, "optim": {"lrr": 1}})
+        ): "unknown key 'optim.lrr'",
+        _write(tmp_path, "bad.yaml", "model: [unclosed"): "is not valid YAML",
+        str(tmp_path / "missing.yaml"): "cannot read config",
+        _write(tmp_path, "value.json", json.dumps({**good, "precision": "fp8"})): "precision must be one of",
+        _write(
+            tmp_path, "ep.json", json.dumps({**good, "parallel": {"ep_size": 3}})
+        ): "ep_size = 3 must divide",
+    }
+    for path, message in cases.items():
+        assert main(["train", "--config", path]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_cli_overrides(tmp_path):
+    path = _write(tmp_path, "run.yaml", json.dumps(tiny(tmp_path)))
+    config = build_train_config(path, ["optim.lr=1e-4", "optim.betas=[0.8, 0.9]", "model.moe.top_k=1"])
+    assert config.optim.lr == 1e-4 and config.optim.betas == (0.8, 0.9) and config.model.moe.top_k == 1
+    with pytest.raises(ValueError, match="experts"):
+        check_fits(config_from_dict(TrainConfig, tiny(tmp_path, **{"parallel.ep_size": 8})), 8)
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_checkpoints_then_exits(tmp_path):
+    path = _write(tmp_path, "run.json", json.dumps(tiny(tmp_path, steps=100000)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moetrain.cli", "train", "--config", path],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    assert "SIGTERM: checkpoint saved" in out + err
+    steps = [
+        p
+        for p in (tmp_path / "checkpoints").iterdir()
+        if p.name.startswith("step_") and not p.name.endswith(".tmp")
+    ]
+    assert len(steps) == 1
+
+
+def distributed_worker(rank, world, out_dir):
+    config = config_from_dict(
+        TrainConfig, tiny(out_dir, **{"parallel.ep_size": world, "parallel.local_world_size": 1})
+    )
+    return [m["loss"] for m in Trainer(config).train()]
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_with_expert_parallelism_train_and_resume(tmp_path):
+    first = run_distributed(distributed_worker, 2, str(tmp_path))
+    assert first[0] == first[1] and len(first[0]) == 8  # the logged loss is the global mean
+    assert (tmp_path / "checkpoints").exists()
