@@ -73,6 +73,7 @@ def test_resume_equals_straight_run(tmp_path):
         {"precision": "fp16"},
         {"optim.name": "groupwise"},
         {"optim.name": "offload", "precision": "bf16"},
+        {"optim.name": "offload", "precision": "fp16", "grad_accum": 2},
         {"recompute_budget_mb": 0.05},
     ],
 )
