@@ -57,62 +57,6 @@ def _row_offsets(rows_per_expert: list[int]) -> list[int]:
     return offsets
 
 
-class _GroupedMatmul(torch.autograd.Function):
-    """``out[rows_e] = x[rows_e] @ w[e]`` for each expert e; backward computes
-    ``grad_x[rows_e] = grad[rows_e] @ w[e]^T`` and ``grad_w[e] = x[rows_e]^T @ grad[rows_e]`` straight
-    into the stacked gradient (no per-expert full-size zero tensors)."""
-
-    @staticmethod
-    def forward(ctx, x_NI, w_EIO, offsets: list[int], grad_buffer: ReusableGradBuffer | None) -> torch.Tensor:
-        ctx.save_for_backward(x_NI, w_EIO)
-        ctx.offsets = offsets
-        ctx.grad_buffer = grad_buffer
-        out_NO = x_NI.new_empty(x_NI.shape[0], w_EIO.shape[2])
-        for e in range(w_EIO.shape[0]):
-            start, end = offsets[e], offsets[e + 1]
-            if end > start:
-                torch.mm(x_NI[start:end], w_EIO[e], out=out_NO[start:end])
-        return out_NO
-
-    @staticmethod
-    def backward(ctx, grad_NO: torch.Tensor):
-        x_NI, w_EIO = ctx.saved_tensors
-        offsets = ctx.offsets
-        grad_NO = grad_NO.contiguous()
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = x_NI.new_empty(x_NI.shape)
-        if ctx.needs_input_grad[1]:
-            grad_w = ctx.grad_buffer.get(w_EIO) if ctx.grad_buffer is not None else torch.empty_like(w_EIO)
-        for e in range(w_EIO.shape[0]):
-            start, end = offsets[e], offsets[e + 1]
-            if grad_x is not None and end > start:
-                torch.mm(grad_NO[start:end], w_EIO[e].t(), out=grad_x[start:end])
-            if grad_w is not None:
-                if end > start:
-                    torch.mm(x_NI[start:end].t(), grad_NO[start:end], out=grad_w[e])
-                else:
-                    grad_w[e].zero_()
-        return grad_x, grad_w, None, None
-
-
-def grouped_matmul(
-    x_NI: torch.Tensor,
-    w_EIO: torch.Tensor,
-    rows_per_expert: list[int],
-    grad_buffer: ReusableGradBuffer | None = None,
-) -> torch.Tensor:
-    """Per-expert GEMM over contiguous row blocks: ``out[rows_e] = x[rows_e] @ w[e]``.
-
-    ``grad_buffer`` (optional) provides reusable storage for the weight gradient."""
-    if sum(rows_per_expert) != x_NI.shape[0] or len(rows_per_expert) != w_EIO.shape[0]:
-        raise ValueError(
-            f"rows_per_expert {rows_per_expert} must have {w_EIO.shape[0]} entries summing to the "
-            f"{x_NI.shape[0]} rows of x"
-        )
-    return _GroupedMatmul.apply(x_NI.contiguous(), w_EIO, _row_offsets(rows_per_expert), grad_buffer)
-
-
 def _grouped_mm_into(
     out: torch.Tensor, a: torch.Tensor, w_EIO: torch.Tensor, offsets: list[int], transpose_w: bool
 ):
@@ -133,6 +77,48 @@ def _grouped_weight_grad(grad_w: torch.Tensor, a: torch.Tensor, g: torch.Tensor,
         else:
             grad_w[e].zero_()
     return grad_w
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """``out[rows_e] = x[rows_e] @ w[e]`` for each expert e; backward computes
+    ``grad_x[rows_e] = grad[rows_e] @ w[e]^T`` and ``grad_w[e] = x[rows_e]^T @ grad[rows_e]`` straight
+    into the stacked gradient (no per-expert full-size zero tensors)."""
+
+    @staticmethod
+    def forward(ctx, x_NI, w_EIO, offsets: list[int], grad_buffer: ReusableGradBuffer) -> torch.Tensor:
+        ctx.save_for_backward(x_NI, w_EIO)
+        ctx.offsets = offsets
+        ctx.grad_buffer = grad_buffer
+        return _grouped_mm_into(x_NI.new_empty(x_NI.shape[0], w_EIO.shape[2]), x_NI, w_EIO, offsets, False)
+
+    @staticmethod
+    def backward(ctx, grad_NO: torch.Tensor):
+        x_NI, w_EIO = ctx.saved_tensors
+        grad_NO = grad_NO.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _grouped_mm_into(torch.empty_like(x_NI), grad_NO, w_EIO, ctx.offsets, True)
+        if ctx.needs_input_grad[1]:
+            grad_w = _grouped_weight_grad(ctx.grad_buffer.get(w_EIO), x_NI, grad_NO, ctx.offsets)
+        return grad_x, grad_w, None, None
+
+
+def grouped_matmul(
+    x_NI: torch.Tensor,
+    w_EIO: torch.Tensor,
+    rows_per_expert: list[int],
+    grad_buffer: ReusableGradBuffer | None = None,
+) -> torch.Tensor:
+    """Per-expert GEMM over contiguous row blocks: ``out[rows_e] = x[rows_e] @ w[e]``.
+
+    ``grad_buffer`` (optional) provides reusable storage for the weight gradient."""
+    grad_buffer = grad_buffer if grad_buffer is not None else ReusableGradBuffer()
+    if sum(rows_per_expert) != x_NI.shape[0] or len(rows_per_expert) != w_EIO.shape[0]:
+        raise ValueError(
+            f"rows_per_expert {rows_per_expert} must have {w_EIO.shape[0]} entries summing to the "
+            f"{x_NI.shape[0]} rows of x"
+        )
+    return _GroupedMatmul.apply(x_NI.contiguous(), w_EIO, _row_offsets(rows_per_expert), grad_buffer)
 
 
 class _ExpertMLP(torch.autograd.Function):
@@ -222,13 +208,11 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_ND: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
         dtype = x_ND.dtype
-        # Weights already in the compute dtype are the parameters themselves: their gradient can
-        # then live in a reused buffer (a cast copy's gradient is converted by autograd anyway).
         w1, w2 = self.w1_EDF.to(dtype), self.w2_EFD.to(dtype)
-        buffers = self._grad_buffers if w1 is self.w1_EDF else (None, None)
+        # A fresh buffer (used once) is a plain allocation: the gradient of a cast copy is
+        # converted by autograd, so only the parameters' own gradients are worth keeping.
+        buffers = self._grad_buffers if w1 is self.w1_EDF else (ReusableGradBuffer(), ReusableGradBuffer())
         if self.activation != "swiglu":
-            if buffers[0] is None:
-                buffers = (ReusableGradBuffer(), ReusableGradBuffer())  # used once: plain allocations
             offsets = _row_offsets(rows_per_expert)
             return _ExpertMLP.apply(x_ND.contiguous(), w1, w2, offsets, self.activation, buffers)
         h_NF = grouped_matmul(x_ND, w1, rows_per_expert, buffers[0])
