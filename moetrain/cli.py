@@ -1,6 +1,7 @@
 """The ``moetrain`` command.
 
     moetrain train --config run.yaml [--set optim.lr=1e-3 --set steps=200 ...]
+    moetrain plan --model m6-1T --cluster v100-32gb --nodes 60 --inter-node-gbps 35 --recommend
 
 The config file (YAML or JSON) is one :class:`moetrain.config.TrainConfig` tree; ``--set`` overrides
 a key by its dotted path (values parsed as YAML: ``1e-3``, ``true``, ``[0.9, 0.95]``). Everything is
@@ -18,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from moetrain.config import TrainConfig, config_from_dict
+from moetrain.planner.cli import add_plan_parser
 
 
 class _Loader(yaml.SafeLoader):
@@ -100,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
     )
     train.set_defaults(run=_train)
+    add_plan_parser(commands)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -190,7 +190,7 @@ class GroupedExperts(nn.Module):
         inner = 2 * d_ff if activation == "swiglu" else d_ff
         self.w1_EDF = nn.Parameter(torch.empty(num_experts, d_model, inner))
         self.w2_EFD = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
-        self.seed = int(torch.randint(0, 2**62, ())) if seed is None else seed
+        self.seed = int(torch.randint(0, 2**62, (), device="cpu")) if seed is None else seed
         self._grad_buffers = (ReusableGradBuffer(), ReusableGradBuffer())
         self.reset_parameters()
 

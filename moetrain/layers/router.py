@@ -37,7 +37,7 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.d_model))
-        nn.init.normal_(self.weight, std=config.d_model**-0.5)
+        nn.init.normal_(self.weight, std=0.02)  # small logits: near-uniform routing at the start
 
     def router_dtype(self, x: torch.Tensor) -> torch.dtype:
         return torch.float64 if x.dtype == torch.float64 else torch.float32

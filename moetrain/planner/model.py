@@ -1,0 +1,322 @@
+"""The model as the planner sees it: architecture numbers, and parameters counted on ``meta``.
+
+:class:`ModelArch` holds what the activation, FLOP and communication formulas need. The parameter
+counts are exact: the real model class is built on the ``meta`` device (no memory, no values) and
+its modules are walked; expert parameters are those of every
+:class:`~moetrain.layers.experts.GroupedExperts`, everything else is dense (held by every rank).
+The model is built without expert parallelism (each GroupedExperts holds all ``E`` experts of its
+layer); under EP a rank holds ``E / ep_size`` of them, so its share of a stacked expert weight
+``[E, ...]`` is exactly ``numel / E * (E / ep_size)``.
+
+Families (how a model's forward saves activations; see :mod:`moetrain.planner.activations`):
+
+- ``"moe_lm"``: :class:`moetrain.lm.MoETransformerLM` (causal attention, every FFN a MoELayer,
+  logits for every position).
+- ``"m6"``: ``models.m6_moe.model.M6Model`` (image patches through a conv stem, prefix-LM mask,
+  dropout, MoE every ``moe_every`` layers, MoE only on real tokens, logits for the targets).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from moetrain.config import MoEConfig
+from moetrain.layers.experts import GroupedExperts
+
+FAMILIES = ("moe_lm", "m6")
+M6_PRESETS = ("tiny", "base", "10B", "100B", "1T")
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Architecture numbers (legend: D model dim, H heads, V vocabulary, E experts, k choices).
+
+    - ``moe_layers``: indices of the layers whose FFN is a MoELayer (the others: a dense FFN of
+      hidden size ``dense_d_ff`` with ``moe.activation``).
+    - ``image_tokens``: patch positions prepended to every sequence (0: text only);
+      ``image_size``, ``image_channels``, ``patch_size``, ``stem_channels``: the conv stem.
+    - ``dropout``: probability on each residual branch, the embeddings and the attention.
+    - ``tied_head``: the output projection reuses the embedding matrix.
+    """
+
+    family: str
+    d_model: int
+    num_layers: int
+    num_heads: int
+    vocab_size: int
+    max_seq_len: int
+    moe: MoEConfig
+    moe_layers: tuple[int, ...]
+    dense_d_ff: int | None = None
+    dropout: float = 0.0
+    image_tokens: int = 0
+    image_size: int = 0
+    image_channels: int = 0
+    patch_size: int = 0
+    stem_channels: tuple[int, ...] = ()
+    tied_head: bool = False
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {', '.join(map(repr, FAMILIES))}, got {self.family!r}")
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    def is_moe_layer(self, index: int) -> bool:
+        return index in self.moe_layers
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    """Exact parameter counts (elements) from walking the model built on ``meta``.
+
+    ``dense``: every parameter outside GroupedExperts (counted once when tied). ``expert_stacks``:
+    ``(numel, E)`` per GroupedExperts parameter, the stacked weight of all ``E`` experts."""
+
+    dense: int
+    expert_stacks: tuple[tuple[int, int], ...]
+
+    @property
+    def expert_total(self) -> int:
+        return sum(numel for numel, _ in self.expert_stacks)
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert_total
+
+    def expert_per_rank(self, ep_size: int) -> int:
+        """Expert elements one rank holds: ``sum numel / E * (E / ep_size)``; ValueError when
+        ``ep_size`` does not divide some layer's ``E``."""
+        total = 0
+        for numel, experts in self.expert_stacks:
+            if experts % ep_size:
+                raise ValueError(
+                    f"ep_size = {ep_size} must divide num_experts = {experts} (each expert-parallel rank "
+                    f"holds the same number of experts)"
+                )
+            total += numel // experts * (experts // ep_size)
+        return total
+
+    def per_rank(self, ep_size: int) -> int:
+        return self.dense + self.expert_per_rank(ep_size)
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """A model for the planner: its name, architecture, config and how to build it (any device)."""
+
+    name: str
+    arch: ModelArch
+    config: object
+    build: Callable[[], nn.Module] = field(repr=False, compare=False)
+
+    @cached_property
+    def params(self) -> ParameterCount:
+        """Counted once (model built on ``meta``) and cached."""
+        return count_parameters(build_on_meta(self.build))
+
+
+class _MetaConstructors(TorchFunctionMode):
+    """Tensor factories without a device go to ``meta``, except 0-dim ``torch.randint`` (a seed
+    drawn on the CPU for initialisation, e.g. ``GroupedExperts.seed``, which ``int()`` reads)."""
+
+    FACTORIES = frozenset(
+        {
+            torch.empty,
+            torch.empty_strided,
+            torch.zeros,
+            torch.ones,
+            torch.full,
+            torch.rand,
+            torch.randn,
+            torch.randint,
+            torch.arange,
+            torch.eye,
+            torch.linspace,
+            torch.tensor,
+        }
+    )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in self.FACTORIES and kwargs.get("device") is None:
+            seed_draw = func is torch.randint and _is_scalar_size(args, kwargs)
+            kwargs["device"] = torch.device("cpu") if seed_draw else torch.device("meta")
+        return func(*args, **kwargs)
+
+
+def _is_scalar_size(args, kwargs) -> bool:
+    size = kwargs.get("size", args[-1] if args else None)
+    return isinstance(size, (tuple, list, torch.Size)) and len(size) == 0
+
+
+def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
+    """Calls ``build()`` with every parameter created on the ``meta`` device (see
+    :class:`_MetaConstructors`); raises ValueError if a parameter still ends up elsewhere."""
+    with _MetaConstructors():
+        model = build()
+    stray = [name for name, p in model.named_parameters() if p.device.type != "meta"]
+    if stray:
+        raise ValueError(f"building the model on meta left parameters on other devices: {stray[:3]}")
+    return model
+
+
+def count_parameters(model: nn.Module) -> ParameterCount:
+    """Dense and expert parameter elements of ``model`` (each parameter once, tied ones once)."""
+    expert_ids, stacks = set(), []
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            for param in module.parameters(recurse=False):
+                if id(param) not in expert_ids:
+                    expert_ids.add(id(param))
+                    stacks.append((param.numel(), module.num_experts))
+    dense = sum(p.numel() for p in model.parameters() if id(p) not in expert_ids)
+    return ParameterCount(dense=dense, expert_stacks=tuple(stacks))
+
+
+# ---------------------------------------------------------------------------------------------
+# Families
+# ---------------------------------------------------------------------------------------------
+
+
+def describe_lm(config, name: str = "moe_lm") -> ModelDescription:
+    """A :class:`moetrain.lm.LMConfig` model."""
+    from moetrain.lm import MoETransformerLM
+
+    arch = ModelArch(
+        family="moe_lm",
+        d_model=config.d_model,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        vocab_size=config.vocab_size,
+        max_seq_len=config.max_seq_len,
+        moe=config.moe,
+        moe_layers=tuple(range(config.num_layers)),
+    )
+    return ModelDescription(name, arch, config, lambda: MoETransformerLM(config))
+
+
+def describe_m6(config, name: str = "m6") -> ModelDescription:
+    """A ``models.m6_moe.config.M6Config`` model (needs the ``models`` package importable)."""
+    from models.m6_moe.model import M6Model
+
+    arch = ModelArch(
+        family="m6",
+        d_model=config.d_model,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        vocab_size=config.vocab_size,
+        max_seq_len=config.max_text_len,
+        moe=config.moe,
+        moe_layers=tuple(i for i in range(config.num_layers) if config.is_moe_layer(i)),
+        dense_d_ff=config.d_ff,
+        dropout=float(config.dropout),
+        image_tokens=config.num_patches,
+        image_size=config.image_size,
+        image_channels=config.image_channels,
+        patch_size=config.patch_size,
+        stem_channels=tuple(config.stem_channels),
+        tied_head=bool(config.tie_embeddings),
+    )
+    return ModelDescription(name, arch, config, lambda: M6Model(config))
+
+
+def m6_available() -> bool:
+    """Whether ``models.m6_moe`` (config and model) can be imported here."""
+    try:
+        import models.m6_moe.config  # noqa: F401
+        import models.m6_moe.model  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def describe(config, name: str | None = None) -> ModelDescription:
+    """A description of a model config object (``LMConfig`` or ``M6Config``)."""
+    from moetrain.lm import LMConfig
+
+    if isinstance(config, LMConfig):
+        return describe_lm(config, name or "moe_lm")
+    if type(config).__name__ == "M6Config" and type(config).__module__.startswith("models.m6_moe"):
+        return describe_m6(config, name or "m6")
+    raise ValueError(
+        f"model config must be a moetrain.lm.LMConfig or models.m6_moe.config.M6Config, got "
+        f"{type(config).__name__}"
+    )
+
+
+def resolve_model(spec: str) -> tuple[ModelDescription, dict]:
+    """``--model`` of ``moetrain plan``: an M6 preset (``m6-1T``, ``m6-tiny``, ..., case-insensitive)
+    or a YAML/JSON file holding a training config (``model:`` with a ``name``; its ``data``,
+    ``parallel``, ``grad_accum`` and ``precision`` become default settings, returned as the second
+    item) or a bare model config (a mapping with ``name``)."""
+    lowered = spec.lower()
+    if lowered.startswith("m6-") or lowered.startswith("m6:"):
+        preset = next((p for p in M6_PRESETS if p.lower() == lowered[3:]), None)
+        if preset is None:
+            raise ValueError(
+                f"model preset must be one of {', '.join('m6-' + p for p in M6_PRESETS)} or a config file, "
+                f"got {spec!r}"
+            )
+        if not m6_available():
+            raise ValueError(f"model {spec!r} needs the models.m6_moe package, which cannot be imported here")
+        from models.m6_moe.config import M6Config
+
+        return describe_m6(M6Config.preset(preset), f"m6-{preset}"), {}
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(
+            f"model must be an M6 preset ({', '.join('m6-' + p for p in M6_PRESETS)}) or an existing "
+            f"YAML/JSON config file, got {spec!r}"
+        )
+    return _model_from_file(path)
+
+
+def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
+    import yaml
+
+    from moetrain.config import TrainConfig, config_from_dict, model_config_classes
+
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as error:
+        raise ValueError(
+            f"model config {path} is not valid YAML/JSON: {' '.join(str(error).split())}"
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(f"model config {path} must hold a mapping")
+    if "model" in data:
+        train = config_from_dict(TrainConfig, data)
+        defaults = {
+            "micro_batch": train.data.micro_batch_size,
+            "seq_len": train.data.seq_len,
+            "grad_accum": train.grad_accum,
+            "precision": train.precision,
+            "autocast": train.precision != "fp32",  # the engine: fp32 weights, autocast compute
+            "ep_size": train.parallel.ep_size,
+            "all_to_all": train.parallel.all_to_all,
+            "ep_layout": train.parallel.ep_layout,
+            "comm_dtype": train.parallel.comm_dtype,
+            "offload": train.optim.name == "offload",
+            "offload_apply_groups": train.optim.num_apply_groups,
+        }
+        return describe(train.model, path.stem), defaults
+    classes = model_config_classes()
+    if data.get("name") not in classes:
+        raise ValueError(
+            f"model config {path}: 'name' must be one of {', '.join(map(repr, classes))}, "
+            f"got {data.get('name')!r}"
+        )
+    body = {k: v for k, v in data.items() if k != "name"}
+    return describe(config_from_dict(classes[data["name"]], body, "model"), path.stem), {}

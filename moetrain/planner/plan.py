@@ -1,0 +1,468 @@
+"""One configuration on one cluster: memory per GPU and per node, traffic per collective, step time.
+
+:func:`make_plan` puts the pieces together:
+
+- parameters per rank from the model built on ``meta`` (:mod:`moetrain.planner.model`);
+- GPU memory: weights + gradients + optimizer states (unless offloaded) + activations (with the
+  recompute plan) + all-to-all buffers + transient working memory + reserved;
+- host memory per node: offloaded optimizer states (12 bytes/parameter: fp32 master and two
+  moments) and pinned staging (two apply groups of gradients + weight copies) for each of the
+  node's GPUs, plus the node's reserve;
+- traffic per optimizer step (:mod:`moetrain.planner.comm`): all-to-all rows and counts, the DP
+  all-reduce of dense gradients, the expert-DP all-reduce of expert gradients;
+- step time = compute + recompute + all-to-all + gradient sync + optimizer step, not overlapped
+  (an upper bound: DDP overlaps its all-reduce with backward in practice):
+  compute ``= grad_accum * 3 * forward FLOPs / (peak * compute_efficiency)`` (backward = 2x forward),
+  optimizer on the GPU ``= params * 28 B / memory bandwidth``, offloaded
+  ``= max(params * max(grad, weight bytes) / PCIe, gpus_per_node * params * (24 + grad + weight
+  bytes) / host memory bandwidth)`` (CPU Adam is bound by host memory; copies overlap it).
+
+Terms that are estimates, not validated by a test: all-to-all buffers, transient working memory,
+the reserve, and every time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from moetrain.planner.activations import ActivationModel, Workload, activation_model, ceil_fraction
+from moetrain.planner.comm import (
+    DDP_BUCKET_BYTES,
+    EXPERT_BUCKET_BYTES,
+    Traffic,
+    all_reduce_traffic,
+    all_to_all_traffic,
+    choose_all_to_all,
+    expert_groups,
+    group_layout,
+)
+from moetrain.planner.hardware import ClusterSpec
+from moetrain.planner.model import ModelDescription
+from moetrain.planner.settings import MODEL_CAPACITY, PlanSettings
+from moetrain.recompute import RecomputeOption, solve_recompute
+
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+ADAM_STATE_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq, per parameter
+CPU_ADAM_STATE_TRAFFIC = 24  # master, exp_avg, exp_avg_sq read and written: 3 x 4 x 2 bytes
+GPU_ADAM_TRAFFIC = 28  # bytes per parameter an Adam step moves on the GPU (states + grad + weight)
+GPU_MEMORY_TERMS = (
+    "weights",
+    "gradients",
+    "optimizer_states",
+    "activations",
+    "autocast_weight_copies",
+    "all_to_all_buffers",
+    "transient",
+    "reserved",
+)
+
+
+@dataclass(frozen=True)
+class RecomputeChoice:
+    """What is recomputed: module names (``blocks.3``, ``blocks.4.ffn``), the activation bytes
+    with and without it, and the extra forward FLOPs per micro-step."""
+
+    mode: str
+    recomputed: tuple[str, ...]
+    activation_bytes: int
+    baseline_bytes: int
+    min_activation_bytes: int
+    extra_flops: float
+    feasible: bool
+
+    @property
+    def layers_touched(self) -> int:
+        return len({name.split(".")[1] for name in self.recomputed})
+
+
+@dataclass
+class Plan:
+    """Everything :func:`make_plan` computed. Bytes per GPU in ``gpu_memory`` (named terms, see
+    ``GPU_MEMORY_TERMS``), per node in ``host_memory``; traffic per rank per step in ``traffic``;
+    seconds in ``time``; ``all_to_all_alternative``: rows and counts of the all-to-all algorithm not
+    chosen, for comparison (not in the step time). ``fits`` is True when both memories fit;
+    ``overflow`` names what does not, by how much and its largest term (e.g. ``"GPU memory: 37.06
+    GiB > 32.00 GiB by 5.06 GiB (largest term: optimizer_states 25.08 GiB)"``)."""
+
+    model: str
+    cluster: ClusterSpec
+    settings: PlanSettings
+    world_size: int
+    dp_size: int
+    expert_dp_size: int
+    all_to_all: str
+    capacity_factor: float | None
+    params: dict[str, int]
+    gpu_memory: dict[str, int]
+    gpu_capacity: int
+    host_memory: dict[str, int]
+    host_capacity: int
+    recompute: RecomputeChoice
+    activations: ActivationModel = field(repr=False)
+    traffic: list[Traffic] = field(default_factory=list)
+    all_to_all_alternative: Traffic | None = None
+    time: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def gpu_total(self) -> int:
+        return sum(self.gpu_memory.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host_memory.values())
+
+    @property
+    def fits(self) -> bool:
+        return (
+            self.gpu_total <= self.gpu_capacity
+            and self.host_total <= self.host_capacity
+            and self.recompute.feasible
+        )
+
+    @property
+    def overflow(self) -> str | None:
+        """Which memory does not fit, by how much, and its largest term; None when it fits."""
+        problems = []
+        for where, terms, total, capacity in (
+            ("GPU memory", self.gpu_memory, self.gpu_total, self.gpu_capacity),
+            ("host memory per node", self.host_memory, self.host_total, self.host_capacity),
+        ):
+            if total > capacity:
+                largest = max(terms, key=terms.get)
+                problems.append(
+                    f"{where}: {_gib(total)} > {_gib(capacity)} by {_gib(total - capacity)} "
+                    f"(largest term: {largest} {_gib(terms[largest])})"
+                )
+        if not self.recompute.feasible and self.recompute.mode == "budget":
+            problems.append(
+                f"activations: recompute_budget_bytes {_gib(self.settings.recompute_budget_bytes)} is below "
+                f"the minimum {_gib(self.recompute.min_activation_bytes)} any recompute reaches"
+            )
+        return "; ".join(problems) or None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.time["tokens_per_s"]
+
+    def to_dict(self) -> dict:
+        """JSON-ready: plain numbers, strings, lists and dicts."""
+        return {
+            "model": self.model,
+            "cluster": self.cluster.to_dict(),
+            "settings": self.settings.to_dict(),
+            "world_size": self.world_size,
+            "dp_size": self.dp_size,
+            "expert_dp_size": self.expert_dp_size,
+            "all_to_all": self.all_to_all,
+            "capacity_factor": self.capacity_factor,
+            "params": dict(self.params),
+            "gpu_memory": dict(self.gpu_memory),
+            "gpu_total": self.gpu_total,
+            "gpu_capacity": self.gpu_capacity,
+            "host_memory": dict(self.host_memory),
+            "host_total": self.host_total,
+            "host_capacity": self.host_capacity,
+            "recompute": asdict(self.recompute),
+            "activation_terms": {
+                "outside": dict(self.activations.outside),
+                "per_layer": [dict(layer.terms) for layer in self.activations.layers],
+            },
+            "traffic": [t.to_dict() for t in self.traffic],
+            "all_to_all_alternative": (
+                None if self.all_to_all_alternative is None else self.all_to_all_alternative.to_dict()
+            ),
+            "time": dict(self.time),
+            "fits": self.fits,
+            "overflow": self.overflow,
+            "notes": list(self.notes),
+        }
+
+    def format_table(self) -> str:
+        """The plan as a text table."""
+        from moetrain.planner.report import format_plan
+
+        return format_plan(self)
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"
+
+
+def resolve_capacity_factor(model: ModelDescription, settings: PlanSettings) -> float | None:
+    """The training capacity factor in force: the model's when ``settings.capacity_factor`` is
+    ``"model"``; 0 and None mean dropless (None)."""
+    cf = (
+        model.arch.moe.capacity_factor
+        if settings.capacity_factor == MODEL_CAPACITY
+        else settings.capacity_factor
+    )
+    return cf or None
+
+
+def workload(model: ModelDescription, settings: PlanSettings, kernels: str = "cuda") -> Workload:
+    """The per-rank :class:`Workload` of ``settings`` (row bound ``capacity`` for memory)."""
+    return Workload(
+        batch=settings.micro_batch,
+        seq_len=settings.seq_len,
+        itemsize=ITEMSIZE[settings.precision],
+        kernels=kernels,
+        ep_size=settings.ep_size,
+        capacity_factor=resolve_capacity_factor(model, settings),
+        row_bound="capacity",
+        target_len=settings.target_len,
+    )
+
+
+def choose_recompute(
+    acts: ActivationModel, settings: PlanSettings, flops_per_s: float, budget_bytes: int | None
+) -> RecomputeChoice:
+    """Applies ``settings.recompute`` (see :class:`PlanSettings`); ``budget_bytes`` is the activation
+    budget for ``"auto"`` (what the GPU has left) and ignored otherwise."""
+    groups = acts.groups(flops_per_s)
+    outside = acts.outside_bytes
+    baseline = acts.baseline_bytes
+    minimum = outside + sum(min(o.activation_bytes for o in g) for g in groups) + acts.attention_mask_bytes
+    mode = settings.recompute
+
+    def chosen(options: list[RecomputeOption], feasible: bool = True) -> RecomputeChoice:
+        names = tuple(n for o in options for n in o.recomputed)
+        bytes_ = outside + sum(o.activation_bytes for o in options)
+        if any(not n.endswith(".ffn") for n in names):  # a recomputed layer or attention block
+            bytes_ += acts.attention_mask_bytes
+        ms = sum(o.recompute_ms for o in options)
+        return RecomputeChoice(mode, names, bytes_, baseline, minimum, ms * 1e-3 * flops_per_s, feasible)
+
+    if mode == "none":
+        return chosen([g[0] for g in groups])
+    if mode == "full":
+        return chosen([g[-1] for g in groups])
+    if mode == "fraction":
+        count = ceil_fraction(settings.recompute_fraction, len(groups))
+        return chosen([g[-1] if i < count else g[0] for i, g in enumerate(groups)])
+    budget = settings.recompute_budget_bytes if mode == "budget" else budget_bytes
+    if baseline <= budget:
+        return chosen([g[0] for g in groups])
+    room = budget - outside - acts.attention_mask_bytes  # conservative for FFN-only plans (no mask)
+    choice = solve_recompute(groups, room) if room >= 0 else None
+    if choice is None:  # nothing fits: report the least memory any choice reaches, as not feasible
+        return chosen([min(g, key=lambda o: (o.activation_bytes, o.recompute_ms)) for g in groups], False)
+    return chosen([g[j] for g, j in zip(groups, choice, strict=True)])
+
+
+def make_plan(
+    model: ModelDescription, cluster: ClusterSpec, settings: PlanSettings, kernels: str = "cuda"
+) -> Plan:
+    """Memory, traffic and time of ``model`` trained with ``settings`` on ``cluster`` (see the
+    module docstring). ``kernels``: whose saving rules the activation model applies, ``"cuda"``
+    (the GPUs planned for) or ``"cpu"`` (to compare with a run on this machine). ValueError when
+    the layout is impossible (ep_size not dividing the world size or the expert count, an
+    unsupported precision on the GPU, ...)."""
+    world = cluster.world_size
+    ep = settings.ep_size
+    if world % ep:
+        raise ValueError(
+            f"ep_size = {ep} must divide the world size = {world} "
+            f"({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs)"
+        )
+    arch = model.arch
+    if arch.moe_layers and arch.moe.num_experts % ep:
+        raise ValueError(f"ep_size = {ep} must divide num_experts = {arch.moe.num_experts}")
+    if settings.seq_len > arch.max_seq_len:
+        raise ValueError(
+            f"seq_len = {settings.seq_len} exceeds the model's maximum of {arch.max_seq_len} text tokens"
+        )
+    if arch.family == "moe_lm" and settings.target_len not in (None, settings.seq_len):
+        raise ValueError(
+            f"target_len must be None for {model.name} (a language model predicts every position), "
+            f"got {settings.target_len}"
+        )
+    if not arch.moe_layers and ep > 1:
+        raise ValueError(f"ep_size = {ep}: the model {model.name} has no MoE layer (use ep_size 1)")
+    peak = cluster.gpu.flops_for(settings.precision)
+    flops_per_s = peak * settings.compute_efficiency
+    params = model.params
+    dense, experts = params.dense, params.expert_per_rank(ep)
+    per_rank = dense + experts
+    b = ITEMSIZE[settings.precision]
+    weight_b = 4 if settings.autocast or settings.precision == "fp32" else b
+    optimizer_b = 8 if weight_b == 4 else ADAM_STATE_BYTES  # an fp32 weight is its own master
+    notes: list[str] = []
+
+    groups, expert_dp_groups = expert_groups(world, ep, settings.ep_layout)
+    algorithm = (
+        choose_all_to_all(settings.all_to_all, ep, groups, cluster.gpus_per_node) if ep > 1 else "flat"
+    )
+    ep_layout = group_layout(groups[0], cluster.gpus_per_node)
+    cf = resolve_capacity_factor(model, settings)
+    work = workload(model, settings, kernels)
+    acts = activation_model(arch, work)
+    moe_layers = [layer for layer in acts.layers if layer.is_moe]
+    if moe_layers and cf is None:
+        notes.append(
+            "dropless routing: activations assume balanced routing (N = T*k rows); an imbalanced step "
+            f"can receive up to ep_size*T*k = {ep * acts.tokens * arch.moe.top_k} rows per layer"
+        )
+
+    # ---- GPU memory
+    gpu = {
+        "weights": per_rank * weight_b,
+        "gradients": per_rank * weight_b,
+        "optimizer_states": 0 if settings.offload else per_rank * optimizer_b,
+        "activations": 0,
+        "autocast_weight_copies": per_rank * 2 if settings.autocast else 0,
+        "all_to_all_buffers": _all_to_all_buffers(moe_layers, arch.d_model, b, ep, algorithm, settings),
+        "transient": _transient(acts, arch, work, b),
+        "reserved": cluster.gpu_reserved_bytes,
+    }
+    left = cluster.gpu.memory_bytes - sum(gpu.values())
+    recompute = choose_recompute(acts, settings, flops_per_s, max(left, 0))
+    gpu["activations"] = recompute.activation_bytes
+
+    # ---- host memory per node
+    host = {"offloaded_states": 0, "pinned_staging": 0, "reserved": cluster.host_reserved_bytes}
+    if settings.offload:
+        group_elements = math.ceil(per_rank / settings.offload_apply_groups)
+        host["offloaded_states"] = cluster.gpus_per_node * per_rank * ADAM_STATE_BYTES
+        host["pinned_staging"] = cluster.gpus_per_node * 2 * group_elements * (weight_b + weight_b)
+
+    # ---- traffic per optimizer step
+    traffic = []
+    alternative = None
+    accum = settings.grad_accum
+    if moe_layers and ep > 1:
+        rows = moe_layers[0].rows
+        balanced_rows = moe_layers[0].balanced_rows.sent
+        row_bytes = _wire_row_bytes(arch.d_model, b, settings.comm_dtype)
+        n = len(moe_layers) * accum
+        a2a_rows, a2a_counts = all_to_all_traffic(
+            cluster, ep_layout, algorithm, balanced_rows / ep, row_bytes, arch.moe.num_experts // ep, 4 * n, n
+        )
+        traffic += [a2a_rows, a2a_counts]
+        other = "flat" if algorithm == "hierarchical" else "hierarchical"
+        if other == "flat" or (ep_layout.grid and ep_layout.nodes > 1 and ep_layout.per_node > 1):
+            alt_rows, alt_counts = all_to_all_traffic(
+                cluster, ep_layout, other, balanced_rows / ep, row_bytes, arch.moe.num_experts // ep, 4 * n, n
+            )
+            alternative = Traffic(
+                f"all_to_all_{other}",
+                alt_rows.calls + alt_counts.calls,
+                alt_rows.intra_bytes + alt_counts.intra_bytes,
+                alt_rows.inter_bytes + alt_counts.inter_bytes,
+                alt_rows.intra_messages + alt_counts.intra_messages,
+                alt_rows.inter_messages + alt_counts.inter_messages,
+                alt_rows.seconds + alt_counts.seconds,
+            )
+        if cf is not None and balanced_rows != rows.sent:
+            notes.append(
+                f"all-to-all bytes assume balanced routing ({balanced_rows} rows sent per layer); "
+                f"at most {rows.sent} when every expert fills its capacity {rows.capacity}"
+            )
+    world_layout = group_layout(list(range(world)), cluster.gpus_per_node)
+    traffic.append(
+        all_reduce_traffic(cluster, "dp_all_reduce", world_layout, dense * weight_b, DDP_BUCKET_BYTES)
+    )
+    if experts:
+        expert_layout = group_layout(expert_dp_groups[0], cluster.gpus_per_node)
+        traffic.append(
+            all_reduce_traffic(
+                cluster, "expert_dp_all_reduce", expert_layout, experts * weight_b, EXPERT_BUCKET_BYTES
+            )
+        )
+
+    # ---- time per optimizer step
+    forward = acts.forward_flops
+    compute = accum * 3 * forward / flops_per_s
+    recompute_s = accum * recompute.extra_flops / flops_per_s
+    a2a_s = sum(t.seconds for t in traffic if t.name.startswith("all_to_all"))
+    sync_s = sum(t.seconds for t in traffic if t.name.endswith("all_reduce"))
+    if settings.offload:
+        pcie = per_rank * weight_b / cluster.gpu.pcie_bandwidth
+        cpu = (
+            cluster.gpus_per_node
+            * per_rank
+            * (CPU_ADAM_STATE_TRAFFIC + 2 * weight_b)
+            / cluster.host_memory_bandwidth
+        )
+        optimizer_s = max(pcie, cpu)
+    else:
+        optimizer_s = per_rank * GPU_ADAM_TRAFFIC / cluster.gpu.memory_bandwidth
+    step = compute + recompute_s + a2a_s + sync_s + optimizer_s
+    tokens = world * settings.micro_batch * (arch.image_tokens + settings.seq_len) * accum
+    time = {
+        "compute_s": compute,
+        "recompute_s": recompute_s,
+        "all_to_all_s": a2a_s,
+        "grad_sync_s": sync_s,
+        "optimizer_s": optimizer_s,
+        "step_s": step,
+        "tokens_per_step": tokens,
+        "tokens_per_s": tokens / step,
+        "samples_per_s": world * settings.micro_batch * accum / step,
+        "model_flops_utilization": accum * 3 * forward / (step * peak),
+    }
+    return Plan(
+        model=model.name,
+        cluster=cluster,
+        settings=settings,
+        world_size=world,
+        dp_size=world,
+        expert_dp_size=world // ep,
+        all_to_all=algorithm,
+        capacity_factor=cf,
+        params={
+            "total": params.total,
+            "dense": dense,
+            "expert_total": params.expert_total,
+            "expert_per_rank": experts,
+            "per_rank": per_rank,
+            "experts_per_rank_per_layer": arch.moe.num_experts // ep if arch.moe_layers else 0,
+        },
+        gpu_memory=gpu,
+        gpu_capacity=cluster.gpu.memory_bytes,
+        host_memory=host,
+        host_capacity=cluster.host_memory_bytes,
+        recompute=recompute,
+        activations=acts,
+        traffic=traffic,
+        all_to_all_alternative=alternative,
+        time=time,
+        notes=notes,
+    )
+
+
+def _wire_row_bytes(d_model: int, b: int, comm_dtype: str | None) -> int:
+    """Bytes of one row on the wire: ``D*b``; ``D*2`` for a bf16/fp16 wire. (A scaled fp16 row adds
+    one 16-bit column, ``(D+1)*2``, only for fp32 rows on the CPU: not a GPU case.)"""
+    return d_model * (b if comm_dtype is None else 2)
+
+
+def _all_to_all_buffers(moe_layers, d_model: int, b: int, ep: int, algorithm: str, settings) -> int:
+    """Transient rows of one MoE layer's exchange (estimate): the permuted rows ``N_s*D*b`` and the
+    received rows before regrouping ``N_r*D*b``; the 2-D algorithm adds its chunk transposes and
+    stage buffer (``3*N_s*D*b``); a bf16/fp16 wire adds the encoded copies ``(N_s + N_r)*D*2``."""
+    if not moe_layers or ep == 1:
+        return 0
+    rows = moe_layers[0].rows
+    total = (rows.sent + rows.received) * d_model * b
+    if algorithm == "hierarchical":
+        total += 3 * rows.sent * d_model * b
+    if settings.comm_dtype is not None and b != 2:
+        total += (rows.sent + rows.received) * d_model * 2
+    return total
+
+
+def _transient(acts: ActivationModel, arch, work: Workload, b: int) -> int:
+    """Working memory beyond the saved activations (estimate): the largest of the loss (logits in
+    the compute dtype and their fp32 gradient, ``T_loss*V*(b + 4)``), a MoE layer's backward
+    (gradients of the expert input and hidden rows, ``N_r*(D + 2F)*b``) and an attention backward
+    (gradients of q, k, v and the output, ``4*T*D*b``)."""
+    loss_tokens = acts.outside["head_input"] // (arch.d_model * b)
+    candidates = [loss_tokens * arch.vocab_size * (b + 4), 4 * acts.tokens * arch.d_model * b]
+    for layer in acts.layers:
+        if layer.is_moe:
+            candidates.append(layer.rows.received * (arch.d_model + 2 * arch.moe.d_ff) * b)
+        else:
+            candidates.append(acts.tokens * (arch.d_model + 2 * (arch.dense_d_ff or 0)) * b)
+    return max(candidates)

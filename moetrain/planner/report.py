@@ -1,0 +1,175 @@
+"""Text tables of a :class:`~moetrain.planner.plan.Plan` and a recommendation."""
+
+from __future__ import annotations
+
+from moetrain.planner.plan import GPU_MEMORY_TERMS
+
+GiB = 2**30
+
+_GPU_LABELS = {
+    "weights": "weights",
+    "gradients": "gradients",
+    "optimizer_states": "optimizer states",
+    "activations": "activations",
+    "autocast_weight_copies": "autocast weight copies",
+    "all_to_all_buffers": "all-to-all buffers",
+    "transient": "transient (backward working set)",
+    "reserved": "reserved (CUDA context, NCCL, fragmentation)",
+}
+_HOST_LABELS = {
+    "offloaded_states": "offloaded optimizer states",
+    "pinned_staging": "pinned staging",
+    "reserved": "reserved (OS, data loading, runtime)",
+}
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / GiB:8.2f}"
+
+
+def _count(value: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(value) >= size:
+            return f"{value / size:.3f}{unit}"
+    return f"{value:.0f}"
+
+
+def _bytes(value: float) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value:.0f} B"
+
+
+def describe_settings(plan) -> str:
+    s = plan.settings
+    experts = plan.params["experts_per_rank_per_layer"]
+    seq = f"{s.seq_len} tokens"
+    image = plan.activations.tokens // s.micro_batch - s.seq_len
+    if image:
+        seq += f" + {image} image patches"
+    cf = "dropless" if plan.capacity_factor is None else f"capacity factor {plan.capacity_factor:g}"
+    if not experts:
+        cf = "no routing"
+    precision = s.precision + (" (autocast, fp32 weights)" if s.autocast else "")
+    layout = (
+        f"ep_size {s.ep_size} ({experts} experts per layer per GPU, expert-DP {plan.expert_dp_size})"
+        if experts
+        else "no MoE layer (data parallel only)"
+    )
+    return (
+        f"{layout}, "
+        f"micro-batch {s.micro_batch} x {seq}, grad_accum {s.grad_accum}, {precision}, "
+        f"offload {'on' if s.offload else 'off'}, recompute {s.recompute}, "
+        f"all-to-all {plan.all_to_all}, {cf}, "
+        f"compute efficiency {s.compute_efficiency:g}"
+    )
+
+
+def recompute_summary(plan) -> str:
+    r = plan.recompute
+    if not r.recomputed:
+        return "nothing recomputed"
+    whole = sum(1 for n in r.recomputed if n.count(".") == 1)
+    parts: dict[str, int] = {}
+    for name in r.recomputed:
+        if name.count(".") == 2:
+            parts[name.rsplit(".", 1)[1]] = parts.get(name.rsplit(".", 1)[1], 0) + 1
+    pieces = ([f"{whole} whole layers"] if whole else []) + [
+        f"{n} x {part}" for part, n in sorted(parts.items())
+    ]
+    return "recompute " + ", ".join(pieces)
+
+
+def format_plan(plan) -> str:
+    """Header, GPU memory, host memory, traffic and time tables, notes."""
+    p = plan.params
+    lines = [
+        f"moetrain plan: {plan.model} on {plan.cluster.describe()}",
+        f"settings: {describe_settings(plan)}",
+        f"parameters: {_count(p['total'])} total = {_count(p['dense'])} dense + {_count(p['expert_total'])} "
+        f"experts; per GPU {_count(p['per_rank'])} ({_count(p['dense'])} dense + "
+        f"{_count(p['expert_per_rank'])} experts)",
+        "",
+        f"{'GPU memory per GPU':<48} {'GiB':>8}",
+    ]
+    for key in GPU_MEMORY_TERMS:
+        label, value = _GPU_LABELS[key], plan.gpu_memory[key]
+        extra = ""
+        if key == "optimizer_states" and plan.settings.offload:
+            extra = "  (offloaded to host)"
+        if key == "activations":
+            extra = (
+                f"  (without recompute {plan.recompute.baseline_bytes / GiB:.2f}; {recompute_summary(plan)})"
+            )
+        lines.append(f"  {label:<46} {_gib(value)}{extra}")
+    verdict = "fits" if plan.gpu_total <= plan.gpu_capacity else "DOES NOT FIT"
+    lines.append(
+        f"  {'total / capacity':<46} {_gib(plan.gpu_total)} / {plan.gpu_capacity / GiB:.2f}  {verdict} "
+        f"(headroom {(plan.gpu_capacity - plan.gpu_total) / GiB:.2f} GiB)"
+    )
+    lines += ["", f"{'host memory per node':<48} {'GiB':>8}"]
+    for key, label in _HOST_LABELS.items():
+        lines.append(f"  {label:<46} {_gib(plan.host_memory[key])}")
+    verdict = "fits" if plan.host_total <= plan.host_capacity else "DOES NOT FIT"
+    lines.append(
+        f"  {'total / capacity':<46} {_gib(plan.host_total)} / {plan.host_capacity / GiB:.2f}  {verdict}"
+    )
+    lines += [
+        "",
+        f"{'traffic per GPU per step':<28} {'calls':>7} {'intra-node':>12} {'inter-node':>12} "
+        f"{'messages':>9} {'est. ms':>9}",
+    ]
+    for t in plan.traffic:
+        name = t.name + (f" ({plan.all_to_all})" if t.name == "all_to_all" else "")
+        lines.append(
+            f"  {name:<26} {t.calls:>7} {_bytes(t.intra_bytes):>12} {_bytes(t.inter_bytes):>12} "
+            f"{t.intra_messages + t.inter_messages:>9} {t.seconds * 1e3:>9.1f}"
+        )
+    alt = plan.all_to_all_alternative
+    if alt is not None:
+        name = alt.name.replace("all_to_all_", "all_to_all (") + ", not used)"
+        lines.append(
+            f"  {name:<26} {alt.calls:>7} {_bytes(alt.intra_bytes):>12} {_bytes(alt.inter_bytes):>12} "
+            f"{alt.intra_messages + alt.inter_messages:>9} {alt.seconds * 1e3:>9.1f}"
+        )
+    tm = plan.time
+    lines += [
+        "",
+        "time per step (not overlapped)",
+        f"  compute {tm['compute_s'] * 1e3:.1f} ms + recompute {tm['recompute_s'] * 1e3:.1f} ms + all-to-all "
+        f"{tm['all_to_all_s'] * 1e3:.1f} ms + gradient sync {tm['grad_sync_s'] * 1e3:.1f} ms + optimizer "
+        f"{tm['optimizer_s'] * 1e3:.1f} ms = {tm['step_s'] * 1e3:.1f} ms",
+        f"  {tm['tokens_per_step']:,} tokens per step, {tm['tokens_per_s']:,.0f} tokens/s, "
+        f"{tm['samples_per_s']:,.1f} samples/s, "
+        f"model FLOPs utilization {100 * tm['model_flops_utilization']:.1f}%",
+    ]
+    if plan.overflow:
+        lines.append(f"does not fit: {plan.overflow}")
+    for note in plan.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def format_recommendation(rec) -> str:
+    """The best plan's table, the other fitting candidates, and why the rest were rejected."""
+    lines = []
+    if rec.best is None:
+        lines.append("no configuration fits")
+    else:
+        lines += ["best configuration:", format_plan(rec.best), ""]
+    lines.append(
+        f"{'status':<13} {'ep':>5} {'offload':>7} {'micro':>6} {'accum':>6} {'recompute':<22} "
+        f"{'GPU GiB':>8} {'tokens/s':>12}  reason"
+    )
+    for c in rec.candidates:
+        s = c.settings
+        plan = c.plan
+        gib = f"{plan.gpu_total / GiB:8.2f}" if plan is not None else f"{'-':>8}"
+        speed = f"{plan.tokens_per_s:12,.0f}" if plan is not None else f"{'-':>12}"
+        recompute = recompute_summary(plan).replace("recompute ", "") if plan is not None else s.recompute
+        lines.append(
+            f"{c.status:<13} {s.ep_size:>5} {'on' if s.offload else 'off':>7} {s.micro_batch:>6} "
+            f"{s.grad_accum:>6} {recompute[:22]:<22} {gib} {speed}  {c.reason}"
+        )
+    return "\n".join(lines)

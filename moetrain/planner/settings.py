@@ -1,0 +1,141 @@
+"""Training settings the planner evaluates: parallel layout, batch, precision, offload, recompute."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+from moetrain.config import ALL_TO_ALL_ALGORITHMS, COMM_DTYPES, EP_LAYOUTS
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE_MODES = ("none", "full", "fraction", "budget", "auto")
+MODEL_CAPACITY = "model"
+
+
+def _require_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _require_choice(name: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+def _is_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """One training configuration on a cluster (every rank does the same).
+
+    - ``ep_size``: expert-parallel group size (divides the world size and the expert count).
+    - ``micro_batch``: sequences per rank per micro-step; ``seq_len`` text tokens each (models with
+      images add their patches); ``target_len``: text tokens per sequence that get logits (M6's
+      prefix-LM; None: all ``seq_len``, the captioning worst case; language models predict all);
+      ``grad_accum`` micro-steps per optimizer step. Tokens per step =
+      ``world_size * micro_batch * seq_len * grad_accum``.
+    - ``precision``: ``"fp32"``, ``"bf16"`` or ``"fp16"``. With ``autocast=False`` (default) the
+      model's weights and gradients are stored in that precision and the optimizer keeps fp32
+      master weights and two fp32 moments (12 bytes/parameter; 8 for fp32, whose weights are
+      the master), the layout :class:`moetrain.offload.OffloadOptimizer` uses. ``autocast=True``:
+      fp32 weights, gradients and moments (4 + 4 + 8 bytes) with bf16/fp16 compute under
+      ``torch.autocast``, which also keeps a low-precision copy of every weight it multiplies
+      (2 bytes/parameter) for the backward.
+    - ``offload``: optimizer states in host memory (``OffloadOptimizer``), stepped by the CPU in
+      ``offload_apply_groups`` groups (pinned staging: two groups' gradients + weights).
+    - ``recompute``: ``"none"``; ``"full"`` (every layer recomputed whole); ``"fraction"`` (the
+      first ``ceil(recompute_fraction * layers)`` layers whole); ``"budget"`` (the cheapest
+      per-layer choice of none / attn / ffn / attn+ffn / layer whose activations fit
+      ``recompute_budget_bytes``, as :func:`moetrain.recompute.solve_recompute` picks); ``"auto"``:
+      the budget is what the GPU has left after every other term (nothing recomputed if the
+      activations already fit).
+    - ``all_to_all``, ``ep_layout``, ``comm_dtype``: as in :class:`moetrain.ParallelConfig`.
+    - ``capacity_factor``: ``"model"`` (the model config's training value), a number, or ``None`` /
+      ``0`` (dropless); ``min_capacity`` comes from the model config.
+    - ``compute_efficiency``: fraction of the GPU's peak FLOP/s the model's matmuls reach (0, 1].
+    """
+
+    ep_size: int = 1
+    micro_batch: int = 1
+    seq_len: int = 512
+    target_len: int | None = None
+    grad_accum: int = 1
+    precision: str = "bf16"
+    autocast: bool = False
+    offload: bool = False
+    offload_apply_groups: int = 4
+    recompute: str = "auto"
+    recompute_fraction: float | None = None
+    recompute_budget_bytes: int | None = None
+    all_to_all: str = "auto"
+    ep_layout: str = "packed"
+    comm_dtype: str | None = None
+    capacity_factor: float | str | None = MODEL_CAPACITY
+    compute_efficiency: float = 0.4
+
+    def __post_init__(self) -> None:
+        _require_int("ep_size", self.ep_size, 1)
+        _require_int("micro_batch", self.micro_batch, 1)
+        _require_int("seq_len", self.seq_len, 1)
+        _require_int("grad_accum", self.grad_accum, 1)
+        if self.target_len is not None:
+            _require_int("target_len", self.target_len, 1)
+            if self.target_len > self.seq_len:
+                raise ValueError(f"target_len must be <= seq_len = {self.seq_len}, got {self.target_len}")
+        _require_choice("precision", self.precision, PRECISIONS)
+        if not isinstance(self.autocast, bool):
+            raise ValueError(f"autocast must be True or False, got {self.autocast!r}")
+        if self.autocast and self.precision == "fp32":
+            raise ValueError("autocast must be False with precision 'fp32' (nothing to cast to)")
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"offload must be True or False, got {self.offload!r}")
+        _require_int("offload_apply_groups", self.offload_apply_groups, 1)
+        _require_choice("recompute", self.recompute, RECOMPUTE_MODES)
+        if self.recompute == "fraction":
+            if not (_is_number(self.recompute_fraction) and 0 <= self.recompute_fraction <= 1):
+                raise ValueError(
+                    "recompute_fraction must be a number in [0, 1] when recompute = 'fraction', "
+                    f"got {self.recompute_fraction!r}"
+                )
+        elif self.recompute_fraction is not None:
+            raise ValueError(
+                f"recompute_fraction is only used with recompute = 'fraction' (got recompute = "
+                f"{self.recompute!r}); leave it None"
+            )
+        if self.recompute == "budget":
+            _require_int("recompute_budget_bytes", self.recompute_budget_bytes, 0)
+        elif self.recompute_budget_bytes is not None:
+            raise ValueError(
+                f"recompute_budget_bytes is only used with recompute = 'budget' (got recompute = "
+                f"{self.recompute!r}); leave it None"
+            )
+        _require_choice("all_to_all", self.all_to_all, ALL_TO_ALL_ALGORITHMS)
+        _require_choice("ep_layout", self.ep_layout, EP_LAYOUTS)
+        _require_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
+        cf = self.capacity_factor
+        if not (cf is None or cf == MODEL_CAPACITY or (_is_number(cf) and cf >= 0)):
+            raise ValueError(
+                f"capacity_factor must be 'model', a finite number >= 0, or None (dropless), got {cf!r}"
+            )
+        if not (_is_number(self.compute_efficiency) and 0 < self.compute_efficiency <= 1):
+            raise ValueError(
+                f"compute_efficiency must be a number in (0, 1], got {self.compute_efficiency!r}"
+            )
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        """Tokens one rank processes per micro-step: ``micro_batch * seq_len``."""
+        return self.micro_batch * self.seq_len
+
+    def replace(self, **changes) -> PlanSettings:
+        """A copy with ``changes`` (field names checked: ValueError naming the allowed ones)."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ValueError(f"unknown settings field {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
