@@ -218,6 +218,34 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class BalanceConfig:
+    """Hardware-aware batch balancing (Whale): the global micro-batch ``data.micro_batch_size *
+    world`` is split between the ranks in proportion to ``speeds`` (one per rank, any unit),
+    within ``memory_limits`` (most sequences per rank), and each rank weights its loss so the
+    gradient equals that of the uniform split. ``calibrate``: measure the speeds at start-up (a few
+    timed forward+backward passes) instead of giving them. Off when neither is set."""
+
+    speeds: tuple[float, ...] | None = None
+    memory_limits: tuple[int, ...] | None = None
+    calibrate: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("speeds", "memory_limits"):
+            value = getattr(self, name)
+            if value is not None:
+                if not isinstance(value, (list, tuple)) or not value:
+                    raise ValueError(f"balance.{name} must be a list with one entry per rank, got {value!r}")
+                object.__setattr__(self, name, tuple(value))
+        _require_bool("balance.calibrate", self.calibrate)
+        if self.calibrate and self.speeds is not None:
+            raise ValueError("balance: give either speeds or calibrate: true, not both")
+
+    @property
+    def enabled(self) -> bool:
+        return self.calibrate or self.speeds is not None
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """One training run (``moetrain train --config FILE``). ``model`` is the config of the model
     named by its ``name`` key (``"moe_lm"``: :class:`moetrain.lm.LMConfig`); ``grad_accum``
@@ -229,6 +257,7 @@ class TrainConfig:
     parallel: ParallelConfig = ParallelConfig()
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
+    balance: BalanceConfig = BalanceConfig()
     steps: int = 100
     grad_accum: int = 1
     precision: str = "fp32"

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from moetrain.balance import balance_batch, calibrate_speeds
 from moetrain.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
 from moetrain.comm.grad_sync import ExpertGradReducer, clip_grad_norm_, global_grad_norm, wrap_data_parallel
 from moetrain.config import TrainConfig
@@ -60,6 +61,11 @@ class TextBatches:
     @property
     def tokens_per_batch(self) -> int:
         return self.batch * self.seq
+
+    def probe(self, sequences: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch of ``sequences`` from a separate stream (profiling, calibration): the data
+        position is not moved."""
+        return TextBatches(self.corpus, sequences, self.seq, seed, 0).next()
 
     def reseed(self, seed: int, rank: int, step: int) -> None:
         """A new stream for ``rank`` resuming at ``step`` when no saved position exists for it
@@ -134,6 +140,8 @@ class Trainer:
         random.seed(config.seed)
         builder = MODEL_BUILDERS[_model_name(config)]
         self.model, self.batches, self.loss_fn = builder(config, self.parallel, self.rank)
+        self.loss_weight = 1.0  # hardware-aware balancing: W * n_r / N
+        self.global_batch = config.data.micro_batch_size * self.parallel.world_size
         self.ddp = wrap_data_parallel(self.model, self.parallel)
         self.reducer = ExpertGradReducer(self.model, self.parallel)
         self.optimizer = self._build_optimizer()
@@ -147,6 +155,9 @@ class Trainer:
         self.step = 0
         self.stop_requested = False
         self.recompute_plan = None
+        self.balance = None
+        if config.balance.enabled:
+            self._balance_batches()
         if config.recompute_budget_mb is not None:
             self._plan_recompute()
 
@@ -170,9 +181,7 @@ class Trainer:
     def _plan_recompute(self) -> None:
         from moetrain.recompute import apply_recompute_plan, auto_checkpoint, remove_recompute
 
-        inputs, targets = TextBatches(
-            self.batches.corpus, self.batches.batch, self.batches.seq, self.config.seed + 7, self.rank
-        ).next()
+        inputs, targets = self.batches.probe(self.batches.batch, self.config.seed * 31 + 7 + self.rank)
         budget = int(self.config.recompute_budget_mb * 2**20)
         plan = auto_checkpoint(
             self.model, inputs, budget, loss_fn=lambda out: self.loss_fn(out, targets), verbose=self.is_main
@@ -183,6 +192,34 @@ class Trainer:
             remove_recompute(self.model)
             apply_recompute_plan(self.model, names[0])
         self.recompute_plan = plan
+
+    def _balance_batches(self) -> None:
+        """Splits the global micro-batch between the ranks by speed (given or calibrated)."""
+        balance, world = self.config.balance, self.parallel.world_size
+        for name in ("speeds", "memory_limits"):
+            value = getattr(balance, name)
+            if value is not None and len(value) != world:
+                raise ValueError(f"balance.{name} has {len(value)} entries; the run has {world} ranks")
+        if balance.calibrate:
+            speeds = [s.samples_per_s for s in calibrate_speeds(self._timed_pass, sizes=(1, 2, 4))]
+        else:
+            speeds = list(balance.speeds)
+        self.balance = balance_batch(self.global_batch, speeds, balance.memory_limits)
+        self.batches.batch = self.balance.micro_batches[self.rank]
+        self.loss_weight = self.balance.loss_weights[self.rank]
+        if self.is_main:
+            print(
+                f"balanced micro-batches {list(self.balance.micro_batches)} (speeds {speeds}), "
+                f"predicted speed-up {self.balance.speedup:.2f}x",
+                flush=True,
+            )
+
+    def _timed_pass(self, sequences: int) -> None:
+        """One forward+backward on ``sequences`` sequences, for speed calibration (grads dropped)."""
+        inputs, targets = self.batches.probe(sequences, self.config.seed * 31 + 11 + self.rank)
+        output = self.model(**inputs) if isinstance(inputs, dict) else self.model(inputs)
+        self.loss_fn(output, targets).backward()
+        self.model.zero_grad(set_to_none=True)
 
     # ------------------------------------------------------------------------------------------
     def _extra_state(self) -> dict:
@@ -232,7 +269,8 @@ class Trainer:
     def _micro_step(self, last: bool, loss_scale: float) -> tuple[float, float]:
         inputs, targets = self.batches.next()
         accum = self.config.grad_accum
-        set_aux_loss_scale(self.model, loss_scale / accum)
+        weight = self.loss_weight / accum
+        set_aux_loss_scale(self.model, loss_scale * weight)
         sync = last or self.ddp is self.model
         context = contextlib.nullcontext() if sync else self.ddp.no_sync()
         with context:
@@ -241,16 +279,16 @@ class Trainer:
             ):
                 output = self.ddp(inputs)
             loss = self.loss_fn(output, targets)
-            scaled = loss / accum
+            scaled = loss * weight
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         return loss.item(), collect_moe_stats(self.model).aux_loss.item()
 
-    def _global_mean(self, values: list[float]) -> list[float]:
+    def _global_sum(self, values: list[float]) -> list[float]:
         if self.parallel.world_size == 1:
             return values
         tensor = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(tensor)
-        return (tensor / self.parallel.world_size).tolist()
+        return tensor.tolist()
 
     def _expert_metrics(self) -> dict:
         """Per MoE layer: coefficient of variation of the tokens routed to each expert, summed
@@ -293,9 +331,17 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         self.step += 1
-        loss, aux = self._global_mean([sum(losses) / len(losses), sum(auxes) / len(auxes)])
+        # The logged loss is the global-batch mean: each rank's mean weighted by its share W * n_r / N.
+        world = self.parallel.world_size
+        weighted_loss, aux, tokens = self._global_sum(
+            [
+                self.loss_weight * sum(losses) / len(losses),
+                sum(auxes) / len(auxes),
+                self.batches.tokens_per_batch * config.grad_accum,
+            ]
+        )
+        loss, aux = weighted_loss / world, aux / world
         elapsed = time.perf_counter() - start
-        tokens = self.batches.tokens_per_batch * config.grad_accum * self.parallel.world_size
         return {
             "step": self.step,
             "loss": loss,

@@ -177,3 +177,24 @@ def test_two_ranks_with_expert_parallelism_train_and_resume(tmp_path):
     first = run_distributed(distributed_worker, 2, str(tmp_path))
     assert first[0] == first[1] and len(first[0]) == 8  # the logged loss is the global mean
     assert (tmp_path / "checkpoints").exists()
+
+
+def balanced_worker(rank, world, out_dir, speeds):
+    balance = {"balance.speeds": speeds} if speeds else {"balance.calibrate": True}
+    config = config_from_dict(TrainConfig, tiny(out_dir, steps=3, **{"parallel.ep_size": world, **balance}))
+    trainer = Trainer(config)
+    history = trainer.train()
+    return trainer.batches.batch, trainer.loss_weight, [m["tokens_per_s"] > 0 for m in history]
+
+
+@pytest.mark.timeout(240)
+def test_balanced_batches_follow_rank_speeds(tmp_path):
+    results = run_distributed(balanced_worker, 2, str(tmp_path), [3.0, 1.0])
+    (n0, w0, ok0), (n1, w1, ok1) = results
+    assert (n0, n1) == (6, 2)  # 8 sequences split 3:1
+    assert (w0, w1) == (2 * 6 / 8, 2 * 2 / 8)
+    assert all(ok0 + ok1)
+    (n0, w0, _), (n1, w1, _) = run_distributed(balanced_worker, 2, str(tmp_path / "calibrated"), None)
+    assert n0 + n1 == 8 and w0 + w1 == pytest.approx(2.0)  # measured speeds, same global batch
+    with pytest.raises(ValueError, match="balance"):
+        config_from_dict(TrainConfig, tiny(tmp_path, **{"balance.speeds": [1.0], "balance.calibrate": True}))
