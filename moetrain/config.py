@@ -164,9 +164,10 @@ OPTIMIZERS = ("adamw", "groupwise", "offload")
 
 @dataclass(frozen=True)
 class DataConfig:
-    """``source``: ``"embedded"`` (the demo corpus in ``moetrain/data``) or the path of a UTF-8
-    text file, read as bytes; ``micro_batch_size`` sequences of ``seq_len`` tokens per rank and
-    micro-step."""
+    """``source``: ``"embedded"`` (the model's built-in data: the text corpus in ``moetrain/data``
+    for ``moe_lm``, the generated image-caption dataset for ``m6_moe``) or a path (a UTF-8 text
+    file for ``moe_lm``, a JSON-lines image-text manifest for ``m6_moe``); ``micro_batch_size``
+    sequences of up to ``seq_len`` tokens per rank and micro-step."""
 
     source: str = "embedded"
     micro_batch_size: int = 8
@@ -289,10 +290,10 @@ class TrainConfig:
 
 def model_config_classes() -> dict[str, type]:
     """Model name (the ``model.name`` key of a training config) -> its config dataclass."""
+    from models.m6_moe.config import M6Config
     from moetrain.lm import LMConfig
 
-    classes: dict[str, type] = {"moe_lm": LMConfig}
-    return classes
+    return {"moe_lm": LMConfig, "m6_moe": M6Config}
 
 
 def config_from_dict(cls: type, data, path: str = ""):

@@ -98,7 +98,14 @@ def build_moe_lm(config: TrainConfig, parallel: ParallelContext, rank: int):
     return model, batches, loss_fn
 
 
-MODEL_BUILDERS = {"moe_lm": build_moe_lm}
+def build_m6_moe(config: TrainConfig, parallel: ParallelContext, rank: int):
+    """The M6-style multimodal MoE model and its pretraining tasks (``models/m6_moe``)."""
+    from models.m6_moe import build_m6
+
+    return build_m6(config, parallel, rank)
+
+
+MODEL_BUILDERS = {"moe_lm": build_moe_lm, "m6_moe": build_m6_moe}
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -277,7 +284,7 @@ class Trainer:
             with torch.autocast(
                 self.device_type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
             ):
-                output = self.ddp(inputs)
+                output = self.ddp(**inputs) if isinstance(inputs, dict) else self.ddp(inputs)
             loss = self.loss_fn(output, targets)
             scaled = loss * weight
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
@@ -444,7 +451,8 @@ def check_fits(config: TrainConfig, world_size: int) -> None:
     if world_size % ep:
         raise ValueError(f"parallel.ep_size = {ep} must divide the world size = {world_size}")
     moe = getattr(config.model, "moe", None)
-    if moe is not None and moe.num_experts % ep:
+    has_moe_layers = moe is not None and getattr(config.model, "num_moe_layers", 1) > 0
+    if has_moe_layers and moe.num_experts % ep:
         raise ValueError(
             f"model.moe.num_experts = {moe.num_experts} must be divisible by parallel.ep_size = {ep}"
         )

@@ -443,14 +443,16 @@ class _ForwardTimer:
 
 
 def _call_model(model: nn.Module, example_batch):
+    if isinstance(example_batch, dict):
+        return model(**example_batch)
     return model(example_batch) if isinstance(example_batch, torch.Tensor) else model(*example_batch)
 
 
 def _check_batch(example_batch) -> None:
-    if not isinstance(example_batch, (torch.Tensor, tuple, list)):
+    if not isinstance(example_batch, (torch.Tensor, tuple, list, dict)):
         raise ValueError(
-            "example_batch must be a tensor (model(batch)) or a tuple/list of arguments (model(*batch)), "
-            f"got {type(example_batch).__name__}"
+            "example_batch must be a tensor (model(batch)), a tuple/list of arguments (model(*batch)) "
+            f"or a dict of keyword arguments (model(**batch)), got {type(example_batch).__name__}"
         )
 
 

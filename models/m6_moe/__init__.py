@@ -1,0 +1,93 @@
+"""M6-style multimodal MoE model: config and presets, model, data, pretraining tasks, generation.
+
+Engine entry point: :func:`build_m6` (the ``MODEL_BUILDERS`` protocol of ``moetrain.engine``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from models.m6_moe.config import PRESET_PARAMETER_TARGETS, PRESETS, M6Config, M6TaskConfig
+from models.m6_moe.data import ManifestDataset
+from models.m6_moe.model import M6Model, count_active_parameters, count_parameters, prefix_lm_mask
+from models.m6_moe.synthetic import ensure_synthetic_dataset
+from models.m6_moe.tasks import M6Batches, TaskSampler, m6_loss
+from models.m6_moe.tokenizer import ByteTokenizer, JSONTokenizer, load_tokenizer
+
+# The embedded dataset: fixed, so every run that says ``data.source: embedded`` sees the same data.
+EMBEDDED_DATASET = {"seed": 0, "num_train": 2000, "num_heldout": 200, "size": 64}
+
+
+def prepare_embedded_dataset(out_dir: str | Path, rank: int, world_size: int) -> Path:
+    """``<out_dir>/data`` holding the synthetic dataset. Rank 0 writes it (temporary directory,
+    then an atomic rename) while the other ranks wait at a barrier; then every rank checks it and
+    writes its own copy only where it cannot see rank 0's (node-local ``out_dir``), race-free."""
+    import torch.distributed as dist
+
+    directory = Path(out_dir) / "data"
+    if rank == 0:
+        ensure_synthetic_dataset(directory, **EMBEDDED_DATASET)
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return ensure_synthetic_dataset(directory, **EMBEDDED_DATASET)
+
+
+def build_m6(config, parallel, rank: int):
+    """Builds ``(model, batches, loss_fn)`` for the engine from a ``TrainConfig`` whose ``model``
+    is an :class:`M6Config`. ``config.data``: ``source`` is ``"embedded"`` (the synthetic
+    dataset, written once into ``<out_dir>/data``) or a manifest path; ``micro_batch_size``
+    samples per batch; ``seq_len`` the longest prefix and the longest target (bos / eos
+    included), so ``2 * seq_len`` must fit in ``model.max_text_len``."""
+    model_config = config.model
+    if not isinstance(model_config, M6Config):
+        raise ValueError(f"model must be an M6Config, got {type(model_config).__name__}")
+    data = config.data
+    if 2 * data.seq_len > model_config.max_text_len:
+        raise ValueError(
+            f"data.seq_len = {data.seq_len} allows prefix + target = {2 * data.seq_len} text positions, "
+            f"more than model.max_text_len = {model_config.max_text_len}"
+        )
+    tokenizer = load_tokenizer(model_config.tokenizer)
+    if tokenizer.vocab_size > model_config.vocab_size:
+        raise ValueError(
+            f"model.vocab_size = {model_config.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer.vocab_size} ids, tokenizer {model_config.tokenizer!r})"
+        )
+    world_size = 1 if parallel is None else parallel.world_size
+    if data.source == "embedded":
+        manifest = prepare_embedded_dataset(config.out_dir, rank, world_size) / "train.jsonl"
+    else:
+        manifest = Path(data.source)
+    dataset = ManifestDataset(
+        manifest,
+        model_config.image_size,
+        model_config.image_channels,
+        skip_bad_records=model_config.tasks.skip_bad_records,
+        cache_images=data.source == "embedded",
+    )
+    sampler = TaskSampler(dataset, tokenizer, model_config.tasks, data.seq_len)
+    batches = M6Batches(sampler, data.micro_batch_size, config.seed, rank, model_config.num_patches)
+    model = M6Model(model_config, parallel)
+    return model, batches, m6_loss
+
+
+__all__ = [
+    "EMBEDDED_DATASET",
+    "PRESETS",
+    "PRESET_PARAMETER_TARGETS",
+    "ByteTokenizer",
+    "JSONTokenizer",
+    "M6Batches",
+    "M6Config",
+    "M6Model",
+    "M6TaskConfig",
+    "ManifestDataset",
+    "TaskSampler",
+    "build_m6",
+    "count_active_parameters",
+    "count_parameters",
+    "load_tokenizer",
+    "m6_loss",
+    "prefix_lm_mask",
+    "prepare_embedded_dataset",
+]

@@ -1,0 +1,277 @@
+"""M6 model and pretraining-task configuration, validated on construction, and the presets.
+
+Presets (``M6Config.preset(name)``). Source of each number: P = paper (model-size tables of the
+papers below), D = derived from the paper's parameter count, A = assumed, O = our choice.
+
+======  =======  ======  =====  =======  ============  ==========  =========  =======  =============
+preset  d_model  layers  heads  d_ff     experts       MoE layers  routing    vocab    params target
+======  =======  ======  =====  =======  ============  ==========  =========  =======  =============
+tiny    128 O    4 O     4 O    256 O    4 O           all O       2 top-1 O  275 O    none (demo)
+base    1024 P   24 P    16 P   4096 P   - (dense P)   none        -          21128 A  327M P [M6]
+10B     4096 P   50 P    32 O   16384 P  - (dense P)   none        -          21128 A  10B P [M6]
+100B    1024 P   24 P    16 P   4096 P   1024 P        every 2 D   top-2 O    21128 A  100B P [M6]
+1T      1024 P   24 P    16 P   21248 P  960 P         all D       2 top-1 O  21128 A  1T P [M6-T]
+======  =======  ======  =====  =======  ============  ==========  =========  =======  =============
+
+- [M6] Lin et al. 2021, "M6: A Chinese Multimodal Pretrainer" (arXiv:2103.00823): M6-base
+  (327M) and M6-10B are dense, M6-100B is a Mixture-of-Experts model with 1024 experts. MoE on
+  every other layer is derived: with all 24 layers MoE the count would be ~206B, with every
+  other layer it is ~103B. Vocabulary: M6 uses a BERT-style Chinese WordPiece vocabulary; we
+  assume the 21,128-token Chinese BERT one.
+- [M6-T] Yang et al. 2021, "M6-T: Exploring Sparse Expert Models and Beyond" (arXiv:2105.15082):
+  ~1T parameters on 480 V100-32GB GPUs, 960 experts (2 per GPU) with FFN size 21248, expert
+  prototyping ("k top-1"). MoE in all 24 layers is derived from the total; k = 2 is ours.
+- [M6-10T] Lin et al. 2021, "M6-10T: A Sharing-Delinking Paradigm for Efficient Multi-Trillion
+  Parameter Pretraining" (arXiv:2110.03888): 10T parameters on 512 GPUs; not a preset here.
+- Ours for every preset: pre-norm blocks; tied input/output embeddings (which is what lands
+  M6-base at ~327M); bias-free attention and FFN projections; 224x224 images in 16x16 patches
+  through a small conv stem (M6 encodes patches with a trained ResNet-50, not counted in its
+  totals); 512 text positions; dropout 0.1; capacity factor 1.25 in training and dropless
+  evaluation (``eval_capacity_factor`` None: under a capacity cut a later token could push an
+  earlier one out of its expert, which breaks the causal mask during generation).
+- ``PRESET_PARAMETER_TARGETS`` holds the published totals; ``tests/test_m6_model.py`` checks the
+  parameters counted on the ``meta`` device against them within ``PRESET_PARAMETER_TOLERANCE``
+  (5%; measured: base +1.8%, 10B +1.9%, 100B +3.3%, 1T +0.3%).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+
+from models.m6_moe.tokenizer import ByteTokenizer
+from moetrain.config import MoEConfig
+
+BYTE_VOCAB_SIZE = ByteTokenizer().vocab_size
+
+# Published total parameter counts and where they come from; relative tolerance of the check.
+PRESET_PARAMETER_TARGETS: dict[str, tuple[float, str]] = {
+    "base": (327e6, "M6 (arXiv:2103.00823), model-size table: M6-base 327M"),
+    "10B": (10e9, "M6 (arXiv:2103.00823), model-size table: M6-10B"),
+    "100B": (100e9, "M6 (arXiv:2103.00823), model-size table: M6-100B"),
+    "1T": (1e12, "M6-T (arXiv:2105.15082): ~1 trillion parameters on 480 V100-32GB"),
+}
+PRESET_PARAMETER_TOLERANCE = 0.05
+
+
+def _require_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _require_fraction(name: str, value, upper_open: bool = True) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value >= 1 if upper_open else value > 1):
+        raise ValueError(f"{name} must be a number in [0, 1{')' if upper_open else ']'}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class M6TaskConfig:
+    """The pretraining-task mixture. Each sample's task is drawn with probability proportional to
+    its weight (0 switches a task off):
+
+    - ``caption_weight``: image-to-text, image + empty prefix -> caption;
+    - ``denoise_weight``: text-to-text span corruption (T5): a ``noise_density`` share of the
+      tokens, in spans of mean length ``mean_span_length``, is replaced by sentinels in the prefix
+      and spelled out after its sentinel in the target;
+    - ``image_text_weight``: image + the first part of the caption -> the rest.
+
+    ``skip_bad_records``: a missing or unreadable image or a record without text is skipped and
+    counted instead of stopping the run with a ``ValueError`` naming the file and line.
+    """
+
+    caption_weight: float = 1.0
+    denoise_weight: float = 1.0
+    image_text_weight: float = 1.0
+    noise_density: float = 0.15
+    mean_span_length: float = 3.0
+    skip_bad_records: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("caption_weight", "denoise_weight", "image_text_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"tasks.{name} must be a number >= 0, got {value!r}")
+        if not any(self.weights.values()):
+            raise ValueError(
+                "tasks: at least one of caption_weight, denoise_weight, image_text_weight must be > 0"
+            )
+        _require_fraction("tasks.noise_density", self.noise_density)
+        if self.noise_density == 0:
+            raise ValueError("tasks.noise_density must be a number in (0, 1), got 0")
+        length = self.mean_span_length
+        if isinstance(length, bool) or not isinstance(length, (int, float)) or not length >= 1:
+            raise ValueError(f"tasks.mean_span_length must be a number >= 1, got {length!r}")
+        if not isinstance(self.skip_bad_records, bool):
+            raise ValueError(f"tasks.skip_bad_records must be True or False, got {self.skip_bad_records!r}")
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Task name -> weight, in the fixed order ``caption``, ``denoise``, ``image_text``."""
+        return {
+            "caption": float(self.caption_weight),
+            "denoise": float(self.denoise_weight),
+            "image_text": float(self.image_text_weight),
+        }
+
+
+def _tiny_moe() -> MoEConfig:
+    return MoEConfig(
+        d_model=128,
+        d_ff=256,
+        num_experts=4,
+        top_k=2,
+        num_prototypes=2,
+        capacity_factor=1.25,
+        eval_capacity_factor=None,
+    )
+
+
+@dataclass(frozen=True)
+class M6Config:
+    """One M6 model. Defaults are the ``tiny`` preset.
+
+    - ``vocab_size``: token ids ``[0, vocab_size)``; must cover the tokenizer's vocabulary.
+    - ``d_model``, ``num_layers``, ``num_heads`` (must divide ``d_model``), ``d_ff`` (hidden size
+      of the dense FFN layers).
+    - ``max_text_len``: text positions (prefix + target, bos included) one sequence may hold.
+    - ``image_size`` (square side in pixels), ``patch_size`` (must divide it; patches per image
+      ``P = (image_size / patch_size)^2``), ``image_channels`` (1 grey or 3 RGB),
+      ``stem_channels``: widths of the 3x3 conv layers run before the patchify conv.
+    - ``moe``: the MoE FFN (``moe.d_model`` must equal ``d_model``; YAML fills it in).
+    - ``moe_every``: layer ``i`` (0-based) uses the MoE FFN when ``(i + 1) % moe_every == 0``:
+      1 every layer, 2 every other layer (the second of each pair), 0 no MoE layer (dense model).
+    - ``dropout``: on attention probabilities and on each residual branch, in [0, 1).
+    - ``tie_embeddings``: the output projection reuses the text-embedding matrix.
+    - ``tokenizer``: ``"bytes"`` or the path of a ``tokenizers`` JSON file.
+    - ``tasks``: the pretraining-task mixture (:class:`M6TaskConfig`).
+    """
+
+    vocab_size: int = BYTE_VOCAB_SIZE
+    d_model: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    d_ff: int = 256
+    max_text_len: int = 128
+    image_size: int = 32
+    patch_size: int = 8
+    image_channels: int = 3
+    stem_channels: tuple[int, ...] = (16, 32)
+    moe: MoEConfig = field(default_factory=_tiny_moe)
+    moe_every: int = 1
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    tokenizer: str = "bytes"
+    tasks: M6TaskConfig = field(default_factory=M6TaskConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_text_len"):
+            _require_int(name, getattr(self, name), 1)
+        for name in ("image_size", "patch_size"):
+            _require_int(name, getattr(self, name), 1)
+        if self.d_model % self.num_heads:
+            raise ValueError(f"num_heads must divide d_model = {self.d_model}, got {self.num_heads}")
+        if self.image_size % self.patch_size:
+            raise ValueError(f"patch_size must divide image_size = {self.image_size}, got {self.patch_size}")
+        if self.image_channels not in (1, 3):
+            raise ValueError(f"image_channels must be one of 1, 3, got {self.image_channels!r}")
+        channels = self.stem_channels
+        if not isinstance(channels, (list, tuple)):
+            raise ValueError(f"stem_channels must be a list of integers >= 1, got {channels!r}")
+        for width in channels:
+            _require_int("stem_channels[]", width, 1)
+        object.__setattr__(self, "stem_channels", tuple(channels))
+        if isinstance(self.moe, dict):  # from Python: a dict of MoEConfig options, d_model filled in
+            object.__setattr__(self, "moe", MoEConfig(**{"d_model": self.d_model, **self.moe}))
+        if not isinstance(self.moe, MoEConfig):
+            raise ValueError(
+                f"moe must be a MoEConfig (or a mapping of its options), got {type(self.moe).__name__}"
+            )
+        if self.moe.d_model != self.d_model:
+            raise ValueError(f"moe.d_model must equal d_model = {self.d_model}, got {self.moe.d_model}")
+        _require_int("moe_every", self.moe_every, 0)
+        _require_fraction("dropout", self.dropout)
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"tie_embeddings must be True or False, got {self.tie_embeddings!r}")
+        if not isinstance(self.tokenizer, str) or not (
+            self.tokenizer == "bytes" or self.tokenizer.endswith(".json")
+        ):
+            raise ValueError(
+                f"tokenizer must be 'bytes' or the path of a tokenizers .json file, got {self.tokenizer!r}"
+            )
+        if isinstance(self.tasks, dict):
+            object.__setattr__(self, "tasks", M6TaskConfig(**self.tasks))
+        if not isinstance(self.tasks, M6TaskConfig):
+            raise ValueError(f"tasks must be an M6TaskConfig, got {type(self.tasks).__name__}")
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` (0-based) has the MoE FFN (see ``moe_every``)."""
+        return self.moe_every > 0 and (index + 1) % self.moe_every == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> M6Config:
+        """The named preset (see the module docstring), with ``overrides`` replacing fields."""
+        if name not in PRESETS:
+            raise ValueError(f"preset must be one of {', '.join(map(repr, PRESETS))}, got {name!r}")
+        config = PRESETS[name]()
+        return replace(config, **overrides) if overrides else config
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+_M6_VOCAB = 21128  # assumed: the Chinese BERT WordPiece vocabulary (see the module docstring)
+_LARGE_IMAGE = {"image_size": 224, "patch_size": 16, "stem_channels": (32,), "max_text_len": 512}
+
+
+def _tiny() -> M6Config:
+    return M6Config()
+
+
+def _base() -> M6Config:
+    moe = MoEConfig(d_model=1024, d_ff=4096, num_experts=1, top_k=1)  # unused: dense model
+    return M6Config(
+        vocab_size=_M6_VOCAB, d_model=1024, num_layers=24, num_heads=16, d_ff=4096,
+        moe=moe, moe_every=0, dropout=0.1, **_LARGE_IMAGE,
+    )  # fmt: skip
+
+
+def _10b() -> M6Config:
+    moe = MoEConfig(d_model=4096, d_ff=16384, num_experts=1, top_k=1)  # unused: dense model
+    return M6Config(
+        vocab_size=_M6_VOCAB, d_model=4096, num_layers=50, num_heads=32, d_ff=16384,
+        moe=moe, moe_every=0, dropout=0.1, **_LARGE_IMAGE,
+    )  # fmt: skip
+
+
+def _100b() -> M6Config:
+    moe = MoEConfig(
+        d_model=1024, d_ff=4096, num_experts=1024, top_k=2, capacity_factor=1.25, eval_capacity_factor=None
+    )
+    return M6Config(
+        vocab_size=_M6_VOCAB, d_model=1024, num_layers=24, num_heads=16, d_ff=4096,
+        moe=moe, moe_every=2, dropout=0.1, **_LARGE_IMAGE,
+    )  # fmt: skip
+
+
+def _1t() -> M6Config:
+    moe = MoEConfig(
+        d_model=1024, d_ff=21248, num_experts=960, top_k=2, num_prototypes=2,
+        capacity_factor=1.25, eval_capacity_factor=None,
+    )  # fmt: skip
+    return M6Config(
+        vocab_size=_M6_VOCAB, d_model=1024, num_layers=24, num_heads=16, d_ff=4096,
+        moe=moe, moe_every=1, dropout=0.1, **_LARGE_IMAGE,
+    )  # fmt: skip
+
+
+PRESETS = {"tiny": _tiny, "base": _base, "10B": _10b, "100B": _100b, "1T": _1t}

@@ -1,0 +1,250 @@
+"""Text generation from an image and/or a text prefix: greedy, top-k / top-p sampling, beam search.
+
+Legend: B inputs, K beams, T generated so far, V vocabulary. Every strategy is batched over the
+B inputs (beam search over B * K rows). Each step runs the whole model on ``[image; prefix;
+bos + tokens so far]`` and reads the last position's logits; there is no key/value cache, which
+keeps MoE routing identical to training (enough for the small models this runs on in tests).
+
+Results are token lists without bos and eos, stopping at the first eos or after
+``max_new_tokens``. Rows of a batch do not influence each other when the model's MoE layers are
+dropless in eval mode (``moe.eval_capacity_factor`` None, as in every preset); with a capacity cut
+the tokens of other rows compete for expert capacity. The model runs in eval mode under
+``torch.no_grad()`` and is put back in its previous mode afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from models.m6_moe.data import normalize_pixels
+
+STRATEGIES = ("greedy", "sample", "beam")
+
+
+def build_context(model, tokenizer, images=None, prefixes=None) -> dict:
+    """The model inputs shared by every step: ``prefix_ids``/``prefix_mask`` [B, L] and, when
+    ``images`` is given, ``images`` [B, C, H, W] (uint8 pixels are normalised; float is taken as
+    already normalised) and ``image_mask`` [B]. ``prefixes``: strings or token-id lists (None:
+    empty prefixes)."""
+    if images is None and prefixes is None:
+        raise ValueError("give images, prefixes or both")
+    batch = len(prefixes) if prefixes is not None else images.shape[0]
+    if images is not None and images.shape[0] != batch:
+        raise ValueError(f"images has {images.shape[0]} rows but prefixes has {batch}")
+    device = next(model.parameters()).device
+    token_lists = [
+        tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
+        for p in (prefixes if prefixes is not None else [[]] * batch)
+    ]
+    length = max(len(t) for t in token_lists)
+    prefix_ids = torch.full((batch, length), tokenizer.pad_id, dtype=torch.long, device=device)
+    prefix_mask = torch.zeros(batch, length, dtype=torch.bool, device=device)
+    for row, tokens in enumerate(token_lists):
+        prefix_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        prefix_mask[row, : len(tokens)] = True
+    context = {"prefix_ids": prefix_ids, "prefix_mask": prefix_mask}
+    if images is not None:
+        pixels = normalize_pixels(images) if images.dtype == torch.uint8 else images
+        context["images"] = pixels.to(device)
+        context["image_mask"] = torch.ones(batch, dtype=torch.bool, device=device)
+    return context
+
+
+@contextlib.contextmanager
+def _inference(model):
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def _check_length(model, context: dict, max_new_tokens: int) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    limit = model.config.max_text_len
+    needed = context["prefix_ids"].shape[1] + 1 + max_new_tokens
+    if needed > limit:
+        raise ValueError(
+            f"prefix length {context['prefix_ids'].shape[1]} + bos + max_new_tokens {max_new_tokens} = "
+            f"{needed} exceeds the model's max_text_len = {limit}"
+        )
+
+
+def _last_logits(model, context: dict, generated_BT: torch.Tensor, bos_id: int) -> torch.Tensor:
+    """Logits ``[B, V]`` (fp32) for the token after ``generated_BT``."""
+    bos_B1 = torch.full((generated_BT.shape[0], 1), bos_id, dtype=torch.long, device=generated_BT.device)
+    logits_BTV = model(target_ids=torch.cat([bos_B1, generated_BT], dim=1), **context)
+    return logits_BTV[:, -1].float()
+
+
+def filter_logits(logits_BV: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Sets to -inf every logit outside the ``top_k`` largest (0: no limit) and outside the
+    smallest set of most likely tokens whose probability sums to >= ``top_p`` (nucleus; 1: no
+    limit). The most likely token always survives."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0, got {top_k!r}")
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    logits_BV = logits_BV.clone()
+    if 0 < top_k < logits_BV.shape[-1]:
+        kth_B1 = logits_BV.topk(top_k, dim=-1).values[:, -1:]
+        logits_BV[logits_BV < kth_B1] = float("-inf")
+    if top_p < 1:
+        sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True)
+        probs_BV = sorted_BV.softmax(dim=-1)
+        mass_before_BV = probs_BV.cumsum(dim=-1) - probs_BV
+        drop_BV = mass_before_BV >= top_p
+        drop_BV[:, 0] = False
+        logits_BV[drop_BV.scatter(1, order_BV, drop_BV)] = float("-inf")
+    return logits_BV
+
+
+def _decode(model, tokenizer, context: dict, max_new_tokens: int, choose) -> list[list[int]]:
+    """Token-by-token decoding; ``choose(logits_BV) -> tokens_B``. Finished rows get pad."""
+    _check_length(model, context, max_new_tokens)
+    batch = context["prefix_ids"].shape[0]
+    device = context["prefix_ids"].device
+    generated_BT = torch.empty(batch, 0, dtype=torch.long, device=device)
+    finished_B = torch.zeros(batch, dtype=torch.bool, device=device)
+    for _ in range(max_new_tokens):
+        tokens_B = choose(_last_logits(model, context, generated_BT, tokenizer.bos_id))
+        tokens_B = torch.where(finished_B, torch.full_like(tokens_B, tokenizer.pad_id), tokens_B)
+        generated_BT = torch.cat([generated_BT, tokens_B[:, None]], dim=1)
+        finished_B |= tokens_B == tokenizer.eos_id
+        if bool(finished_B.all()):
+            break
+    results = []
+    for row in generated_BT.tolist():
+        results.append(row[: row.index(tokenizer.eos_id)] if tokenizer.eos_id in row else row)
+    return results
+
+
+def greedy_search(model, tokenizer, context: dict, max_new_tokens: int) -> list[list[int]]:
+    """The most likely token at every step."""
+    with _inference(model):
+        return _decode(model, tokenizer, context, max_new_tokens, lambda logits: logits.argmax(dim=-1))
+
+
+def sample(
+    model,
+    tokenizer,
+    context: dict,
+    max_new_tokens: int,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> list[list[int]]:
+    """Samples from ``softmax(filter_logits(logits / temperature, top_k, top_p))``; ``top_k=1``
+    is greedy search."""
+    if not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+
+    def choose(logits_BV):
+        probs_BV = filter_logits(logits_BV / temperature, top_k, top_p).softmax(dim=-1)
+        return torch.multinomial(probs_BV, 1, generator=generator).squeeze(1)
+
+    with _inference(model):
+        return _decode(model, tokenizer, context, max_new_tokens, choose)
+
+
+def beam_search(
+    model, tokenizer, context: dict, max_new_tokens: int, num_beams: int = 4, length_penalty: float = 1.0
+) -> list[list[int]]:
+    """Beam search with ``num_beams`` beams per input; a hypothesis' score is its summed token
+    log-probability (eos included) divided by ``length ** length_penalty``. Each step takes the
+    2K best continuations; an eos among the K best finishes a hypothesis, the best non-eos ones
+    (up to K) stay alive. An input is done when K hypotheses have finished; at
+    ``max_new_tokens`` the alive beams count as finished. ``num_beams=1`` is greedy search."""
+    if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
+        raise ValueError(f"num_beams must be an integer >= 1, got {num_beams!r}")
+    _check_length(model, context, max_new_tokens)
+    beams = num_beams
+    batch = context["prefix_ids"].shape[0]
+    device = context["prefix_ids"].device
+    flat = {name: value.repeat_interleave(beams, dim=0) for name, value in context.items()}
+    scores_BK = torch.full((batch, beams), float("-inf"), device=device)
+    scores_BK[:, 0] = 0.0
+    generated_NT = torch.empty(batch * beams, 0, dtype=torch.long, device=device)
+    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]
+    done = [False] * batch
+    with _inference(model):
+        for step in range(max_new_tokens):
+            logprobs_NV = _last_logits(model, flat, generated_NT, tokenizer.bos_id).log_softmax(dim=-1)
+            vocab = logprobs_NV.shape[-1]
+            candidates_BX = (scores_BK.reshape(-1, 1) + logprobs_NV).view(batch, beams * vocab)
+            top_scores, top_index = candidates_BX.topk(min(2 * beams, beams * vocab), dim=1)
+            rows, tokens, new_scores = [], [], []
+            for b in range(batch):
+                chosen = []
+                if not done[b]:
+                    for rank, (score, index) in enumerate(
+                        zip(top_scores[b].tolist(), top_index[b].tolist(), strict=True)
+                    ):
+                        beam, token = divmod(index, vocab)
+                        if score == float("-inf"):
+                            break
+                        if token == tokenizer.eos_id:
+                            if rank < beams:
+                                history = generated_NT[b * beams + beam].tolist()
+                                finished[b].append((score / (step + 1) ** length_penalty, history))
+                            continue
+                        chosen.append((b * beams + beam, token, score))
+                        if len(chosen) == beams:
+                            break
+                    done[b] = len(finished[b]) >= beams or not chosen
+                while len(chosen) < beams:  # done inputs and spare slots: dead beams
+                    chosen.append((b * beams, tokenizer.pad_id, float("-inf")))
+                for row, token, score in chosen:
+                    rows.append(row)
+                    tokens.append(token)
+                    new_scores.append(score)
+            if all(done):
+                break
+            index_N = torch.tensor(rows, device=device)
+            token_N1 = torch.tensor(tokens, device=device)[:, None]
+            generated_NT = torch.cat([generated_NT[index_N], token_N1], dim=1)
+            scores_BK = torch.tensor(new_scores, device=device).view(batch, beams)
+        else:
+            length = generated_NT.shape[1]
+            for b in range(batch):
+                if done[b]:
+                    continue
+                for k in range(beams):
+                    score = float(scores_BK[b, k])
+                    if score != float("-inf"):
+                        finished[b].append(
+                            (score / max(length, 1) ** length_penalty, generated_NT[b * beams + k].tolist())
+                        )
+    return [max(hyps, key=lambda h: h[0])[1] for hyps in finished]
+
+
+def generate(
+    model,
+    tokenizer,
+    images=None,
+    prefixes=None,
+    strategy: str = "greedy",
+    max_new_tokens: int = 64,
+    **options,
+) -> list[str]:
+    """Decoded texts for a batch of images and/or prefixes. ``strategy``: ``"greedy"``,
+    ``"sample"`` (options ``top_k``, ``top_p``, ``temperature``, ``generator``) or ``"beam"``
+    (options ``num_beams``, ``length_penalty``)."""
+    context = build_context(model, tokenizer, images, prefixes)
+    if strategy == "greedy":
+        if options:
+            raise ValueError(f"greedy search takes no options, got {sorted(options)}")
+        ids = greedy_search(model, tokenizer, context, max_new_tokens)
+    elif strategy == "sample":
+        ids = sample(model, tokenizer, context, max_new_tokens, **options)
+    elif strategy == "beam":
+        ids = beam_search(model, tokenizer, context, max_new_tokens, **options)
+    else:
+        raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
+    return [tokenizer.decode(tokens) for tokens in ids]

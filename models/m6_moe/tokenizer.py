@@ -1,0 +1,125 @@
+"""Tokenizers for M6: byte-level UTF-8 by default, a ``tokenizers`` JSON file optionally.
+
+Byte tokenizer ids (``num_sentinels`` = 16 unless given)::
+
+    0 .. 255                    the UTF-8 bytes (Chinese characters are 3 bytes each)
+    256                         <pad>
+    257                         <bos>  (first decoder input of every target)
+    258                         <eos>  (last label of every target)
+    259 .. 259+num_sentinels-1  <extra_id_0> ... (T5-style span-corruption sentinels)
+
+Both tokenizers expose the same interface: ``encode(str) -> list[int]``, ``decode(ids) -> str``,
+``pad_id``, ``bos_id``, ``eos_id``, ``sentinel_ids`` and ``vocab_size``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+NUM_BYTES = 256
+DEFAULT_NUM_SENTINELS = 16
+
+
+class ByteTokenizer:
+    """UTF-8 bytes plus ``<pad>``, ``<bos>``, ``<eos>`` and ``num_sentinels`` sentinels."""
+
+    def __init__(self, num_sentinels: int = DEFAULT_NUM_SENTINELS):
+        if isinstance(num_sentinels, bool) or not isinstance(num_sentinels, int) or num_sentinels < 1:
+            raise ValueError(f"num_sentinels must be an integer >= 1, got {num_sentinels!r}")
+        self.pad_id = NUM_BYTES
+        self.bos_id = NUM_BYTES + 1
+        self.eos_id = NUM_BYTES + 2
+        self.sentinel_ids = tuple(range(NUM_BYTES + 3, NUM_BYTES + 3 + num_sentinels))
+        self.vocab_size = NUM_BYTES + 3 + num_sentinels
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        """Bytes back to text; special ids are dropped (``skip_special``) or written as
+        ``<pad>``/``<bos>``/``<eos>``/``<extra_id_i>``. Invalid UTF-8 (a cut multi-byte character)
+        becomes U+FFFD."""
+        out, run = [], bytearray()
+        for token in ids:
+            token = int(token)
+            if 0 <= token < NUM_BYTES:
+                run.append(token)
+                continue
+            if not skip_special:
+                out.append(run.decode("utf-8", errors="replace"))
+                run = bytearray()
+                out.append(self._special_name(token))
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def _special_name(self, token: int) -> str:
+        if token == self.pad_id:
+            return "<pad>"
+        if token == self.bos_id:
+            return "<bos>"
+        if token == self.eos_id:
+            return "<eos>"
+        if token in self.sentinel_ids:
+            return f"<extra_id_{token - self.sentinel_ids[0]}>"
+        raise ValueError(
+            f"token id {token} is outside the byte tokenizer's vocabulary [0, {self.vocab_size})"
+        )
+
+
+class JSONTokenizer:
+    """A Hugging Face ``tokenizers`` JSON file (needs the optional ``tokenizers`` package).
+
+    The file's vocabulary must hold the special tokens named by ``pad_token``, ``bos_token``,
+    ``eos_token`` and ``sentinel_format.format(i)`` for ``i < num_sentinels``."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        pad_token: str = "<pad>",
+        bos_token: str = "<bos>",
+        eos_token: str = "<eos>",
+        sentinel_format: str = "<extra_id_{}>",
+        num_sentinels: int = DEFAULT_NUM_SENTINELS,
+    ):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ImportError(
+                f"tokenizer file {path} needs the 'tokenizers' package (pip install tokenizers); "
+                "use tokenizer 'bytes' for the built-in byte-level tokenizer"
+            ) from None
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ValueError(f"tokenizer file {self.path} does not exist")
+        self._tokenizer = Tokenizer.from_file(str(self.path))
+
+        def token_id(token: str) -> int:
+            found = self._tokenizer.token_to_id(token)
+            if found is None:
+                raise ValueError(f"tokenizer file {self.path} has no special token {token!r}")
+            return found
+
+        self.pad_id = token_id(pad_token)
+        self.bos_id = token_id(bos_token)
+        self.eos_id = token_id(eos_token)
+        self.sentinel_ids = tuple(token_id(sentinel_format.format(i)) for i in range(num_sentinels))
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self._special = {self.pad_id, self.bos_id, self.eos_id, *self.sentinel_ids}
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        ids = [int(t) for t in ids]
+        if skip_special:
+            ids = [t for t in ids if t not in self._special]
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def load_tokenizer(spec: str):
+    """``"bytes"`` -> :class:`ByteTokenizer`; a path ending in ``.json`` -> :class:`JSONTokenizer`."""
+    if spec == "bytes":
+        return ByteTokenizer()
+    if isinstance(spec, str) and spec.endswith(".json"):
+        return JSONTokenizer(spec)
+    raise ValueError(f"tokenizer must be 'bytes' or the path of a tokenizers .json file, got {spec!r}")

@@ -1,0 +1,332 @@
+"""M6 data: tokenizer, synthetic dataset, manifest errors, pretraining tasks and batches."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from models.m6_moe.config import M6TaskConfig
+from models.m6_moe.data import ManifestDataset
+from models.m6_moe.synthetic import (
+    attribute_accuracy,
+    caption_accuracy,
+    captions_by_image,
+    ensure_synthetic_dataset,
+    most_frequent_caption,
+    most_frequent_caption_accuracy,
+    normalize_caption,
+    parse_caption,
+    write_synthetic_dataset,
+)
+from models.m6_moe.tasks import IGNORE_INDEX, M6Batches, TaskSampler, collate, span_corruption
+from models.m6_moe.tokenizer import ByteTokenizer, JSONTokenizer, load_tokenizer
+
+TOKENIZER = ByteTokenizer()
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory) -> Path:
+    return write_synthetic_dataset(
+        tmp_path_factory.mktemp("synthetic") / "data", seed=3, num_train=24, num_heldout=6
+    )
+
+
+def digest(directory: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+# ---------------------------------------------------------------------------------- tokenizer
+@pytest.mark.parametrize(
+    "text", ["a red circle on the left", "左边有一个红色的圆形", "mixed 中文 and English!"]
+)
+def test_byte_tokenizer_round_trips(text):
+    ids = TOKENIZER.encode(text)
+    assert all(0 <= i < 256 for i in ids)
+    assert TOKENIZER.decode(ids) == text
+    assert TOKENIZER.decode([TOKENIZER.bos_id, *ids, TOKENIZER.eos_id, TOKENIZER.pad_id]) == text
+
+
+def test_byte_tokenizer_special_ids():
+    tok = ByteTokenizer(num_sentinels=4)
+    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.sentinel_ids, tok.vocab_size) == (
+        256, 257, 258, (259, 260, 261, 262), 263,
+    )  # fmt: skip
+    assert (
+        tok.decode([104, 105, tok.sentinel_ids[1], tok.eos_id], skip_special=False) == "hi<extra_id_1><eos>"
+    )
+    assert len(TOKENIZER.encode("圆")) == 3
+    with pytest.raises(ValueError, match="tokenizer must be 'bytes' or the path"):
+        load_tokenizer("words")
+
+
+def test_json_tokenizer_needs_the_tokenizers_package(tmp_path):
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="needs the 'tokenizers' package"):
+            JSONTokenizer(tmp_path / "tok.json")
+    else:
+        pytest.skip("tokenizers is installed: the ImportError path cannot be exercised")
+
+
+# ---------------------------------------------------------------------------- synthetic data
+def test_synthetic_dataset_is_deterministic(synthetic, tmp_path):
+    again = write_synthetic_dataset(tmp_path / "again", seed=3, num_train=24, num_heldout=6)
+    assert digest(again) == digest(synthetic)
+    other = write_synthetic_dataset(tmp_path / "other", seed=4, num_train=24, num_heldout=6)
+    assert digest(other) != digest(synthetic)
+
+
+def test_synthetic_captions_parse_and_match_the_image(synthetic):
+    for split, images in (("train", 24), ("heldout", 6)):
+        records = [
+            json.loads(line)
+            for line in (synthetic / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()
+        ]
+        assert len(records) == 2 * images
+        for record in records:
+            facts = parse_caption(record["text"])
+            assert facts is not None, record["text"]
+            assert (facts.colour, facts.shape, facts.position, facts.language) == (
+                record["colour"], record["shape"], record["position"], record["lang"],
+            )  # fmt: skip
+            with Image.open(synthetic / record["image"]) as image:
+                assert image.size == (64, 64)
+                assert image.getpixel((32, 32)) is not None
+        assert {r["lang"] for r in records} == {"en", "zh"}
+    assert parse_caption("a red circle on the left") == parse_caption("  a red  circle on the left ")
+    assert parse_caption("左边有一个红色的圆形").language == "zh"
+    assert parse_caption("a red cat on the left") is None
+
+
+def test_caption_accuracy_and_baseline():
+    refs = [["a red circle on the left", "左边有一个红色的圆形"], ["a blue square at the top"]]
+    assert caption_accuracy(["左边有一个红色的圆形", "a blue  square at the top "], refs) == 1.0
+    assert caption_accuracy(["a red circle on the left", "nope"], refs) == 0.5
+    train = ["a blue square at the top", "a blue square at the top", "a red circle on the left"]
+    assert most_frequent_caption(train) == "a blue square at the top"
+    assert most_frequent_caption_accuracy(train, refs) == 0.5
+    assert normalize_caption(" a\t b \n") == "a b"
+    scores = attribute_accuracy(["a red square on the left", "garbage"], refs)
+    assert scores == {"colour": 0.5, "shape": 0.0, "position": 0.5}
+
+
+def _ensure(directory: str) -> str:
+    return str(ensure_synthetic_dataset(directory, seed=1, num_train=12, num_heldout=2))
+
+
+def test_ensure_synthetic_dataset_is_race_free_and_checks_parameters(tmp_path):
+    target = str(tmp_path / "shared" / "data")
+    with ThreadPoolExecutor(3) as pool:  # concurrent writers: one rename wins, the others discard
+        assert list(pool.map(_ensure, [target] * 3)) == [target] * 3
+    assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["data"]  # no temporary left
+    assert digest(Path(target)) == digest(
+        write_synthetic_dataset(tmp_path / "fresh", seed=1, num_train=12, num_heldout=2)
+    )
+    assert _ensure(target) == target  # reused
+    with pytest.raises(ValueError, match="written with .* not"):
+        ensure_synthetic_dataset(target, seed=2, num_train=12, num_heldout=2)
+
+
+# ------------------------------------------------------------------------------ manifest errors
+def write_manifest(directory: Path, lines: list) -> Path:
+    path = directory / "manifest.jsonl"
+    path.write_text(
+        "\n".join(x if isinstance(x, str) else json.dumps(x, ensure_ascii=False) for x in lines) + "\n"
+    )
+    return path
+
+
+@pytest.fixture()
+def images_dir(tmp_path) -> Path:
+    Image.new("RGB", (20, 10), (255, 0, 0)).save(tmp_path / "good.png")
+    (tmp_path / "garbage.png").write_bytes(b"this is not an image")
+    good = (tmp_path / "good.png").read_bytes()
+    big = Image.effect_noise((64, 64), 50).convert("RGB")
+    big.save(tmp_path / "big.png")
+    (tmp_path / "truncated.png").write_bytes((tmp_path / "big.png").read_bytes()[:200])
+    assert good
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        ({"image": "missing.png", "text": "x"}, r"manifest\.jsonl:2: image .*missing\.png does not exist"),
+        ({"image": "good.png"}, r"manifest\.jsonl:2: record has no text"),
+        ({"image": "good.png", "text": "  "}, r"manifest\.jsonl:2: record has no text"),
+        ('{"image": "good.png", "text": ', r"manifest\.jsonl:2: invalid JSON"),
+        ('["good.png", "x"]', r"manifest\.jsonl:2: a record must be a JSON object"),
+        ({"image": "garbage.png", "text": "x"}, r"manifest\.jsonl:2: image .*garbage\.png cannot be read"),
+    ],
+)
+def test_bad_records_stop_with_file_and_line(images_dir, bad_line, message):
+    manifest = write_manifest(images_dir, [{"image": "good.png", "text": "fine"}, bad_line])
+    with pytest.raises(ValueError, match=message) as error:
+        ManifestDataset(manifest, image_size=8)
+    assert "\n" not in str(error.value)
+    skipping = ManifestDataset(manifest, image_size=8, skip_bad_records=True)
+    assert len(skipping) == 1 and skipping.skipped_records == 1
+    assert "manifest.jsonl:2" in skipping.skip_reasons[0]
+
+
+def test_empty_manifest_and_all_bad_records_raise(images_dir):
+    with pytest.raises(ValueError, match="manifest .*manifest.jsonl holds no usable records"):
+        ManifestDataset(write_manifest(images_dir, [""]), image_size=8)
+    manifest = write_manifest(images_dir, [{"image": "missing.png", "text": "x"}])
+    with pytest.raises(ValueError, match=r"holds no usable records \(1 bad records skipped\)"):
+        ManifestDataset(manifest, image_size=8, skip_bad_records=True)
+    with pytest.raises(ValueError, match="cannot be read"):
+        ManifestDataset(images_dir / "nope.jsonl", image_size=8)
+
+
+def test_images_are_rgb_resized_and_decoding_errors_follow_the_skip_rule(images_dir):
+    lines = [
+        {"image": "good.png", "text": "red"},
+        {"image": "truncated.png", "text": "noise"},
+        {"text": "only text"},
+    ]
+    manifest = write_manifest(images_dir, lines)
+    dataset = ManifestDataset(manifest, image_size=8)
+    pixels = dataset.load_image(0)
+    assert pixels.shape == (3, 8, 8) and pixels.dtype == torch.uint8
+    assert pixels[0].min() == 255 and pixels[1:].max() == 0
+    assert dataset.records[2].image is None
+    with pytest.raises(ValueError, match=r"manifest\.jsonl:2: image .*truncated\.png cannot be decoded"):
+        dataset.load_image(1)
+    skipping = ManifestDataset(manifest, image_size=8, skip_bad_records=True)
+    assert skipping.load_image(1) is None and skipping.skipped_records == 1
+    sampler = TaskSampler(
+        skipping, TOKENIZER, M6TaskConfig(denoise_weight=0, image_text_weight=0), seq_len=16
+    )
+    g = torch.Generator().manual_seed(0)
+    assert {TOKENIZER.decode(sampler.sample(g).target) for _ in range(10)} == {"red"}
+    assert skipping.skipped_records == 1  # counted once
+    grey = ManifestDataset(manifest, image_size=4, image_channels=1).load_image(0)
+    assert grey.shape == (1, 4, 4)
+
+
+# --------------------------------------------------------------------------------------- tasks
+@pytest.mark.parametrize("length", [1, 2, 3, 10, 57])
+def test_span_corruption_keeps_every_token(length):
+    tokens = list(range(length))
+    sentinels = TOKENIZER.sentinel_ids
+    g = torch.Generator().manual_seed(length)
+    prefix, target = span_corruption(tokens, 0.15, 3.0, sentinels, g)
+    assert target[0] == sentinels[0] and sentinels[0] in prefix
+    spans, current = {}, None
+    for token in target:
+        if token in sentinels:
+            current = token
+            spans[current] = []
+        else:
+            spans[current].append(token)
+    rebuilt = [t for token in prefix for t in (spans[token] if token in sentinels else [token])]
+    assert rebuilt == tokens
+    assert 1 <= sum(len(s) for s in spans.values()) <= max(1, length - 1)
+
+
+@pytest.fixture(scope="module")
+def sampler(synthetic) -> TaskSampler:
+    dataset = ManifestDataset(synthetic / "train.jsonl", image_size=16, cache_images=True)
+    return TaskSampler(dataset, TOKENIZER, M6TaskConfig(), seq_len=40)
+
+
+def test_every_task_produces_a_valid_sample(sampler):
+    g = torch.Generator().manual_seed(0)
+    texts = {r.text for r in sampler.dataset.records}
+    for _ in range(6):
+        caption = sampler.sample(g, "caption")
+        assert caption.prefix == [] and caption.image.shape == (3, 16, 16)
+        assert TOKENIZER.decode(caption.target) in texts
+        mixed = sampler.sample(g, "image_text")
+        assert mixed.image is not None and mixed.prefix and mixed.target
+        assert TOKENIZER.decode(mixed.prefix + mixed.target) in texts
+        denoise = sampler.sample(g, "denoise")
+        assert denoise.image is None and denoise.target[0] == TOKENIZER.sentinel_ids[0]
+        assert len(denoise.prefix) <= 40 and len(denoise.target) + 1 <= 40
+
+
+def test_collate_layout(sampler):
+    g = torch.Generator().manual_seed(1)
+    samples = [sampler.sample(g, task) for task in ("caption", "denoise", "image_text")]
+    inputs, labels = collate(samples, TOKENIZER, (3, 16, 16))
+    batch, target_len = labels.shape
+    assert inputs["prefix_ids"].shape[1] == max(len(s.prefix) for s in samples)
+    assert target_len == max(len(s.target) for s in samples) + 1
+    assert inputs["image_mask"].tolist() == [True, False, True]
+    assert inputs["images"][1].abs().sum() == 0 and inputs["images"].abs().max() <= 1
+    for row, s in enumerate(samples):
+        n = len(s.target) + 1
+        assert inputs["target_ids"][row, :n].tolist() == [TOKENIZER.bos_id, *s.target]
+        assert labels[row, :n].tolist() == [*s.target, TOKENIZER.eos_id]
+        assert (labels[row, n:] == IGNORE_INDEX).all() and (
+            inputs["target_ids"][row, n:] == TOKENIZER.pad_id
+        ).all()
+        assert inputs["target_mask"][row].sum() == n and inputs["prefix_mask"][row].sum() == len(s.prefix)
+
+
+def test_task_weights_and_missing_images(sampler, images_dir):
+    only_caption = TaskSampler(
+        sampler.dataset, TOKENIZER, M6TaskConfig(denoise_weight=0, image_text_weight=0), 40
+    )
+    batches = M6Batches(only_caption, 4, seed=0, rank=0, num_patches=4)
+    batches.next()
+    assert batches.task_counts == {"caption": 4, "denoise": 0, "image_text": 0}
+    text_only = ManifestDataset(write_manifest(images_dir, [{"text": "no image here"}]), image_size=8)
+    with pytest.raises(ValueError, match="task 'caption' has weight 1.0 but manifest .* has no record"):
+        TaskSampler(text_only, TOKENIZER, M6TaskConfig(), 40)
+    TaskSampler(text_only, TOKENIZER, M6TaskConfig(caption_weight=0, image_text_weight=0), 40).sample(
+        torch.Generator()
+    )
+
+
+def test_batches_resume_from_state_dict(sampler):
+    first = M6Batches(sampler, 4, seed=5, rank=1, num_patches=4)
+    first.next()
+    state = first.state_dict()
+    expected = first.next()
+    resumed = M6Batches(sampler, 4, seed=0, rank=0, num_patches=4)
+    resumed.load_state_dict(state)
+    got = resumed.next()
+    for key in expected[0]:
+        assert torch.equal(expected[0][key], got[0][key]), key
+    assert torch.equal(expected[1], got[1])
+    assert resumed.batches_drawn == 2 and resumed.tokens_per_batch > 0
+    before_probe = resumed.generator.get_state()
+    _, probe_labels = resumed.probe(3, seed=123)  # a separate stream: the position does not move
+    assert probe_labels.shape[0] == 3 and resumed.batches_drawn == 2
+    assert torch.equal(resumed.probe(3, seed=123)[1], probe_labels)
+    assert torch.equal(resumed.generator.get_state(), before_probe)
+    resumed.reseed(5, 1, step=2)
+    assert not torch.equal(resumed.generator.get_state(), before_probe)
+    other_rank = M6Batches(sampler, 4, seed=5, rank=2, num_patches=4)
+    assert not torch.equal(
+        other_rank.next()[1], M6Batches(sampler, 4, seed=5, rank=1, num_patches=4).next()[1]
+    )
+
+
+def test_long_texts_are_cut_and_counted(images_dir):
+    manifest = write_manifest(images_dir, [{"image": "good.png", "text": "圆" * 30}])
+    dataset = ManifestDataset(manifest, image_size=8)
+    sampler = TaskSampler(dataset, TOKENIZER, M6TaskConfig(), seq_len=16)
+    g = torch.Generator().manual_seed(0)
+    for task in ("caption", "denoise", "image_text"):
+        s = sampler.sample(g, task)
+        assert len(s.prefix) <= 16 and len(s.target) + 1 <= 16
+    assert sampler.truncated_samples == 3
+
+
+def test_captions_by_image_groups_languages(synthetic):
+    grouped = captions_by_image(synthetic / "heldout.jsonl")
+    assert len(grouped) == 6 and all(len(c) == 2 for c in grouped.values())
