@@ -49,9 +49,9 @@ def _nvcc_available(cpp_extension) -> bool:
     return bool(cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists()) or shutil.which("nvcc") is not None
 
 
-def _write_fingerprint_header() -> None:
+def _write_fingerprint_header(with_cuda: bool) -> None:
     """Only bindings.cpp includes this header, so a source edit recompiles that file and the edited one."""
-    fingerprint = _load_source_hash_module().csrc_fingerprint(CSRC)
+    fingerprint = _load_source_hash_module().csrc_fingerprint(CSRC, with_cuda)
     GENERATED.mkdir(parents=True, exist_ok=True)
     header = GENERATED / "moetrain_source_fingerprint.h"
     text = f'#pragma once\n#define MOETRAIN_SOURCE_FINGERPRINT "{fingerprint}"\n'
@@ -61,13 +61,14 @@ def _write_fingerprint_header() -> None:
 
 def _extensions():
     cpp_extension = _require_torch()
-    _write_fingerprint_header()
+    with_cuda = _nvcc_available(cpp_extension)
+    _write_fingerprint_header(with_cuda)
     sources = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cpp"))
     cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
     define_macros = []
     extension_class = cpp_extension.CppExtension
     extra_compile_args = {"cxx": cxx_flags}
-    if _nvcc_available(cpp_extension) and os.environ.get("MOETRAIN_SKIP_CUDA_BUILD") != "1":
+    if with_cuda:
         sources += sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cu"))
         extension_class = cpp_extension.CUDAExtension
         extra_compile_args["nvcc"] = ["-O3", "-std=c++17", "--expt-relaxed-constexpr"]

@@ -23,7 +23,7 @@ except ImportError as error:  # pragma: no cover - exercised by a subprocess tes
 
 _CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
 if _CSRC_DIR.is_dir():
-    _expected = csrc_fingerprint(_CSRC_DIR)
+    _expected = csrc_fingerprint(_CSRC_DIR, with_cuda=ops.source_fingerprint().startswith("cuda:"))
     if ops.source_fingerprint() != _expected:
         raise ImportError(
             f"moetrain._C is stale: it was built from csrc/ sources with fingerprint "

@@ -12,7 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _import_in_copy(tmp_path: Path, keep_extension: bool, edit_source: bool) -> subprocess.CompletedProcess:
+def _import_in_copy(
+    tmp_path: Path, keep_extension: bool, edit_source: bool, edit_name: str = "permute.cpp"
+) -> subprocess.CompletedProcess:
     """Copies the package (and csrc/) to ``tmp_path`` and imports it there in a fresh interpreter."""
     shutil.copytree(ROOT / "moetrain", tmp_path / "moetrain", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(ROOT / "csrc", tmp_path / "csrc")
@@ -20,7 +22,7 @@ def _import_in_copy(tmp_path: Path, keep_extension: bool, edit_source: bool) -> 
         for built in (tmp_path / "moetrain").glob("_C*.so"):
             built.unlink()
     if edit_source:
-        with open(tmp_path / "csrc" / "permute.cpp", "a") as f:
+        with open(tmp_path / "csrc" / edit_name, "a") as f:
             f.write("\n// edited after the build\n")
     # Only the copy may be importable: drop the editable install's finder, which would otherwise
     # resolve moetrain._C to the repository's build.
@@ -50,6 +52,15 @@ def test_stale_extension_is_refused(tmp_path):
     result = _import_in_copy(tmp_path, keep_extension=True, edit_source=True)
     assert result.returncode != 0
     assert "moetrain._C is stale" in result.stderr and "make build" in result.stderr
+
+
+def test_cpu_build_ignores_cuda_source_edits(tmp_path):
+    from moetrain._ext import ops
+
+    if ops.source_fingerprint().startswith("cuda:"):
+        pytest.skip("this extension was built with CUDA: its .cu sources count")
+    result = _import_in_copy(tmp_path, keep_extension=True, edit_source=True, edit_name="edited_twin.cu")
+    assert result.returncode == 0, result.stderr
 
 
 def test_simd_levels_are_reported_and_capped():
