@@ -236,10 +236,11 @@ def test_batch_shell_survives_sigterm(cluster, tmp_path, stub, config):
 
 @cluster_test
 def test_sbatch_trains_a_tiny_model_and_checkpoints(cluster, tmp_path):
-    """The real trainer through the per-task template: 2 ranks with the experts split (ep_size 2)."""
+    """The real trainer on the M6 tiny preset through the per-task template: 2 ranks with the
+    experts split (ep_size 2)."""
     out_dir = tmp_path / "run"
     config = tmp_path / "tiny.yaml"
-    config.write_text((REPO_ROOT / "configs" / "tiny_lm.yaml").read_text())
+    config.write_text((REPO_ROOT / "models" / "m6_moe" / "tiny.yaml").read_text())
     overrides = [
         "--set",
         "steps=6",
