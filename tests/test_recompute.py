@@ -168,7 +168,7 @@ def test_impossible_budget_names_the_minimum(lm_profile):
         ({"candidates": "blocks.0"}, "candidates must be a list of module names"),
         ({"candidates": ["blocks.9"]}, "candidates must name submodules of the model, got 'blocks.9'"),
         ({"candidates": ["blocks.0.attn_norm", "blocks.0.attn_norm"]}, "candidates must be distinct modules"),
-        ({"example_batch": {"x": 1}}, "example_batch must be a tensor"),
+        ({"example_batch": "tokens"}, "example_batch must be a tensor"),
         ({"loss_fn": 3}, "loss_fn must be callable"),
         ({"timing_repeats": 0}, "timing_repeats must be an integer >= 1"),
         ({"verbose": "yes"}, "verbose must be True or False"),
