@@ -7,8 +7,8 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
-DEPS := 'setuptools>=64' wheel ninja pybind11 pytest pytest-timeout ruff numpy pyyaml pillow
-DEPS_STAMP := $(VENV)/.deps-$(shell echo '$(TORCH) $(DEPS)' | md5sum | cut -c1-12)
+DEPS := setuptools>=64 wheel ninja pybind11 pytest pytest-timeout ruff numpy pyyaml pillow
+DEPS_STAMP := $(VENV)/.deps-$(shell printf '%s' '$(TORCH) $(DEPS)' | md5sum | cut -c1-12)
 BUILD_STAMP := $(VENV)/.moetrain-built
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu csrc/*.cuh)
 PYTEST_ARGS ?=
@@ -36,7 +36,7 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(DEPS_STAMP): | $(VENV)/bin/python
-	$(PIP) install --quiet '$(TORCH)' $(DEPS)
+	$(PIP) install --quiet '$(TORCH)' $(foreach dep,$(DEPS),'$(dep)')
 	rm -f $(VENV)/.deps-* $(BUILD_STAMP)
 	touch $@
 

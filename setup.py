@@ -6,7 +6,6 @@ CUDA sources (``csrc/*.cu``) are added only when torch was built with CUDA and n
 """
 
 import importlib.util
-import os
 import shutil
 import sys
 from pathlib import Path

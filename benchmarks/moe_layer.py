@@ -8,6 +8,14 @@ Figures are ratios measured in the same run:
 Cases (T=2048, d_model=512, d_ff=2048, E=8, top-2, fp32, 2 threads by default):
 ``capacity_1.0``, ``dropless_balanced`` and ``dropless_skewed`` (about half of the routed slots go
 to 2 of the 8 experts). Usage: ``python benchmarks/moe_layer.py [--json PATH] [--repeats N]``.
+
+GPU mode, ``--device cuda [--dtype bf16]``: the same cases at a GPU-sized default configuration
+(T=16384, d_model=4096, d_ff=14336, E=8, top-2), layer and floor in ``--dtype`` (parameters too),
+timed with CUDA events (warm-up, then the median). It adds the layer's achieved TFLOP/s against the
+GPU's dense bf16/fp16 peak (a table keyed by ``torch.cuda.get_device_name()``; "unknown" for other
+GPUs) and the achieved memory bandwidth of the permutation kernels (``csrc/permute.cu``,
+``csrc/a2a_layout.cu``) against the device's copy bandwidth measured in the same run (a large
+``tensor.copy_``). Targets: ``ours_over_floor <= 1.10``, kernels >= 70% of the copy bandwidth.
 """
 
 from __future__ import annotations
@@ -23,6 +31,16 @@ import torch.nn.functional as F
 
 from moetrain import MoELayer
 from moetrain._ext import ops
+from moetrain.comm.all_to_all import transpose_chunks
+from moetrain.comm.compression import kernels_for
+from moetrain.layers.dispatch import build_dispatch_plan
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# (tokens, d_model, d_ff) when not given on the command line.
+DEFAULT_SHAPES = {"cpu": (2048, 512, 2048), "cuda": (16384, 4096, 14336)}
+# Dense bf16/fp16 tensor-core peak in TFLOP/s (no sparsity), by a substring of the device name.
+# "H100 80GB HBM3" is how the H100 SXM reports itself; the H100 PCIe / NVL are not listed.
+PEAK_TFLOPS_16BIT = [("H100 80GB HBM3", 989.0), ("H100 SXM", 989.0), ("H200", 989.0), ("A100", 312.0)]
 
 
 def plain_pytorch_moe(x_TD, router_w_ED, w1_EDF, w2_EFD, top_k, capacity):
@@ -73,7 +91,25 @@ def timed(fn, repeats: int) -> list[float]:
     return times
 
 
+def timed_cuda(fn, repeats: int) -> list[float]:
+    """Seconds per call from CUDA events recorded around each call on the current stream."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
 def run_case(name: str, capacity_factor, skewed: bool, args) -> dict:
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+
+    def randn(*shape, requires_grad=False):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=requires_grad)
+
     torch.manual_seed(0)
     layer = MoELayer(
         d_model=args.d_model,
@@ -83,10 +119,10 @@ def run_case(name: str, capacity_factor, skewed: bool, args) -> dict:
         capacity_factor=capacity_factor,
         min_capacity=1,
         aux_loss_coef=1e-2,
-    )
-    x = torch.randn(args.tokens, args.d_model)
+    ).to(device=device, dtype=dtype)
+    x = randn(args.tokens, args.d_model)
     if skewed:
-        x = x + 0.5 * torch.randn(args.d_model)  # a shared direction the router can key on
+        x = x + 0.5 * randn(args.d_model)  # a shared direction the router can key on
         share = skew_router(layer, x, hot_experts=2, target_share=0.5)
     else:
         share = float((layer.router(x).expert_ids_TK < 2).float().mean())
@@ -94,12 +130,12 @@ def run_case(name: str, capacity_factor, skewed: bool, args) -> dict:
     layer(x)
     rows = int(layer.last_stats.kept_per_expert.sum())
     capacity = layer.last_stats.capacity
-    grad_out = torch.randn(args.tokens, args.d_model)
+    grad_out = randn(args.tokens, args.d_model)
 
-    floor_x = torch.randn(rows, args.d_model, requires_grad=True)
-    floor_w1 = torch.randn(args.d_model, args.d_ff, requires_grad=True)
-    floor_w2 = torch.randn(args.d_ff, args.d_model, requires_grad=True)
-    floor_grad = torch.randn(rows, args.d_model)
+    floor_x = randn(rows, args.d_model, requires_grad=True)
+    floor_w1 = randn(args.d_model, args.d_ff, requires_grad=True)
+    floor_w2 = randn(args.d_ff, args.d_model, requires_grad=True)
+    floor_grad = randn(rows, args.d_model)
     plain_weights = [
         p.detach().clone().requires_grad_(True)
         for p in (layer.router.weight, layer.experts.w1_EDF, layer.experts.w2_EFD)
@@ -121,14 +157,24 @@ def run_case(name: str, capacity_factor, skewed: bool, args) -> dict:
         plain_pytorch_moe(x, *plain_weights, args.top_k, capacity).backward(grad_out)
 
     candidates = {"ours": ours, "floor": floor, "plain": plain}
+    timer = timed_cuda if device.type == "cuda" else timed
     for fn in candidates.values():
-        timed(fn, args.warmup)
+        timer(fn, args.warmup)
     samples = {key: [] for key in candidates}
     for _ in range(args.repeats):  # interleaved, so drift in machine speed hits all three alike
         for key, fn in candidates.items():
-            samples[key] += timed(fn, 1)
+            samples[key] += timer(fn, 1)
     median_ms = {key: 1e3 * statistics.median(v) for key, v in samples.items()}
     flops = 3 * 2 * 2 * rows * args.d_model * args.d_ff  # fwd + 2x bwd, two GEMMs, 2 flop per MAC
+    if device.type == "cuda":
+        peak = peak_tflops(args.dtype)
+        tflops = flops / median_ms["ours"] / 1e9
+        gpu_figures = {
+            "ours_tflops": round(tflops, 1),
+            "of_peak": "unknown" if peak is None else f"{100 * tflops / peak:.0f}%",
+        }
+    else:
+        gpu_figures = {}
     return {
         "case": name,
         "routed_rows": rows,
@@ -140,16 +186,87 @@ def run_case(name: str, capacity_factor, skewed: bool, args) -> dict:
         "ours_over_floor": round(median_ms["ours"] / median_ms["floor"], 3),
         "plain_over_ours": round(median_ms["plain"] / median_ms["ours"], 3),
         "ours_gflops": round(flops / median_ms["ours"] / 1e6, 1),
+        **gpu_figures,
     }
+
+
+def peak_tflops(dtype_name: str) -> float | None:
+    """Dense bf16/fp16 peak of the current GPU from PEAK_TFLOPS_16BIT; None if not listed (or fp32)."""
+    if dtype_name == "fp32":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in PEAK_TFLOPS_16BIT if key in name), None)
+
+
+def kernel_bandwidth(args) -> dict:
+    """Achieved bandwidth of the permutation kernels at the layer's shape (dropless, uniform
+    random top-k routing) and of a large ``tensor.copy_`` (the device's practical limit). Bytes are
+    what each kernel must move: rows read once and written once (index and weight reads, <1%, not
+    counted). Median of ``args.repeats`` CUDA-event timings after ``args.warmup`` calls."""
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    tokens, hidden, k = args.tokens, args.d_model, args.top_k
+    generator = torch.Generator(device=device).manual_seed(0)
+    expert_ids_TK = (
+        torch.rand(tokens, args.experts, device=device, generator=generator).topk(k, dim=-1).indices
+    )
+    plan = build_dispatch_plan(expert_ids_TK, args.experts, None)
+    rows = plan.num_rows
+    x_TD = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=generator)
+    y_ND = torch.randn(rows, hidden, device=device, dtype=dtype, generator=generator)
+    weight_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    gates_TK = torch.rand(tokens, k, device=device, dtype=weight_dtype, generator=generator)
+    kernels = kernels_for(x_TD, "kernel_bandwidth(x_TD)")
+    sizes_AB = plan.kept_per_expert_E.view(1, -1).expand(2, -1).contiguous() // 2  # [2 ranks][E experts]
+    sizes_AB[0] += plan.kept_per_expert_E - sizes_AB.sum(0)
+    row_bytes = hidden * x_TD.element_size()
+    copy_src = torch.empty(1 << 30, dtype=torch.uint8, device=device)  # 1 GiB, well past L2
+    copy_dst = torch.empty_like(copy_src)
+    cases = {
+        "permute_rows (dispatch)": (
+            lambda: kernels.permute_rows(x_TD, plan.slot_of_row_N, k, None),
+            2 * rows * row_bytes,
+        ),
+        "unpermute_rows weighted (combine)": (
+            lambda: kernels.unpermute_rows(y_ND, plan.row_of_slot_TK, gates_TK),
+            (rows + tokens) * row_bytes,
+        ),
+        "permute_rows weighted (combine bwd)": (
+            lambda: kernels.permute_rows(x_TD, plan.slot_of_row_N, k, gates_TK.view(-1)),
+            2 * rows * row_bytes,
+        ),
+        "unpermute_rows (dispatch bwd)": (
+            lambda: kernels.unpermute_rows(y_ND, plan.row_of_slot_TK, None),
+            (rows + tokens) * row_bytes,
+        ),
+        "unpermute_weight_grad (gates bwd)": (
+            lambda: kernels.unpermute_weight_grad(x_TD, y_ND, plan.row_of_slot_TK),
+            (rows + tokens) * row_bytes,
+        ),
+        "transpose_chunks (EP regroup)": (lambda: transpose_chunks(y_ND, sizes_AB), 2 * rows * row_bytes),
+        "torch copy_ (1 GiB)": (lambda: copy_dst.copy_(copy_src), 2 * copy_src.numel()),
+    }
+    results = {}
+    for name, (fn, nbytes) in cases.items():
+        timed_cuda(fn, args.warmup)
+        seconds = statistics.median(timed_cuda(fn, args.repeats))
+        results[name] = {"ms": round(1e3 * seconds, 3), "gb_per_s": round(nbytes / seconds / 1e9, 1)}
+    copy_gbs = results["torch copy_ (1 GiB)"]["gb_per_s"]
+    for figures in results.values():
+        figures["of_copy"] = round(figures["gb_per_s"] / copy_gbs, 3)
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--d-model", type=int, default=512)
-    parser.add_argument("--d-ff", type=int, default=2048)
+    parser.add_argument("--device", choices=sorted(DEFAULT_SHAPES), default="cpu")
+    parser.add_argument(
+        "--dtype", choices=list(DTYPES), help="of layer, floor and inputs; default fp32 on cpu, bf16 on cuda"
+    )
+    parser.add_argument("--tokens", type=int, help="default 2048 on cpu, 16384 on cuda")
+    parser.add_argument("--d-model", type=int, help="default 512 on cpu, 4096 on cuda")
+    parser.add_argument("--d-ff", type=int, help="default 2048 on cpu, 14336 on cuda")
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
@@ -157,6 +274,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON to PATH")
     args = parser.parse_args()
+    for name, default in zip(("tokens", "d_model", "d_ff"), DEFAULT_SHAPES[args.device], strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.dtype is None:
+        args.dtype = "bf16" if args.device == "cuda" else "fp32"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a GPU, but torch.cuda.is_available() is False")
     torch.set_num_threads(args.threads)
 
     cases = [
@@ -171,9 +295,17 @@ def main() -> None:
         "simd": ops.simd_level(),
         "torch": torch.__version__,
     }
+    if args.device == "cuda":
+        kernels = kernel_bandwidth(args)
+        peak = peak_tflops(args.dtype)
+        machine.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda, peak_tflops=peak)
+        where = f"{torch.cuda.get_device_name()}, CUDA events"
+    else:
+        kernels = None
+        where = f"{args.threads} threads"
     header = (
         f"MoELayer fwd+bwd, T={args.tokens} d_model={args.d_model} d_ff={args.d_ff} E={args.experts} "
-        f"top-{args.top_k} fp32, {args.threads} threads, median of {args.repeats}"
+        f"top-{args.top_k} {args.dtype}, {where}, median of {args.repeats}"
     )
     print(header)
     columns = [
@@ -186,17 +318,27 @@ def main() -> None:
         "ours_over_floor",
         "plain_over_ours",
     ]
+    if args.device == "cuda":
+        columns += ["ours_tflops", "of_peak"]
     print(" | ".join(f"{c:>17}" for c in columns))
     for row in results:
         print(" | ".join(f"{row[c]!s:>17}" for c in columns))
-    print("target: ours_over_floor <= 1.05 in every case")
+    if args.device == "cuda":
+        print(f"peak dense {args.dtype}: {'unknown' if peak is None else f'{peak:.0f} TFLOP/s'}")
+        print("target: ours_over_floor <= 1.10 in every case")
+        print(f"{'kernel':>36} | {'ms':>8} | {'GB/s':>8} | {'of copy_':>8}")
+        for name, figures in kernels.items():
+            share = f"{100 * figures['of_copy']:.0f}%"
+            print(f"{name:>36} | {figures['ms']:>8} | {figures['gb_per_s']:>8} | {share:>8}")
+        print("target: every permutation kernel >= 70% of the copy_ bandwidth")
+    else:
+        print("target: ours_over_floor <= 1.05 in every case")
     if args.json:
+        report = {"benchmark": "moe_layer", "config": vars(args), "machine": machine, "results": results}
+        if kernels is not None:
+            report["kernels"] = kernels
         with open(args.json, "w") as f:
-            json.dump(
-                {"benchmark": "moe_layer", "config": vars(args), "machine": machine, "results": results},
-                f,
-                indent=2,
-            )
+            json.dump(report, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -21,4 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   moetrain::register_permute_ops(m);
   moetrain::register_a2a_layout_ops(m);
   moetrain::register_cpu_adam_ops(m);
+#ifdef MOETRAIN_WITH_CUDA
+  moetrain::register_cuda_ops(m);
+#endif
 }

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moetrain._ext import ops
+from moetrain._ext import kernels_for
 from moetrain.comm.compression import decode_rows, encode_rows
 
 
@@ -31,8 +31,13 @@ def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> tor
 
 
 def transpose_chunks(x: torch.Tensor, sizes_AB: torch.Tensor) -> torch.Tensor:
-    """Rows stored as chunks [a][b] (``sizes_AB[a, b]`` rows each) -> the same chunks in [b][a] order."""
-    return ops.transpose_chunks(x.contiguous(), sizes_AB.contiguous())
+    """Rows stored as chunks [a][b] (``sizes_AB[a, b]`` rows each) -> the same chunks in [b][a] order.
+
+    CPU rows use ``csrc/a2a_layout.cpp`` (``sizes_AB`` on the CPU); CUDA rows use
+    ``csrc/a2a_layout.cu``, with ``sizes_AB`` on the CPU or on the rows' GPU (offsets are computed on
+    the device, no synchronisation)."""
+    kernels = kernels_for(x, "transpose_chunks(x)")
+    return kernels.transpose_chunks(x.contiguous(), sizes_AB.contiguous())
 
 
 class FlatAllToAllPlan:

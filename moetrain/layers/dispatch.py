@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moetrain._ext import ops
+from moetrain._ext import kernels_for, ops
 from moetrain.comm.all_to_all import (
     all_to_all,
     all_to_all_reverse,
@@ -85,7 +85,14 @@ def build_dispatch_plan(
     priority_order_S: torch.Tensor | None = None,
 ) -> DispatchPlan:
     """Counting sort of the slots by expert; an expert keeps the first ``capacity`` slots in
-    ``priority_order_S`` (default: choice-major, by position). O(S) integer work."""
+    ``priority_order_S`` (default: choice-major, by position). O(S) integer work.
+
+    CPU ids use the C++ counting sort; CUDA ids use :func:`sort_dispatch_plan` (torch ops, same
+    result, the plan stays on the GPU)."""
+    if capacity is not None and capacity < 0:
+        raise ValueError(f"capacity must be >= 0 or None (dropless), got {capacity}")
+    if expert_ids_TK.device.type == "cuda":
+        return sort_dispatch_plan(expert_ids_TK, num_experts, capacity, priority_order_S)
     row_of_slot, slot_of_row, kept, routed = ops.build_dispatch_plan(
         expert_ids_TK.contiguous(),
         None if priority_order_S is None else priority_order_S.contiguous(),
@@ -93,6 +100,77 @@ def build_dispatch_plan(
         -1 if capacity is None else capacity,
     )
     return DispatchPlan(row_of_slot, slot_of_row, kept, routed)
+
+
+def sort_dispatch_plan(
+    expert_ids_TK: torch.Tensor,
+    num_experts: int,
+    capacity: int | None,
+    priority_order_S: torch.Tensor | None = None,
+) -> DispatchPlan:
+    """:func:`build_dispatch_plan` by torch ops on any device (the CUDA path), equal to the C++ op.
+
+    ``queue_Q``: the slots in priority order (default choice-major, ``q -> (q % T) * K + q // T``).
+    A stable sort of ``queue_Q`` by expert lists each expert's slots in priority order; a slot's
+    rank inside its expert is ``position - routed_before_E[e]``, and it is kept iff
+    ``rank < kept_E[e]`` (``kept_E = min(routed_E, capacity)``). The kept slots, in that sorted
+    order, are ``slot_of_row_N``; ``row_of_slot`` is its inverse (-1 for dropped slots).
+    The argument checks of the C++ op and N travel to the host in one copy, the only
+    synchronisation (counts use ``scatter_add_``, not ``bincount``, which would synchronise).
+    """
+    if expert_ids_TK.dim() != 2 or expert_ids_TK.dtype != torch.int64:
+        raise ValueError(
+            "expert_ids must be a 2-D int64 tensor [tokens, k], "
+            f"got {expert_ids_TK.dim()}-D {expert_ids_TK.dtype}"
+        )
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if capacity is not None and capacity < 0:
+        raise ValueError(f"capacity must be >= 0 or None (dropless), got {capacity}")
+    tokens, k = expert_ids_TK.shape
+    slots = tokens * k
+    device = expert_ids_TK.device
+    expert_S = expert_ids_TK.reshape(-1)
+    ones_S = torch.ones_like(expert_S)
+    checks = {
+        f"expert_ids contains values outside [0, {num_experts})": (expert_S < 0) | (expert_S >= num_experts)
+    }
+    if priority_order_S is None:
+        position_Q = torch.arange(slots, device=device)
+        queue_Q = (position_Q % max(tokens, 1)) * k + position_Q // max(tokens, 1)
+    else:
+        if priority_order_S.dtype != torch.int64 or priority_order_S.device != device:
+            raise ValueError(
+                f"priority_order must be an int64 tensor on {device}, got {priority_order_S.dtype} on "
+                f"{priority_order_S.device}"
+            )
+        if priority_order_S.numel() != slots:
+            raise ValueError(
+                f"priority_order must have tokens*k = {slots} elements, got {priority_order_S.numel()}"
+            )
+        queue_Q = priority_order_S.reshape(-1)
+        checks[f"priority_order contains values outside [0, {slots})"] = (queue_Q < 0) | (queue_Q >= slots)
+        seen_S = torch.zeros_like(expert_S).scatter_add_(0, queue_Q.clamp(0, max(slots - 1, 0)), ones_S)
+        checks["priority_order must be a permutation of the slots; some slot appears twice"] = seen_S > 1
+
+    routed_E = expert_S.new_zeros(num_experts).scatter_add_(0, expert_S.clamp(0, num_experts - 1), ones_S)
+    kept_E = routed_E.clone() if capacity is None else routed_E.clamp_max(capacity)
+    *failed, rows = torch.stack([*(bad.any().long() for bad in checks.values()), kept_E.sum()]).tolist()
+    for message, bad in zip(checks, failed, strict=True):
+        if bad:
+            raise ValueError(message)
+
+    expert_Q = expert_S[queue_Q]  # expert of each slot, in priority order
+    order_Q = torch.sort(expert_Q, stable=True).indices
+    sorted_slot_Q, sorted_expert_Q = queue_Q[order_Q], expert_Q[order_Q]
+    routed_before_E = torch.cumsum(routed_E, 0) - routed_E
+    rank_Q = torch.arange(slots, device=device) - routed_before_E[sorted_expert_Q]
+    dropped_Q = (rank_Q >= kept_E[sorted_expert_Q]).long()
+    kept_first_Q = torch.sort(dropped_Q, stable=True).indices  # kept slots first, in sorted order
+    slot_of_row_N = sorted_slot_Q[kept_first_Q[:rows]]
+    row_of_slot_S = torch.full((slots,), -1, dtype=torch.int64, device=device)
+    row_of_slot_S[slot_of_row_N] = torch.arange(rows, device=device)
+    return DispatchPlan(row_of_slot_S.view(tokens, k), slot_of_row_N, kept_E, routed_E)
 
 
 def _weight_dtype(rows: torch.Tensor) -> torch.dtype:
@@ -103,11 +181,13 @@ class _PermuteTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         ctx.plan = plan
-        return ops.permute_rows(x_TD.contiguous(), plan.slot_of_row_N, plan.top_k, None)
+        kernels = kernels_for(x_TD, "permute_tokens(x_TD)")
+        return kernels.permute_rows(x_TD.contiguous(), plan.slot_of_row_N, plan.top_k, None)
 
     @staticmethod
     def backward(ctx, grad_ND: torch.Tensor):
-        return ops.unpermute_rows(grad_ND.contiguous(), ctx.plan.row_of_slot_TK, None), None
+        kernels = kernels_for(grad_ND, "permute_tokens backward (grad_ND)")
+        return kernels.unpermute_rows(grad_ND.contiguous(), ctx.plan.row_of_slot_TK, None), None
 
 
 class _UnpermuteTokens(torch.autograd.Function):
@@ -121,18 +201,20 @@ class _UnpermuteTokens(torch.autograd.Function):
         ctx.keep_alive = keep_alive
         ctx.gates_dtype = gates_TK.dtype
         ctx.save_for_backward(y_ND, weights_TK)
-        return ops.unpermute_rows(y_ND, plan.row_of_slot_TK, weights_TK)
+        kernels = kernels_for(y_ND, "unpermute_tokens(y_ND)")
+        return kernels.unpermute_rows(y_ND, plan.row_of_slot_TK, weights_TK)
 
     @staticmethod
     def backward(ctx, grad_TD: torch.Tensor):
         y_ND, weights_TK = ctx.saved_tensors
         plan = ctx.plan
         grad_TD = grad_TD.contiguous()
+        kernels = kernels_for(grad_TD, "unpermute_tokens backward (grad_TD)")
         grad_y = grad_gates = None
         if ctx.needs_input_grad[0]:
-            grad_y = ops.permute_rows(grad_TD, plan.slot_of_row_N, plan.top_k, weights_TK.view(-1))
+            grad_y = kernels.permute_rows(grad_TD, plan.slot_of_row_N, plan.top_k, weights_TK.view(-1))
         if ctx.needs_input_grad[1]:
-            grad_gates = ops.unpermute_weight_grad(grad_TD, y_ND, plan.row_of_slot_TK).to(ctx.gates_dtype)
+            grad_gates = kernels.unpermute_weight_grad(grad_TD, y_ND, plan.row_of_slot_TK).to(ctx.gates_dtype)
         return grad_y, grad_gates, None, None
 
 

@@ -1,0 +1,448 @@
+"""The GPU path: CUDA kernels (csrc/permute.cu, csrc/a2a_layout.cu) against the plain-PyTorch
+references and the CPU ops, the torch-ops dispatch plan used for CUDA tensors, and MoELayer on CUDA
+against MoELayer on the CPU.
+
+Tests marked ``needs_cuda`` skip when no GPU is visible; the rest (the torch-ops plan, kernel
+selection) run everywhere.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moetrain import MoELayer
+from moetrain._ext import kernels_for, ops
+from moetrain.comm import compression
+from moetrain.comm.all_to_all import transpose_chunks
+from moetrain.comm.compression import decode_rows, encode_rows
+from moetrain.layers.dispatch import (
+    build_dispatch_plan,
+    permute_tokens,
+    sort_dispatch_plan,
+    token_priority_order,
+    unpermute_tokens,
+)
+from tests.reference import reference_dispatch_plan, reference_permute, reference_unpermute
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device (torch.cuda.is_available() is False)")
+CUDA_OPS = [
+    "permute_rows_cuda",
+    "unpermute_rows_cuda",
+    "unpermute_weight_grad_cuda",
+    "transpose_chunks_cuda",
+    "pack_scaled_fp16_cuda",
+    "unpack_scaled_fp16_cuda",
+]
+
+# (tokens, k, experts, hidden, capacity): empty experts, T < E, capacity cuts (0 drops everything),
+# T = 0, odd hidden sizes (element-wise path) and multiples of 8 (16-byte packet path).
+SHAPES = [
+    (1, 1, 1, 1, None),
+    (3, 2, 8, 5, None),
+    (2, 1, 16, 33, None),
+    (17, 2, 4, 31, 3),
+    (40, 3, 6, 16, 5),
+    (64, 2, 8, 100, None),
+    (9, 4, 4, 17, 0),
+    (0, 2, 4, 8, None),
+    (300, 2, 8, 256, 70),
+    (129, 6, 16, 1032, None),
+]
+FULL = [torch.float32, torch.float64]
+REDUCED = [torch.bfloat16, torch.float16]
+TOL = {
+    torch.float32: {"rtol": 1e-5, "atol": 1e-5},
+    torch.float64: {"rtol": 1e-12, "atol": 1e-12},
+    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2},
+    torch.float16: {"rtol": 2e-3, "atol": 2e-3},
+}
+
+
+def _random_routing(tokens, k, experts, generator):
+    """Distinct experts per token, skewed so some experts get nothing."""
+    scores = torch.rand(tokens, experts, generator=generator) ** 3
+    return scores.topk(k, dim=-1).indices
+
+
+def _plan_fields(plan):
+    return (plan.row_of_slot_TK, plan.slot_of_row_N, plan.kept_per_expert_E, plan.routed_per_expert_E)
+
+
+# ------------------------------------------------------------------------------------------------
+# Runs everywhere: the torch-ops plan (the CUDA path of build_dispatch_plan) and kernel selection.
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("priority", ["default", "scores", "random"])
+def test_sort_dispatch_plan_equals_the_cpp_counting_sort(shape, priority):
+    tokens, k, experts, _, capacity = shape
+    g = torch.Generator().manual_seed(11 * tokens + k)
+    expert_ids = _random_routing(tokens, k, experts, g)
+    order = {
+        "default": None,
+        "scores": token_priority_order(tokens, k, torch.rand(tokens, generator=g)),
+        "random": torch.randperm(tokens * k, generator=g),
+    }[priority]
+    want = build_dispatch_plan(expert_ids, experts, capacity, order)  # CPU ids: the C++ op
+    got = sort_dispatch_plan(expert_ids, experts, capacity, order)
+    for a, b in zip(_plan_fields(got), _plan_fields(want), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+
+
+def test_sort_dispatch_plan_rejects_bad_arguments_by_name():
+    ids = torch.tensor([[0, 1], [1, 2]])
+    with pytest.raises(ValueError, match=r"expert_ids contains values outside \[0, 2\)"):
+        sort_dispatch_plan(ids, 2, None)
+    with pytest.raises(ValueError, match="priority_order must be a permutation"):
+        sort_dispatch_plan(ids, 3, None, torch.tensor([0, 0, 1, 2]))
+    with pytest.raises(ValueError, match=r"priority_order contains values outside \[0, 4\)"):
+        sort_dispatch_plan(ids, 3, None, torch.tensor([0, 4, 1, 2]))
+    with pytest.raises(ValueError, match="priority_order must have tokens\\*k = 4"):
+        sort_dispatch_plan(ids, 3, None, torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="expert_ids must be a 2-D int64"):
+        sort_dispatch_plan(ids.int(), 3, None)
+    with pytest.raises(ValueError, match="num_experts must be >= 1"):
+        sort_dispatch_plan(ids, 0, None)
+    with pytest.raises(ValueError, match="capacity must be >= 0 or None"):
+        sort_dispatch_plan(ids, 3, -1)
+    with pytest.raises(ValueError, match="capacity must be >= 0 or None"):
+        build_dispatch_plan(ids, 3, -1)
+
+
+def test_kernels_for_picks_cpu_ops_and_explains_missing_cuda_kernels():
+    assert kernels_for(torch.zeros(1), "f(x)") is ops
+    fake_cuda_tensor = SimpleNamespace(device=torch.device("cuda", 0))
+    if hasattr(ops, "permute_rows_cuda"):
+        kernels = kernels_for(fake_cuda_tensor, "f(x)")
+        for name in CUDA_OPS:
+            assert getattr(kernels, name.removesuffix("_cuda")) is getattr(ops, name)
+    else:
+        with pytest.raises(RuntimeError, match=r"f\(x\) got a CUDA tensor.*built without CUDA.*make build"):
+            kernels_for(fake_cuda_tensor, "f(x)")
+    with pytest.raises(RuntimeError, match="f\\(x\\) got a tensor on meta"):
+        kernels_for(torch.empty(1, device="meta"), "f(x)")
+
+
+def test_extension_has_cuda_ops_exactly_when_torch_has_a_gpu_build():
+    """A CUDA torch builds the .cu sources (setup.py), so its extension must have every CUDA op."""
+    if torch.version.cuda is None:
+        pytest.skip("CPU-only torch: the extension is built without CUDA kernels")
+    missing = [name for name in CUDA_OPS if not hasattr(ops, name)]
+    assert not missing, f"moetrain._C lacks {missing}; was it built where nvcc was not found?"
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU only.
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cuda_ops():
+    if not hasattr(ops, "permute_rows_cuda"):
+        pytest.fail("a GPU is visible but moetrain._C was built without CUDA kernels: rebuild it")
+    return compression._CUDA_KERNELS
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("prioritized", [False, True])
+def test_cuda_dispatch_plan_matches_reference(shape, prioritized):
+    tokens, k, experts, _, capacity = shape
+    g = torch.Generator().manual_seed(tokens * 31 + k)
+    expert_ids = _random_routing(tokens, k, experts, g)
+    order = token_priority_order(tokens, k, torch.rand(tokens, generator=g)) if prioritized else None
+    plan = build_dispatch_plan(expert_ids.cuda(), experts, capacity, None if order is None else order.cuda())
+    assert plan.slot_of_row_N.is_cuda and plan.row_of_slot_TK.is_cuda
+    for got, want in zip(
+        _plan_fields(plan), reference_dispatch_plan(expert_ids, experts, capacity, order), strict=True
+    ):
+        assert torch.equal(got.cpu(), want)
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", FULL + REDUCED)
+def test_cuda_row_kernels_match_reference(shape, dtype, cuda_ops):
+    tokens, k, experts, hidden, capacity = shape
+    g = torch.Generator().manual_seed(hidden + 7 * tokens)
+    plan = build_dispatch_plan(_random_routing(tokens, k, experts, g), experts, capacity)
+    wdtype = torch.float64 if dtype == torch.float64 else torch.float32
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w = torch.rand(tokens, k, generator=g, dtype=wdtype)
+    y = torch.randn(plan.num_rows, hidden, generator=g).to(dtype)
+    grad = torch.randn(tokens, hidden, generator=g).to(dtype)
+    slot_of_row, row_of_slot = plan.slot_of_row_N.cuda(), plan.row_of_slot_TK.cuda()
+    wide = torch.float64  # references in fp64, rounded once to the row dtype like the kernels
+    tol = TOL[dtype]
+
+    # Unweighted permute is a copy: exact in every dtype.
+    got = cuda_ops.permute_rows(x.cuda(), slot_of_row, k, None)
+    assert torch.equal(got.cpu(), reference_permute(x, plan.slot_of_row_N, k))
+    got = cuda_ops.permute_rows(x.cuda(), slot_of_row, k, w.view(-1).cuda())
+    want = reference_permute(x.to(wide), plan.slot_of_row_N, k, w.view(-1).to(wide)).to(dtype)
+    torch.testing.assert_close(got.cpu(), want, **tol)
+    for weights in (w, None):
+        got = cuda_ops.unpermute_rows(y.cuda(), row_of_slot, None if weights is None else weights.cuda())
+        want = reference_unpermute(
+            y.to(wide), plan.row_of_slot_TK, None if weights is None else weights.to(wide)
+        )
+        torch.testing.assert_close(got.cpu(), want.to(dtype), **tol)
+    got = cuda_ops.unpermute_weight_grad(grad.cuda(), y.cuda(), row_of_slot)
+    assert got.dtype == wdtype and got.shape == (tokens, k)
+    want = torch.zeros(tokens, k, dtype=wide)
+    for t in range(tokens):
+        for j, row in enumerate(plan.row_of_slot_TK[t].tolist()):
+            if row >= 0:
+                want[t, j] = grad[t].to(wide) @ y[row].to(wide)
+    dot_tol = TOL[torch.float64] if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-4}
+    torch.testing.assert_close(got.cpu().to(wide), want, **dot_tol)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", FULL + REDUCED)
+def test_cuda_row_kernels_equal_cpu_ops(dtype, cuda_ops):
+    """Same plan, same inputs: the CUDA kernels reproduce the CPU ops (copies bit for bit)."""
+    tokens, k, experts, hidden = 500, 2, 8, 512
+    g = torch.Generator().manual_seed(3)
+    plan = build_dispatch_plan(_random_routing(tokens, k, experts, g), experts, 110)
+    wdtype = torch.float64 if dtype == torch.float64 else torch.float32
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    y = torch.randn(plan.num_rows, hidden, generator=g).to(dtype)
+    w = torch.rand(tokens, k, generator=g, dtype=wdtype)
+    calls = [
+        ("permute_rows", (x, plan.slot_of_row_N, k, None)),
+        ("permute_rows", (x, plan.slot_of_row_N, k, w.view(-1))),
+        ("unpermute_rows", (y, plan.row_of_slot_TK, w)),
+        ("unpermute_rows", (y, plan.row_of_slot_TK, None)),
+        ("unpermute_weight_grad", (x, y, plan.row_of_slot_TK)),
+    ]
+    for index, (name, args) in enumerate(calls):
+        want = getattr(ops, name)(*args)
+        got = getattr(cuda_ops, name)(*[a.cuda() if isinstance(a, torch.Tensor) else a for a in args]).cpu()
+        if index == 0:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, **TOL[dtype], msg=lambda m, name=name: f"{name}: {m}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kernels_on_misaligned_rows(dtype, cuda_ops):
+    """Rows whose storage starts off a 16-byte boundary take the element-wise path, same results."""
+    tokens, k, experts, hidden = 37, 2, 4, 64
+    g = torch.Generator().manual_seed(4)
+    plan = build_dispatch_plan(_random_routing(tokens, k, experts, g), experts, None)
+    storage = torch.randn(tokens * hidden + 1, generator=g).to(dtype).cuda()
+    x = storage[1:].view(tokens, hidden)  # contiguous, data_ptr 2 or 4 bytes past an aligned one
+    assert x.data_ptr() % 16 != 0
+    got = cuda_ops.permute_rows(x, plan.slot_of_row_N.cuda(), k, None)
+    assert torch.equal(got.cpu(), reference_permute(x.cpu(), plan.slot_of_row_N, k))
+    y = torch.randn(plan.num_rows * hidden + 1, generator=g).to(dtype).cuda()[1:].view(plan.num_rows, hidden)
+    got = cuda_ops.unpermute_rows(y, plan.row_of_slot_TK.cuda(), None)
+    want = reference_unpermute(y.cpu().double(), plan.row_of_slot_TK).to(dtype)
+    torch.testing.assert_close(got.cpu(), want, **TOL[dtype])
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", FULL + REDUCED)
+def test_cuda_autograd_matches_reference_gradients(shape, dtype):
+    """permute -> tanh -> weighted unpermute on CUDA in ``dtype`` against the same computation in
+    fp64 on the CPU with the references (inputs rounded to ``dtype`` first); values and the
+    gradients of x and the gates, each compared relative to its largest entry."""
+    tokens, k, experts, hidden, capacity = shape
+    g = torch.Generator().manual_seed(3 * hidden + tokens)
+    expert_ids = _random_routing(tokens, k, experts, g)
+    x0 = torch.randn(tokens, hidden, generator=g).to(dtype)
+    gates0 = torch.rand(tokens, k, generator=g)
+    upstream = torch.randn(tokens, hidden, generator=g, dtype=torch.float64)
+
+    def run(device, run_dtype, reference):
+        plan = build_dispatch_plan(expert_ids.to(device), experts, capacity)
+        x = x0.to(device, run_dtype).requires_grad_(True)
+        gates_dtype = torch.float64 if run_dtype == torch.float64 else torch.float32
+        gates = gates0.to(device, gates_dtype).requires_grad_(True)
+        if reference:
+            y_ND = torch.tanh(reference_permute(x, plan.slot_of_row_N, k)) * 1.5
+            out = reference_unpermute(y_ND, plan.row_of_slot_TK, gates)
+        else:
+            y_ND = torch.tanh(permute_tokens(x, plan)) * 1.5  # row-wise, non-linear
+            out = unpermute_tokens(y_ND, gates, plan)
+        anchor = 0.0 * (x.sum() + gates.sum())  # keeps the graph alive when every slot is dropped
+        loss = (out.double() * upstream.to(device)).sum() + anchor
+        return [t.detach().cpu().double() for t in (out, *torch.autograd.grad(loss, (x, gates)))]
+
+    got = run("cuda", dtype, reference=False)
+    want = run("cpu", torch.float64, reference=True)
+    tol = TOL[dtype] if dtype in FULL else {"rtol": 0.0, "atol": 4 * TOL[dtype]["atol"]}
+    for name, a, b in zip(("out", "grad_x", "grad_gates"), got, want, strict=True):
+        scale = b.abs().max().clamp_min(1.0) if b.numel() else 1.0
+        torch.testing.assert_close(a / scale, b / scale, **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@needs_cuda
+def test_cuda_gradcheck_fp64():
+    tokens, k, experts, hidden, capacity = 17, 2, 4, 31, 3
+    g = torch.Generator().manual_seed(1)
+    plan = build_dispatch_plan(_random_routing(tokens, k, experts, g).cuda(), experts, capacity)
+    x = torch.randn(tokens, hidden, generator=g, dtype=torch.float64).cuda().requires_grad_(True)
+    y = torch.randn(plan.num_rows, hidden, generator=g, dtype=torch.float64).cuda().requires_grad_(True)
+    gates = torch.rand(tokens, k, generator=g, dtype=torch.float64).cuda().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x_: permute_tokens(x_, plan), (x,))
+    assert torch.autograd.gradcheck(lambda y_, g_: unpermute_tokens(y_, g_, plan), (y, gates))
+
+
+@needs_cuda
+def test_cuda_kernels_reject_bad_arguments_by_name(cuda_ops):
+    x = torch.randn(4, 8, device="cuda")
+    with pytest.raises(RuntimeError, match="slot_of_row must be on cuda"):
+        cuda_ops.permute_rows(x, torch.tensor([0, 1]), 2, None)
+    with pytest.raises(RuntimeError, match="weights must be Float for Float rows"):
+        cuda_ops.permute_rows(
+            x, torch.tensor([0, 1], device="cuda"), 2, torch.ones(8, dtype=torch.float64, device="cuda")
+        )
+    with pytest.raises(RuntimeError, match="weights must have 8 elements"):
+        cuda_ops.permute_rows(x, torch.tensor([0, 1], device="cuda"), 2, torch.ones(3, device="cuda"))
+    with pytest.raises(RuntimeError, match="x must be a CUDA tensor"):
+        cuda_ops.permute_rows(x.cpu(), torch.tensor([0, 1], device="cuda"), 2, None)
+    with pytest.raises(RuntimeError, match="must be float32, float64, bfloat16 or float16"):
+        cuda_ops.permute_rows(x.int(), torch.tensor([0], device="cuda"), 1, None)
+    with pytest.raises(RuntimeError, match="row_of_slot must be 2-D"):
+        cuda_ops.unpermute_rows(x, torch.tensor([0, 1], device="cuda"), None)
+    with pytest.raises(RuntimeError, match="grad and y must have the same dtype"):
+        cuda_ops.unpermute_weight_grad(x, x.double(), torch.zeros(4, 1, dtype=torch.long, device="cuda"))
+    with pytest.raises(RuntimeError, match="sizes sum to 3 but x has 4 rows"):
+        cuda_ops.transpose_chunks(x, torch.tensor([[1, 2]]))
+    with pytest.raises(RuntimeError, match="sizes must be >= 0"):
+        cuda_ops.transpose_chunks(x, torch.tensor([[5, -1]]))
+    with pytest.raises(RuntimeError, match="x must be float32 or float64"):
+        cuda_ops.pack_scaled_fp16(x.half())
+
+
+def _chunk_reference(x, sizes):
+    """[a][b] chunks -> [b][a] chunks by slicing."""
+    a_count, b_count = sizes.shape
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), sizes.reshape(-1).cumsum(0)])
+    chunks = [x[starts[i] : starts[i + 1]] for i in range(a_count * b_count)]
+    return torch.cat([chunks[a * b_count + b] for b in range(b_count) for a in range(a_count)])
+
+
+@needs_cuda
+@pytest.mark.parametrize("sizes_on_gpu", [False, True])
+@pytest.mark.parametrize(
+    "dtype, row_shape",
+    [
+        (torch.float32, (64,)),
+        (torch.bfloat16, (4096,)),
+        (torch.float16, (3,)),
+        (torch.int64, ()),
+        (torch.uint8, (5,)),
+        (torch.float64, (2, 3)),
+    ],
+)
+def test_cuda_transpose_chunks_matches_reference_and_inverts(dtype, row_shape, sizes_on_gpu, cuda_ops):
+    g = torch.Generator().manual_seed(7)
+    for a_count, b_count in [(1, 1), (2, 3), (4, 8), (17, 33)]:
+        sizes = torch.randint(0, 5, (a_count, b_count), generator=g)
+        sizes[0, 0] = 0  # empty chunks at the edges and in the middle
+        sizes[-1, -1] = 0
+        rows = int(sizes.sum())
+        x = (torch.randn(rows, *row_shape, generator=g).abs() * 100).to(dtype)
+        s = sizes.cuda() if sizes_on_gpu else sizes
+        got = transpose_chunks(x.cuda(), s)
+        assert torch.equal(got.cpu(), _chunk_reference(x, sizes))
+        assert torch.equal(got.cpu(), ops.transpose_chunks(x, sizes))
+        back = transpose_chunks(got, s.t())
+        assert torch.equal(back.cpu(), x)
+
+
+@needs_cuda
+def test_cuda_transpose_chunks_empty(cuda_ops):
+    x = torch.empty(0, 16, device="cuda")
+    assert transpose_chunks(x, torch.zeros(3, 2, dtype=torch.long)).shape == (0, 16)
+    assert transpose_chunks(x, torch.zeros(3, 2, dtype=torch.long, device="cuda")).shape == (0, 16)
+    assert transpose_chunks(x, torch.zeros(0, 2, dtype=torch.long)).shape == (0, 16)
+
+
+def _pack_inputs(dtype):
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(64, 40, generator=g, dtype=torch.float64)
+    x[1] *= 1e6  # large rows scale down, small rows scale up
+    x[2] *= 1e-30
+    x[3] = 0.0
+    x[4, 5] = float("inf")
+    x[5, 7] = float("nan")
+    x[6] = 2.0**10  # exact power of two: max/2^e = 2^15 exactly
+    x[7] *= 1e-40 if dtype == torch.float64 else 1e-3
+    return x.to(dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", FULL)
+@pytest.mark.parametrize("hidden", [40, 7, 0])
+def test_cuda_scaled_fp16_equals_cpu_and_round_trips(dtype, hidden, cuda_ops):
+    x = _pack_inputs(dtype)[:, :hidden].contiguous()
+    packed_cpu = ops.pack_scaled_fp16(x)
+    packed_gpu = cuda_ops.pack_scaled_fp16(x.cuda()).cpu()
+    nan_rows = torch.isnan(x).any(1)
+    # Bit-equal except NaN payloads (CUDA's canonical fp16 NaN differs from the CPU's).
+    assert torch.equal(packed_gpu[~nan_rows], packed_cpu[~nan_rows])
+    for out_dtype in FULL:
+        got = cuda_ops.unpack_scaled_fp16(packed_gpu.cuda(), out_dtype).cpu()
+        want = ops.unpack_scaled_fp16(packed_cpu, out_dtype)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    if hidden:
+        # Round trip through encode_rows / decode_rows (the all-to-all wire format) on the GPU:
+        # fp16 rounding of x / 2^e, relative 2^-11, plus fp16's subnormal step at the row's scale.
+        finite = torch.isfinite(x).all(1)
+        back = decode_rows(encode_rows(x.cuda(), "fp16"), "fp16", dtype).cpu()
+        row_max = x[finite].abs().amax(1, keepdim=True)
+        error = (back[finite] - x[finite]).abs()
+        assert bool((error <= 2**-11 * x[finite].abs() + 2**-24 * row_max).all())
+        assert torch.isinf(back[4, 5])
+        if hidden > 7:
+            assert torch.isnan(back[5, 7])
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_moe_layer_on_cuda_equals_moe_layer_on_cpu(dtype, capacity_factor):
+    """Same weights, same inputs: outputs and every gradient agree (autocast for bf16/fp16)."""
+    torch.manual_seed(0)
+    cpu = MoELayer(
+        d_model=128, d_ff=256, num_experts=8, top_k=2, capacity_factor=capacity_factor, aux_loss_coef=1e-2
+    )
+    with torch.no_grad():
+        cpu.router.weight.mul_(50)  # clear routing margins: both devices pick the same experts
+    gpu = MoELayer(cpu.config).cuda()
+    gpu.load_state_dict(cpu.state_dict())
+    x = torch.randn(300, 128)
+    upstream = torch.randn(300, 128)
+
+    def run(layer, device):
+        xd = x.to(device).requires_grad_(True)
+        autocast = dtype != torch.float32
+        with torch.autocast(device, dtype=dtype, enabled=autocast):
+            out = layer(xd)
+        (out.float() * upstream.to(device)).sum().backward()
+        grads = {name: p.grad.detach().cpu().float() for name, p in layer.named_parameters()}
+        routing = layer.router(x.to(device)).expert_ids_TK.cpu()
+        return out.detach().cpu().float(), xd.grad.cpu().float(), grads, routing, layer.last_stats
+
+    out_c, gx_c, grads_c, ids_c, stats_c = run(cpu, "cpu")
+    out_g, gx_g, grads_g, ids_g, stats_g = run(gpu, "cuda")
+    assert torch.equal(ids_c, ids_g), "CPU and GPU routed differently; the comparison needs equal routing"
+    assert torch.equal(stats_c.kept_per_expert, stats_g.kept_per_expert.cpu())
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 4e-2, "atol": 4e-2}
+    torch.testing.assert_close(out_g, out_c, **tol)
+    torch.testing.assert_close(gx_g, gx_c, **tol)
+    for name in grads_c:
+        scale = grads_c[name].abs().max().clamp_min(1e-6)
+        torch.testing.assert_close(grads_g[name] / scale, grads_c[name] / scale, **tol, msg=name)
