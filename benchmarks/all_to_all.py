@@ -105,18 +105,22 @@ def fit_alpha_beta(rows) -> tuple[float, float]:
 def predict(
     nodes: int, per_node: int, payload: float, alpha: float, beta_intra: float, beta_inter: float
 ) -> dict:
-    """Round-trip time of each algorithm for a per-rank payload at nodes x per_node ranks."""
+    """Round-trip time of each algorithm for a per-rank payload at nodes x per_node ranks.
+
+    ``beta_inter`` is the seconds per byte of a node's link to the others, which the node's
+    ``per_node`` ranks share: each rank's inter-node bytes cost ``per_node * beta_inter``."""
     p = nodes * per_node
+    shared_inter = per_node * beta_inter
     flat = 2 * (
         (p - 1) * alpha
         + payload * (per_node - 1) / p * beta_intra
-        + payload * (p - per_node) / p * beta_inter
+        + payload * (p - per_node) / p * shared_inter
     )
     hier = 2 * (
         (per_node - 1) * alpha
         + payload * (per_node - 1) / per_node * beta_intra  # intra-node stage
         + (nodes - 1) * alpha
-        + payload * (nodes - 1) / nodes * beta_inter  # inter-node stage
+        + payload * (nodes - 1) / nodes * shared_inter  # inter-node stage
     )
     return {"flat_ms": 1e3 * flat, "hierarchical_ms": 1e3 * hier, "speedup": flat / hier}
 
@@ -186,10 +190,9 @@ def main() -> None:
         pred = predict(60, 8, payload_mib * 2**20, alpha, beta, beta_inter)
         predictions[f"{payload_mib}MiB"] = pred
         print(
-            f"model at 60 nodes x 8 (fitted alpha, fitted beta inside a node, "
-            f"{args.inter_node_gbps:g} Gb/s between "
-            f"nodes), {payload_mib} MiB per rank: flat {pred['flat_ms']:.1f} ms, hierarchical "
-            f"{pred['hierarchical_ms']:.1f} ms, {pred['speedup']:.2f}x"
+            f"model at 60 nodes x 8 (fitted alpha, fitted beta inside a node, {args.inter_node_gbps:g} Gb/s "
+            f"per node shared by its 8 ranks), {payload_mib} MiB per rank: flat {pred['flat_ms']:.1f} ms, "
+            f"hierarchical {pred['hierarchical_ms']:.1f} ms, {pred['speedup']:.2f}x"
         )
     if args.json:
         with open(args.json, "w") as f:
