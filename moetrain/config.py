@@ -12,17 +12,17 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ACTIVATIONS = ("relu", "gelu", "swiglu")
 
 
-def _require_int(name: str, value, minimum: int) -> None:
+def require_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-def _require_choice(name: str, value, allowed: tuple) -> None:
+def require_choice(name: str, value, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
 
 
-def _require_nonneg_float(name: str, value, allow_none: bool = False) -> None:
+def require_nonneg_float(name: str, value, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if (
@@ -35,7 +35,7 @@ def _require_nonneg_float(name: str, value, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
-def _require_bool(name: str, value, allow_none: bool = False) -> None:
+def require_bool(name: str, value, allow_none: bool = False) -> None:
     if not (isinstance(value, bool) or (allow_none and value is None)):
         raise ValueError(f"{name} must be True or False{' or None' if allow_none else ''}, got {value!r}")
 
@@ -67,11 +67,11 @@ class MoEConfig:
     shared_expert_d_ff: int | None = None
 
     def __post_init__(self) -> None:
-        _require_int("d_model", self.d_model, 1)
-        _require_int("d_ff", self.d_ff, 1)
-        _require_int("num_experts", self.num_experts, 1)
-        _require_int("num_prototypes", self.num_prototypes, 1)
-        _require_int("top_k", self.top_k, 1)
+        require_int("d_model", self.d_model, 1)
+        require_int("d_ff", self.d_ff, 1)
+        require_int("num_experts", self.num_experts, 1)
+        require_int("num_prototypes", self.num_prototypes, 1)
+        require_int("top_k", self.top_k, 1)
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"top_k must satisfy 1 <= top_k <= num_experts = {self.num_experts}, got {self.top_k}"
@@ -86,23 +86,23 @@ class MoEConfig:
                 f"top_k must be a multiple of num_prototypes = {self.num_prototypes} (each group picks "
                 f"top_k / num_prototypes experts; k top-1 is top_k == num_prototypes), got {self.top_k}"
             )
-        _require_nonneg_float("capacity_factor", self.capacity_factor, allow_none=True)
-        _require_nonneg_float("eval_capacity_factor", self.eval_capacity_factor, allow_none=True)
-        _require_int("min_capacity", self.min_capacity, 0)
-        _require_choice("score_function", self.score_function, SCORE_FUNCTIONS)
-        _require_bool("normalize_gates", self.normalize_gates, allow_none=True)
-        _require_nonneg_float("router_jitter", self.router_jitter)
+        require_nonneg_float("capacity_factor", self.capacity_factor, allow_none=True)
+        require_nonneg_float("eval_capacity_factor", self.eval_capacity_factor, allow_none=True)
+        require_int("min_capacity", self.min_capacity, 0)
+        require_choice("score_function", self.score_function, SCORE_FUNCTIONS)
+        require_bool("normalize_gates", self.normalize_gates, allow_none=True)
+        require_nonneg_float("router_jitter", self.router_jitter)
         if self.router_jitter >= 1:
             raise ValueError(
                 "router_jitter must be in [0, 1) (inputs are scaled by U(1-eps, 1+eps)), "
                 f"got {self.router_jitter!r}"
             )
-        _require_nonneg_float("aux_loss_coef", self.aux_loss_coef)
-        _require_nonneg_float("z_loss_coef", self.z_loss_coef)
-        _require_bool("batch_prioritized_routing", self.batch_prioritized_routing)
-        _require_choice("activation", self.activation, ACTIVATIONS)
+        require_nonneg_float("aux_loss_coef", self.aux_loss_coef)
+        require_nonneg_float("z_loss_coef", self.z_loss_coef)
+        require_bool("batch_prioritized_routing", self.batch_prioritized_routing)
+        require_choice("activation", self.activation, ACTIVATIONS)
         if self.shared_expert_d_ff is not None:
-            _require_int("shared_expert_d_ff", self.shared_expert_d_ff, 1)
+            require_int("shared_expert_d_ff", self.shared_expert_d_ff, 1)
 
     @property
     def experts_per_prototype(self) -> int:
@@ -150,12 +150,12 @@ class ParallelConfig:
     local_world_size: int | None = None
 
     def __post_init__(self) -> None:
-        _require_int("ep_size", self.ep_size, 1)
-        _require_choice("ep_layout", self.ep_layout, EP_LAYOUTS)
-        _require_choice("all_to_all", self.all_to_all, ALL_TO_ALL_ALGORITHMS)
-        _require_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
+        require_int("ep_size", self.ep_size, 1)
+        require_choice("ep_layout", self.ep_layout, EP_LAYOUTS)
+        require_choice("all_to_all", self.all_to_all, ALL_TO_ALL_ALGORITHMS)
+        require_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
         if self.local_world_size is not None:
-            _require_int("local_world_size", self.local_world_size, 1)
+            require_int("local_world_size", self.local_world_size, 1)
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -176,8 +176,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.source, str) or not self.source:
             raise ValueError(f"data.source must be 'embedded' or a file path, got {self.source!r}")
-        _require_int("data.micro_batch_size", self.micro_batch_size, 1)
-        _require_int("data.seq_len", self.seq_len, 1)
+        require_int("data.micro_batch_size", self.micro_batch_size, 1)
+        require_int("data.seq_len", self.seq_len, 1)
 
 
 @dataclass(frozen=True)
@@ -198,8 +198,8 @@ class OptimConfig:
     num_apply_groups: int = 4
 
     def __post_init__(self) -> None:
-        _require_choice("optim.name", self.name, OPTIMIZERS)
-        _require_nonneg_float("optim.lr", self.lr)
+        require_choice("optim.name", self.name, OPTIMIZERS)
+        require_nonneg_float("optim.lr", self.lr)
         betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else None
         if (
             betas is None
@@ -208,14 +208,14 @@ class OptimConfig:
         ):
             raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas!r}")
         object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
-        _require_nonneg_float("optim.eps", self.eps)
-        _require_nonneg_float("optim.weight_decay", self.weight_decay)
-        _require_int("optim.warmup_steps", self.warmup_steps, 0)
-        _require_nonneg_float("optim.min_lr_ratio", self.min_lr_ratio)
+        require_nonneg_float("optim.eps", self.eps)
+        require_nonneg_float("optim.weight_decay", self.weight_decay)
+        require_int("optim.warmup_steps", self.warmup_steps, 0)
+        require_nonneg_float("optim.min_lr_ratio", self.min_lr_ratio)
         if self.min_lr_ratio > 1:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        _require_nonneg_float("optim.grad_clip", self.grad_clip)
-        _require_int("optim.num_apply_groups", self.num_apply_groups, 1)
+        require_nonneg_float("optim.grad_clip", self.grad_clip)
+        require_int("optim.num_apply_groups", self.num_apply_groups, 1)
 
 
 @dataclass(frozen=True)
@@ -237,7 +237,7 @@ class BalanceConfig:
                 if not isinstance(value, (list, tuple)) or not value:
                     raise ValueError(f"balance.{name} must be a list with one entry per rank, got {value!r}")
                 object.__setattr__(self, name, tuple(value))
-        _require_bool("balance.calibrate", self.calibrate)
+        require_bool("balance.calibrate", self.calibrate)
         if self.calibrate and self.speeds is not None:
             raise ValueError("balance: give either speeds or calibrate: true, not both")
 
@@ -272,20 +272,20 @@ class TrainConfig:
     threads: int | None = None
 
     def __post_init__(self) -> None:
-        _require_int("steps", self.steps, 1)
-        _require_int("grad_accum", self.grad_accum, 1)
-        _require_choice("precision", self.precision, PRECISIONS)
-        _require_int("seed", self.seed, 0)
+        require_int("steps", self.steps, 1)
+        require_int("grad_accum", self.grad_accum, 1)
+        require_choice("precision", self.precision, PRECISIONS)
+        require_int("seed", self.seed, 0)
         if not isinstance(self.out_dir, str) or not self.out_dir:
             raise ValueError(f"out_dir must be a directory path, got {self.out_dir!r}")
-        _require_int("log_every", self.log_every, 1)
-        _require_int("checkpoint_every", self.checkpoint_every, 0)
-        _require_int("keep_last", self.keep_last, 1)
-        _require_bool("resume", self.resume)
+        require_int("log_every", self.log_every, 1)
+        require_int("checkpoint_every", self.checkpoint_every, 0)
+        require_int("keep_last", self.keep_last, 1)
+        require_bool("resume", self.resume)
         if self.recompute_budget_mb is not None:
-            _require_nonneg_float("recompute_budget_mb", self.recompute_budget_mb)
+            require_nonneg_float("recompute_budget_mb", self.recompute_budget_mb)
         if self.threads is not None:
-            _require_int("threads", self.threads, 1)
+            require_int("threads", self.threads, 1)
 
 
 def model_config_classes() -> dict[str, type]:

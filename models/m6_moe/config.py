@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 
 from models.m6_moe.tokenizer import ByteTokenizer
-from moetrain.config import MoEConfig
+from moetrain.config import MoEConfig, require_int
 
 BYTE_VOCAB_SIZE = ByteTokenizer().vocab_size
 
@@ -52,11 +52,6 @@ PRESET_PARAMETER_TARGETS: dict[str, tuple[float, str]] = {
     "1T": (1e12, "M6-T (arXiv:2105.15082): ~1 trillion parameters on 480 V100-32GB"),
 }
 PRESET_PARAMETER_TOLERANCE = 0.05
-
-
-def _require_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def _require_fraction(name: str, value, upper_open: bool = True) -> None:
@@ -166,9 +161,9 @@ class M6Config:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_text_len"):
-            _require_int(name, getattr(self, name), 1)
+            require_int(name, getattr(self, name), 1)
         for name in ("image_size", "patch_size"):
-            _require_int(name, getattr(self, name), 1)
+            require_int(name, getattr(self, name), 1)
         if self.d_model % self.num_heads:
             raise ValueError(f"num_heads must divide d_model = {self.d_model}, got {self.num_heads}")
         if self.image_size % self.patch_size:
@@ -179,7 +174,7 @@ class M6Config:
         if not isinstance(channels, (list, tuple)):
             raise ValueError(f"stem_channels must be a list of integers >= 1, got {channels!r}")
         for width in channels:
-            _require_int("stem_channels[]", width, 1)
+            require_int("stem_channels[]", width, 1)
         object.__setattr__(self, "stem_channels", tuple(channels))
         if isinstance(self.moe, dict):  # from Python: a dict of MoEConfig options, d_model filled in
             object.__setattr__(self, "moe", MoEConfig(**{"d_model": self.d_model, **self.moe}))
@@ -189,7 +184,7 @@ class M6Config:
             )
         if self.moe.d_model != self.d_model:
             raise ValueError(f"moe.d_model must equal d_model = {self.d_model}, got {self.moe.d_model}")
-        _require_int("moe_every", self.moe_every, 0)
+        require_int("moe_every", self.moe_every, 0)
         _require_fraction("dropout", self.dropout)
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"tie_embeddings must be True or False, got {self.tie_embeddings!r}")

@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
+from moetrain.config import require_int
+
 GiB = 2**30
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -38,11 +40,6 @@ def _require_positive(name: str, value, allow_zero: bool = False) -> None:
         raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
 
 
-def _require_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
 @dataclass(frozen=True)
 class GPUSpec:
     """One GPU type.
@@ -61,7 +58,7 @@ class GPUSpec:
     pcie_bandwidth: float
 
     def __post_init__(self) -> None:
-        _require_int("gpu.memory_bytes", self.memory_bytes, 1)
+        require_int("gpu.memory_bytes", self.memory_bytes, 1)
         if not isinstance(self.peak_flops, dict) or not self.peak_flops:
             raise ValueError(f"gpu.peak_flops must map precisions to FLOP/s, got {self.peak_flops!r}")
         for precision, flops in self.peak_flops.items():
@@ -196,15 +193,15 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.gpu, GPUSpec):
             raise ValueError(f"gpu must be a GPUSpec (see GPU_PRESETS), got {type(self.gpu).__name__}")
-        _require_int("nodes", self.nodes, 1)
-        _require_int("gpus_per_node", self.gpus_per_node, 1)
+        require_int("nodes", self.nodes, 1)
+        require_int("gpus_per_node", self.gpus_per_node, 1)
         for name in ("intra_node_bandwidth", "inter_node_bandwidth", "host_memory_bandwidth"):
             _require_positive(name, getattr(self, name))
         for name in ("intra_node_latency", "inter_node_latency"):
             _require_positive(name, getattr(self, name), allow_zero=True)
-        _require_int("host_memory_bytes", self.host_memory_bytes, 0)
-        _require_int("host_reserved_bytes", self.host_reserved_bytes, 0)
-        _require_int("gpu_reserved_bytes", self.gpu_reserved_bytes, 0)
+        require_int("host_memory_bytes", self.host_memory_bytes, 0)
+        require_int("host_reserved_bytes", self.host_reserved_bytes, 0)
+        require_int("gpu_reserved_bytes", self.gpu_reserved_bytes, 0)
 
     @property
     def world_size(self) -> int:

@@ -5,21 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
-from moetrain.config import ALL_TO_ALL_ALGORITHMS, COMM_DTYPES, EP_LAYOUTS
+from moetrain.config import ALL_TO_ALL_ALGORITHMS, COMM_DTYPES, EP_LAYOUTS, require_choice, require_int
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE_MODES = ("none", "full", "fraction", "budget", "auto")
 MODEL_CAPACITY = "model"
-
-
-def _require_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def _require_choice(name: str, value, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
 
 
 def _is_number(value) -> bool:
@@ -76,23 +66,23 @@ class PlanSettings:
     compute_efficiency: float = 0.4
 
     def __post_init__(self) -> None:
-        _require_int("ep_size", self.ep_size, 1)
-        _require_int("micro_batch", self.micro_batch, 1)
-        _require_int("seq_len", self.seq_len, 1)
-        _require_int("grad_accum", self.grad_accum, 1)
+        require_int("ep_size", self.ep_size, 1)
+        require_int("micro_batch", self.micro_batch, 1)
+        require_int("seq_len", self.seq_len, 1)
+        require_int("grad_accum", self.grad_accum, 1)
         if self.target_len is not None:
-            _require_int("target_len", self.target_len, 1)
+            require_int("target_len", self.target_len, 1)
             if self.target_len > self.seq_len:
                 raise ValueError(f"target_len must be <= seq_len = {self.seq_len}, got {self.target_len}")
-        _require_choice("precision", self.precision, PRECISIONS)
+        require_choice("precision", self.precision, PRECISIONS)
         if not isinstance(self.autocast, bool):
             raise ValueError(f"autocast must be True or False, got {self.autocast!r}")
         if self.autocast and self.precision == "fp32":
             raise ValueError("autocast must be False with precision 'fp32' (nothing to cast to)")
         if not isinstance(self.offload, bool):
             raise ValueError(f"offload must be True or False, got {self.offload!r}")
-        _require_int("offload_apply_groups", self.offload_apply_groups, 1)
-        _require_choice("recompute", self.recompute, RECOMPUTE_MODES)
+        require_int("offload_apply_groups", self.offload_apply_groups, 1)
+        require_choice("recompute", self.recompute, RECOMPUTE_MODES)
         if self.recompute == "fraction":
             if not (_is_number(self.recompute_fraction) and 0 <= self.recompute_fraction <= 1):
                 raise ValueError(
@@ -105,15 +95,15 @@ class PlanSettings:
                 f"{self.recompute!r}); leave it None"
             )
         if self.recompute == "budget":
-            _require_int("recompute_budget_bytes", self.recompute_budget_bytes, 0)
+            require_int("recompute_budget_bytes", self.recompute_budget_bytes, 0)
         elif self.recompute_budget_bytes is not None:
             raise ValueError(
                 f"recompute_budget_bytes is only used with recompute = 'budget' (got recompute = "
                 f"{self.recompute!r}); leave it None"
             )
-        _require_choice("all_to_all", self.all_to_all, ALL_TO_ALL_ALGORITHMS)
-        _require_choice("ep_layout", self.ep_layout, EP_LAYOUTS)
-        _require_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
+        require_choice("all_to_all", self.all_to_all, ALL_TO_ALL_ALGORITHMS)
+        require_choice("ep_layout", self.ep_layout, EP_LAYOUTS)
+        require_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
         cf = self.capacity_factor
         if not (cf is None or cf == MODEL_CAPACITY or (_is_number(cf) and cf >= 0)):
             raise ValueError(
