@@ -78,6 +78,20 @@ def adam_step_(
     )
 
 
+def group_hyperparameters(group: dict) -> dict:
+    """The keyword arguments of :func:`adam_step_` / :func:`adam_step_multi_` from a torch-style
+    Adam param group (``lr``, ``betas``, ``eps``, ``weight_decay``, ``decoupled_weight_decay``)."""
+    beta1, beta2 = group["betas"]
+    return {
+        "lr": float(group["lr"]),
+        "beta1": float(beta1),
+        "beta2": float(beta2),
+        "eps": float(group["eps"]),
+        "weight_decay": float(group["weight_decay"]),
+        "adamw": bool(group["decoupled_weight_decay"]),
+    }
+
+
 def adam_step_multi_(
     params_fp32: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -218,19 +232,13 @@ class CPUAdam(torch.optim.Optimizer):
                 steps.append(int(state["step"].item()))
             if not params:
                 continue
-            beta1, beta2 = group["betas"]
             adam_step_multi_(
                 params,
                 grads,
                 exp_avgs,
                 exp_avg_sqs,
                 steps=steps,
-                lr=float(group["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]),
-                adamw=bool(group["decoupled_weight_decay"]),
                 grad_scale=grad_scale,
+                **group_hyperparameters(group),
             )
         return loss

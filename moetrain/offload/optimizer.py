@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from moetrain.offload.cpu_adam import GRAD_DTYPES, adam_step_multi_
+from moetrain.offload.cpu_adam import GRAD_DTYPES, adam_step_multi_, group_hyperparameters
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PARAM_DEVICE_TYPES = ("cpu", "cuda")
@@ -513,22 +513,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
             # Decided by the memory, not by the mode: a deep-copied optimizer has separate masters.
             seg_copies.append(None if _is_same_memory(state["master"], seg.param) else copy_N)
         for index, (masters, seg_grads, exp_avgs, exp_avg_sqs, seg_steps, seg_copies) in lists.items():
-            group = self.param_groups[index]
-            beta1, beta2 = group["betas"]
             adam_step_multi_(
                 masters,
                 seg_grads,
                 exp_avgs,
                 exp_avg_sqs,
                 steps=seg_steps,
-                lr=float(group["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]),
-                adamw=group["decoupled_weight_decay"],
                 grad_scale=grad_scale,
                 param_copies_out=seg_copies,
+                **group_hyperparameters(self.param_groups[index]),
             )
 
     # -- state dict ---------------------------------------------------------------------------
