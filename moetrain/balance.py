@@ -228,5 +228,17 @@ def calibrate_speeds(
     warmup: int = 1,
     group=None,
 ) -> list[RankSpeed]:
-    """:func:`calibrate` on every rank, then :func:`gather_speeds`: the same list on all ranks."""
-    return gather_speeds(calibrate(step_fn, sizes, repeats, warmup), group)
+    """:func:`calibrate` on every rank, then :func:`gather_speeds`: the same list on all ranks.
+
+    A rank whose calibration fails still joins the gather (with a NaN speed), so every rank
+    raises the same ValueError instead of the others waiting for it forever."""
+    try:
+        local, failure = calibrate(step_fn, sizes, repeats, warmup), None
+    except ValueError as error:
+        local, failure = RankSpeed(math.nan, 0.0, {}), error
+    speeds = gather_speeds(local, group)
+    failed = [rank for rank, speed in enumerate(speeds) if math.isnan(speed.samples_per_s)]
+    if failed:
+        reason = f": {failure}" if failure is not None else ""
+        raise ValueError(f"speed calibration failed on ranks {failed}{reason}")
+    return speeds

@@ -208,7 +208,11 @@ class Trainer:
             if value is not None and len(value) != world:
                 raise ValueError(f"balance.{name} has {len(value)} entries; the run has {world} ranks")
         if balance.calibrate:
-            speeds = [s.samples_per_s for s in calibrate_speeds(self._timed_pass, sizes=(1, 2, 4))]
+            micro = self.config.data.micro_batch_size
+            sizes = (micro, 2 * micro, 4 * micro)
+            speeds = [
+                s.samples_per_s for s in calibrate_speeds(self._timed_pass, sizes=sizes, repeats=5, warmup=2)
+            ]
         else:
             speeds = list(balance.speeds)
         self.balance = balance_batch(self.global_batch, speeds, balance.memory_limits)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
 import pytest
 import torch
@@ -175,3 +176,13 @@ def test_mixed_v100_p100_cluster_gives_the_fast_gpus_more_and_runs_faster():
     )
     # under EP every rank computes an equal share of the expert rows: less to gain than without
     assert 1.0 < ep.speedup < mixed.speedup
+
+
+def test_failed_calibration_raises_the_same_error_everywhere():
+    from moetrain.balance import calibrate_speeds
+
+    def shrinking_step(n):  # larger batches finish sooner: no speed can be fitted
+        time.sleep(0.02 / n)
+
+    with pytest.raises(ValueError, match=r"speed calibration failed on ranks \[0\]"):
+        calibrate_speeds(shrinking_step, sizes=(1, 4), repeats=1, warmup=0)

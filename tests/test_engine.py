@@ -180,7 +180,16 @@ def test_two_ranks_with_expert_parallelism_train_and_resume(tmp_path):
 
 
 def balanced_worker(rank, world, out_dir, speeds):
-    balance = {"balance.speeds": speeds} if speeds else {"balance.calibrate": True}
+    # Calibration times passes of up to 4 micro-batches: a wider model keeps them well above noise.
+    balance = {"balance.speeds": speeds}
+    if not speeds:
+        balance = {
+            "balance.calibrate": True,
+            "model.d_model": 64,
+            "model.max_seq_len": 64,
+            "data.seq_len": 64,
+            "data.micro_batch_size": 8,
+        }
     config = config_from_dict(TrainConfig, tiny(out_dir, steps=3, **{"parallel.ep_size": world, **balance}))
     trainer = Trainer(config)
     history = trainer.train()
@@ -195,6 +204,6 @@ def test_balanced_batches_follow_rank_speeds(tmp_path):
     assert (w0, w1) == (2 * 6 / 8, 2 * 2 / 8)
     assert all(ok0 + ok1)
     (n0, w0, _), (n1, w1, _) = run_distributed(balanced_worker, 2, str(tmp_path / "calibrated"), None)
-    assert n0 + n1 == 8 and w0 + w1 == pytest.approx(2.0)  # measured speeds, same global batch
+    assert n0 + n1 == 16 and w0 + w1 == pytest.approx(2.0)  # measured speeds, same global batch
     with pytest.raises(ValueError, match="balance"):
         config_from_dict(TrainConfig, tiny(tmp_path, **{"balance.speeds": [1.0], "balance.calibrate": True}))
