@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from moetrain.config import MoEConfig
 from moetrain.layers.experts import GroupedExperts
@@ -126,44 +125,10 @@ class ModelDescription:
         return count_parameters(build_on_meta(self.build))
 
 
-class _MetaConstructors(TorchFunctionMode):
-    """Tensor factories without a device go to ``meta``, except 0-dim ``torch.randint`` (a seed
-    drawn on the CPU for initialisation, e.g. ``GroupedExperts.seed``, which ``int()`` reads)."""
-
-    FACTORIES = frozenset(
-        {
-            torch.empty,
-            torch.empty_strided,
-            torch.zeros,
-            torch.ones,
-            torch.full,
-            torch.rand,
-            torch.randn,
-            torch.randint,
-            torch.arange,
-            torch.eye,
-            torch.linspace,
-            torch.tensor,
-        }
-    )
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func in self.FACTORIES and kwargs.get("device") is None:
-            seed_draw = func is torch.randint and _is_scalar_size(args, kwargs)
-            kwargs["device"] = torch.device("cpu") if seed_draw else torch.device("meta")
-        return func(*args, **kwargs)
-
-
-def _is_scalar_size(args, kwargs) -> bool:
-    size = kwargs.get("size", args[-1] if args else None)
-    return isinstance(size, (tuple, list, torch.Size)) and len(size) == 0
-
-
 def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
-    """Calls ``build()`` with every parameter created on the ``meta`` device (see
-    :class:`_MetaConstructors`); raises ValueError if a parameter still ends up elsewhere."""
-    with _MetaConstructors():
+    """Calls ``build()`` under ``torch.device("meta")``, so every parameter is created without
+    memory; raises ValueError if a parameter still ends up elsewhere."""
+    with torch.device("meta"):
         model = build()
     stray = [name for name, p in model.named_parameters() if p.device.type != "meta"]
     if stray:
