@@ -11,6 +11,18 @@ import math
 import torch
 import torch.nn.functional as F
 
+# (tokens, k, experts, hidden, capacity): empty experts, T < E, capacity cuts, odd hidden sizes.
+PERMUTE_SHAPES = [
+    (1, 1, 1, 1, None),
+    (3, 2, 8, 5, None),
+    (2, 1, 16, 33, None),
+    (17, 2, 4, 31, 3),
+    (40, 3, 6, 16, 5),
+    (64, 2, 8, 100, None),
+    (9, 4, 4, 17, 0),
+    (0, 2, 4, 8, None),
+]
+
 
 def reference_dispatch_plan(expert_ids_TK, num_experts, capacity, priority_order=None):
     """(row_of_slot [T,K], slot_of_row [N], kept [E], routed [E]) by visiting slots in priority order."""

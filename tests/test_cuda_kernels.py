@@ -25,7 +25,7 @@ from moetrain.layers.dispatch import (
     token_priority_order,
     unpermute_tokens,
 )
-from tests.reference import reference_dispatch_plan, reference_permute, reference_unpermute
+from tests.reference import PERMUTE_SHAPES, reference_dispatch_plan, reference_permute, reference_unpermute
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device (torch.cuda.is_available() is False)")
@@ -38,20 +38,9 @@ CUDA_OPS = [
     "unpack_scaled_fp16_cuda",
 ]
 
-# (tokens, k, experts, hidden, capacity): empty experts, T < E, capacity cuts (0 drops everything),
-# T = 0, odd hidden sizes (element-wise path) and multiples of 8 (16-byte packet path).
-SHAPES = [
-    (1, 1, 1, 1, None),
-    (3, 2, 8, 5, None),
-    (2, 1, 16, 33, None),
-    (17, 2, 4, 31, 3),
-    (40, 3, 6, 16, 5),
-    (64, 2, 8, 100, None),
-    (9, 4, 4, 17, 0),
-    (0, 2, 4, 8, None),
-    (300, 2, 8, 256, 70),
-    (129, 6, 16, 1032, None),
-]
+# The CPU kernels' shapes (empty experts, T < E, capacity cuts, T = 0, odd hidden sizes for the
+# element-wise path) plus larger multiples of 8 for the 16-byte packet path.
+SHAPES = [*PERMUTE_SHAPES, (300, 2, 8, 256, 70), (129, 6, 16, 1032, None)]
 FULL = [torch.float32, torch.float64]
 REDUCED = [torch.bfloat16, torch.float16]
 TOL = {

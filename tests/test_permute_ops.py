@@ -10,19 +10,9 @@ from moetrain.layers.dispatch import (
     token_priority_order,
     unpermute_tokens,
 )
-from tests.reference import reference_dispatch_plan, reference_permute, reference_unpermute
+from tests.reference import PERMUTE_SHAPES, reference_dispatch_plan, reference_permute, reference_unpermute
 
-# (tokens, k, experts, hidden, capacity): empty experts, T < E, capacity cuts, odd hidden sizes.
-SHAPES = [
-    (1, 1, 1, 1, None),
-    (3, 2, 8, 5, None),
-    (2, 1, 16, 33, None),
-    (17, 2, 4, 31, 3),
-    (40, 3, 6, 16, 5),
-    (64, 2, 8, 100, None),
-    (9, 4, 4, 17, 0),
-    (0, 2, 4, 8, None),
-]
+SHAPES = PERMUTE_SHAPES
 
 
 def _random_routing(tokens, k, experts, generator):
