@@ -54,9 +54,10 @@ def main():
         optimizer.step()
         if launch.rank == 0 and step % 5 == 0:
             print(f"step {step} loss {loss.item():.4f} grad-norm {float(norm):.3f} ({ctx.all_to_all})")
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    # After main(): the model and context are gone, so this joins gloo's threads (docs/expert_parallel.md).
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
