@@ -11,13 +11,29 @@
 // each row r is divided by 2^e_r, e_r the smallest power of two making max|x_r| <= 2^15, and sent as
 // D fp16 values followed by e_r stored in one 16-bit slot. Power-of-two scales are exact, so the
 // only error is fp16 rounding (relative 2^-11) for values within 2^-24 of their row's maximum.
-// Rows holding inf/nan are sent unscaled so that the non-finite values arrive as they left.
+// e_r comes from frexp (exact, the CUDA twin's rule) and is at least kMinExponent, so 2^-e_r stays
+// finite: fp64 rows whose max is below 2^(kMinExponent + 15) (~1e-297) flush to zero instead.
+// NaN is ignored when taking the max (and arrives as NaN); rows holding inf are sent unscaled, so
+// non-finite values arrive as they left and still reach the loss scaler.
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+namespace {
+constexpr int kMinExponent = -1000;
+
+// ceil(log2(amax)) - 15 for finite amax > 0 (else 0), exact: amax = m * 2^p with m in [0.5, 1).
+int row_exponent(double amax) {
+  if (!(amax > 0) || std::isinf(amax)) return 0;
+  int p = 0;
+  const double m = std::frexp(amax, &p);
+  return std::max((m == 0.5 ? p - 1 : p) - 15, kMinExponent);
+}
+}  // namespace
 
 #include "ops.h"
 
@@ -89,8 +105,7 @@ torch::Tensor pack_scaled_fp16(const torch::Tensor& x) {
         const scalar_t* row = src + r * hidden;
         double amax = 0.0;
         for (int64_t i = 0; i < hidden; ++i) amax = std::max(amax, std::abs(static_cast<double>(row[i])));
-        int exponent = 0;  // non-finite rows travel unscaled, so inf/nan still reach the loss scaler
-        if (amax > 0 && std::isfinite(amax)) exponent = static_cast<int>(std::ceil(std::log2(amax))) - 15;
+        const int exponent = row_exponent(amax);
         const double inv_scale = std::ldexp(1.0, -exponent);
         int16_t* out = dst + r * (hidden + 1);
         for (int64_t i = 0; i < hidden; ++i) {

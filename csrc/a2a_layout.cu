@@ -14,15 +14,12 @@
 // scan kernel (device-side asserts: sizes >= 0, sum == rows), so no call waits for the device.
 //
 // pack_scaled_fp16_cuda / unpack_scaled_fp16_cuda: fp16 wire format for fp32/fp64 rows that cannot
-// overflow: row r is divided by 2^e_r, e_r = ceil(log2(max|x_r|)) - 15 (0 for rows whose max is 0,
-// inf or nan), and sent as D fp16 values followed by e_r in one 16-bit slot ([N, D + 1] int16).
-// Warp per row: a warp-wide max (NaN ignored, like the CPU loop), then the scaled fp16 values.
-// The element arithmetic is the CPU op's (double product, round to fp32, round to fp16), so the
-// packed values equal the CPU's bit for bit, with two exceptions: NaN payloads (CUDA's canonical
-// fp16 NaN is 0x7fff, the CPU's 0x7e00) and, for fp64 rows only, the exponent of a row whose max
-// lies within a few ulps above a power of two: here e_r comes from frexp, exact, while the CPU's
-// floating-point log2 may round down to that power (then max/2^e_r is a hair above 2^15, still far
-// below the fp16 maximum 65504).
+// overflow: row r is divided by 2^e_r, e_r = max(ceil(log2(max|x_r|)) - 15, kMinExponent) (0 for
+// rows whose max is 0 or inf), and sent as D fp16 values followed by e_r in one 16-bit slot
+// ([N, D + 1] int16). Warp per row: a warp-wide max (NaN ignored, like the CPU loop), then the
+// scaled fp16 values. The exponent rule (exact, from frexp) and the element arithmetic (double
+// product, round to fp32, round to fp16) are the CPU op's, so the packed values equal the CPU's bit
+// for bit, except NaN payloads (CUDA's canonical fp16 NaN is 0x7fff, the CPU's 0x7e00).
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -151,12 +148,15 @@ void check_cpu_sizes(const at::Tensor& sizes, int64_t rows) {
 // ------------------------------------------------------------------------------------------------
 
 // ceil(log2(amax)) - 15 for finite amax > 0, else 0; exact (frexp: amax = m * 2^p, m in [0.5, 1)).
+// At least kMinExponent, so 2^-e stays finite for tiny fp64 rows (they flush to zero instead).
+constexpr int kMinExponent = -1000;
+
 template <typename scalar_t>
 __device__ __forceinline__ int row_exponent(scalar_t amax) {
   if (!(amax > 0) || isinf(amax)) return 0;
   int p = 0;
   const scalar_t m = frexp(amax, &p);
-  return (m == scalar_t(0.5) ? p - 1 : p) - 15;
+  return max((m == scalar_t(0.5) ? p - 1 : p) - 15, kMinExponent);
 }
 
 // Warp per row r: amax over the row, then packed[r, i] = fp16(fp32(x[r, i] * 2^-e)), packed[r, D] = e.

@@ -154,3 +154,73 @@ def naive_moe_forward(layer, x, jitter_noise=None):
     if T and cfg.z_loss_coef:
         aux = aux + cfg.z_loss_coef * sum(torch.logsumexp(lg, 0) ** 2 for lg in logits) / T
     return out.view_as(x), aux
+
+
+# ------------------------------------------------------------------------------------------------
+# All-to-all layout (csrc/a2a_layout.cpp, csrc/a2a_layout.cu).
+# ------------------------------------------------------------------------------------------------
+
+
+def reference_transpose_chunks(x, sizes_AB):
+    """Rows stored as chunks [a][b] (``sizes_AB[a, b]`` rows each) -> the same chunks in [b][a]
+    order, by slicing."""
+    a_count, b_count = sizes_AB.shape
+    starts = [0, *sizes_AB.reshape(-1).cumsum(0).tolist()]
+    chunks = [x[starts[i] : starts[i + 1]] for i in range(a_count * b_count)]
+    ordered = [chunks[a * b_count + b] for b in range(b_count) for a in range(a_count)]
+    return torch.cat(ordered) if ordered else x[:0]
+
+
+def scaled_fp16_inputs(dtype):
+    """64 x 40 rows for the scaled-fp16 wire format: large, tiny, zero, power-of-two rows; row 4
+    holds an inf, row 5 a nan."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(64, 40, generator=g, dtype=torch.float64)
+    x[1] *= 1e6  # large rows scale down, small rows scale up
+    x[2] *= 1e-30
+    x[3] = 0.0
+    x[4, 5] = float("inf")
+    x[5, 7] = float("nan")
+    x[6] = 2.0**10  # exact power of two: max/2^e = 2^15 exactly
+    x[7] *= 1e-40 if dtype == torch.float64 else 1e-3
+    return x.to(dtype)
+
+
+def _times_power_of_two(x_ND, exponent_N):
+    """``x_ND * 2^exponent_N[:, None]`` in fp64, exact: two factors, so none over- or underflows."""
+    first = [e // 2 for e in exponent_N.tolist()]
+    second = [e - f for e, f in zip(exponent_N.tolist(), first, strict=True)]
+    factor = [
+        torch.tensor([math.ldexp(1.0, e) for e in part], dtype=torch.float64).view(-1, 1)
+        for part in (first, second)
+    ]
+    return x_ND.double() * factor[0] * factor[1]
+
+
+SCALED_FP16_MIN_EXPONENT = -1000  # keeps 2^-e finite in fp64 (csrc/a2a_layout.cpp kMinExponent)
+
+
+def reference_scaled_fp16_exponent(x_ND):
+    """Per-row int64 exponent e: the smallest integer with max|x_r| / 2^e <= 2^15, at least
+    SCALED_FP16_MIN_EXPONENT (0 for zero rows)."""
+    rows, hidden = x_ND.shape
+    amax = x_ND.double().abs().amax(1) if hidden else torch.zeros(rows, dtype=torch.float64)
+    mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
+    ceil_log2 = exponent.long() - (mantissa == 0.5).long()
+    scaled = (ceil_log2 - 15).clamp_min(SCALED_FP16_MIN_EXPONENT)
+    return torch.where(amax > 0, scaled, torch.zeros_like(ceil_log2))
+
+
+def reference_pack_scaled_fp16(x_ND):
+    """Finite rows [N, D] (any float dtype) -> the wire format [N, D + 1] int16: the bit patterns of
+    fp16(x_r / 2^e_r), then e_r."""
+    assert bool(torch.isfinite(x_ND).all()), "the reference covers finite rows only"
+    exponent = reference_scaled_fp16_exponent(x_ND)
+    payload = _times_power_of_two(x_ND, -exponent).to(torch.float16)
+    return torch.cat([payload.view(torch.int16), exponent.to(torch.int16).view(-1, 1)], dim=1)
+
+
+def reference_unpack_scaled_fp16(packed, dtype):
+    """[N, D + 1] int16 wire rows -> [N, D] ``dtype``: fp16 payload times 2^e, rounded once."""
+    payload = packed[:, :-1].contiguous().view(torch.float16)
+    return _times_power_of_two(payload, packed[:, -1].long()).to(dtype)

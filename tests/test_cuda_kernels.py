@@ -13,9 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moetrain import MoELayer
+from moetrain import MoELayer, _ext
 from moetrain._ext import kernels_for, ops
-from moetrain.comm import compression
 from moetrain.comm.all_to_all import transpose_chunks
 from moetrain.comm.compression import decode_rows, encode_rows
 from moetrain.layers.dispatch import (
@@ -25,7 +24,14 @@ from moetrain.layers.dispatch import (
     token_priority_order,
     unpermute_tokens,
 )
-from tests.reference import PERMUTE_SHAPES, reference_dispatch_plan, reference_permute, reference_unpermute
+from tests.reference import (
+    PERMUTE_SHAPES,
+    reference_dispatch_plan,
+    reference_permute,
+    reference_transpose_chunks,
+    reference_unpermute,
+    scaled_fp16_inputs,
+)
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device (torch.cuda.is_available() is False)")
@@ -135,7 +141,7 @@ def test_extension_has_cuda_ops_exactly_when_torch_has_a_gpu_build():
 def cuda_ops():
     if not hasattr(ops, "permute_rows_cuda"):
         pytest.fail("a GPU is visible but moetrain._C was built without CUDA kernels: rebuild it")
-    return compression._CUDA_KERNELS
+    return _ext._CUDA_KERNELS
 
 
 @needs_cuda
@@ -314,14 +320,6 @@ def test_cuda_kernels_reject_bad_arguments_by_name(cuda_ops):
         cuda_ops.pack_scaled_fp16(x.half())
 
 
-def _chunk_reference(x, sizes):
-    """[a][b] chunks -> [b][a] chunks by slicing."""
-    a_count, b_count = sizes.shape
-    starts = torch.cat([torch.zeros(1, dtype=torch.long), sizes.reshape(-1).cumsum(0)])
-    chunks = [x[starts[i] : starts[i + 1]] for i in range(a_count * b_count)]
-    return torch.cat([chunks[a * b_count + b] for b in range(b_count) for a in range(a_count)])
-
-
 @needs_cuda
 @pytest.mark.parametrize("sizes_on_gpu", [False, True])
 @pytest.mark.parametrize(
@@ -345,7 +343,7 @@ def test_cuda_transpose_chunks_matches_reference_and_inverts(dtype, row_shape, s
         x = (torch.randn(rows, *row_shape, generator=g).abs() * 100).to(dtype)
         s = sizes.cuda() if sizes_on_gpu else sizes
         got = transpose_chunks(x.cuda(), s)
-        assert torch.equal(got.cpu(), _chunk_reference(x, sizes))
+        assert torch.equal(got.cpu(), reference_transpose_chunks(x, sizes))
         assert torch.equal(got.cpu(), ops.transpose_chunks(x, sizes))
         back = transpose_chunks(got, s.t())
         assert torch.equal(back.cpu(), x)
@@ -359,24 +357,11 @@ def test_cuda_transpose_chunks_empty(cuda_ops):
     assert transpose_chunks(x, torch.zeros(0, 2, dtype=torch.long)).shape == (0, 16)
 
 
-def _pack_inputs(dtype):
-    g = torch.Generator().manual_seed(9)
-    x = torch.randn(64, 40, generator=g, dtype=torch.float64)
-    x[1] *= 1e6  # large rows scale down, small rows scale up
-    x[2] *= 1e-30
-    x[3] = 0.0
-    x[4, 5] = float("inf")
-    x[5, 7] = float("nan")
-    x[6] = 2.0**10  # exact power of two: max/2^e = 2^15 exactly
-    x[7] *= 1e-40 if dtype == torch.float64 else 1e-3
-    return x.to(dtype)
-
-
 @needs_cuda
 @pytest.mark.parametrize("dtype", FULL)
 @pytest.mark.parametrize("hidden", [40, 7, 0])
 def test_cuda_scaled_fp16_equals_cpu_and_round_trips(dtype, hidden, cuda_ops):
-    x = _pack_inputs(dtype)[:, :hidden].contiguous()
+    x = scaled_fp16_inputs(dtype)[:, :hidden].contiguous()
     packed_cpu = ops.pack_scaled_fp16(x)
     packed_gpu = cuda_ops.pack_scaled_fp16(x.cuda()).cpu()
     nan_rows = torch.isnan(x).any(1)

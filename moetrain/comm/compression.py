@@ -1,12 +1,17 @@
 """Payload precision on the wire: rows are encoded before an all-to-all and decoded on arrival.
 
 - ``None``: sent as they are.
-- ``"bf16"``: cast to bfloat16 (fp32's exponent range, 8-bit mantissa): cannot overflow.
+- ``"bf16"``: cast to bfloat16 (fp32's exponent range, 8-bit mantissa): overflows only above bf16's
+  largest value (3.39e38, a hair below fp32's 3.40e38).
 - ``"fp16"``: each row divided by a power of two ``2^e`` with ``max|row| / 2^e <= 2^15``, cast to
   float16 and sent with ``e`` in one extra 16-bit column (``csrc/a2a_layout.cpp`` for CPU rows,
   ``csrc/a2a_layout.cu`` for CUDA rows). The scale is exact, so the error is fp16 rounding
-  (relative 2^-11) and no finite value overflows.
-  Reduced-precision inputs (bf16/fp16 rows) are sent as a plain fp16/bf16 cast.
+  (relative 2^-11) and no finite value overflows (fp64 rows whose max is below ~1e-297 flush to
+  zero: the exponent stops at -1000). bf16 rows (whose range fp16 lacks) are widened to
+  fp32 first and packed the same way, so ``comm_dtype="fp16"`` never overflows whatever the
+  activation dtype.
+- fp16 rows with ``"bf16"`` are cast (the mantissa loses 3 bits); bf16 rounds values above 65408 up
+  to 2^16, past fp16's largest value 65504, so on arrival those saturate to +-65504.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ def encode_rows(x_ND: torch.Tensor, comm_dtype: str | None) -> torch.Tensor:
     """Rows ``[N, D]`` -> the tensor that travels (``[N, D]``, or ``[N, D + 1]`` for scaled fp16)."""
     if comm_dtype is None or x_ND.dtype == WIRE_DTYPES[comm_dtype]:
         return x_ND
-    if comm_dtype == "fp16" and x_ND.dtype in (torch.float32, torch.float64):
+    if comm_dtype == "fp16":
+        if x_ND.dtype == torch.bfloat16:
+            x_ND = x_ND.float()
         kernels = kernels_for(x_ND, "encode_rows(x_ND)")
         return kernels.pack_scaled_fp16(x_ND.contiguous()).view(torch.float16)
     return x_ND.to(WIRE_DTYPES[comm_dtype])
@@ -32,7 +39,11 @@ def decode_rows(wire: torch.Tensor, comm_dtype: str | None, dtype: torch.dtype) 
     """Inverse of :func:`encode_rows` back to ``dtype``."""
     if comm_dtype is None or dtype == WIRE_DTYPES[comm_dtype]:
         return wire
-    if comm_dtype == "fp16" and dtype in (torch.float32, torch.float64):
+    if dtype == torch.float16:  # a bf16 wire: values rounded up to 2^16 saturate, inf stays inf
+        wide = wire.float()  # 65504 is not a bf16 value
+        return torch.where(wide.abs() == 2.0**16, wide.sign() * 65504.0, wide).to(dtype)
+    if comm_dtype == "fp16":
         kernels = kernels_for(wire, "decode_rows(wire)")
-        return kernels.unpack_scaled_fp16(wire.contiguous().view(torch.int16), dtype)
+        unpack_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
+        return kernels.unpack_scaled_fp16(wire.contiguous().view(torch.int16), unpack_dtype).to(dtype)
     return wire.to(dtype)
