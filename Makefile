@@ -10,7 +10,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 DEPS := setuptools>=64 wheel ninja pybind11 pytest pytest-timeout ruff numpy pyyaml pillow
 DEPS_STAMP := $(VENV)/.deps-$(shell printf '%s' '$(TORCH) $(DEPS)' | md5sum | cut -c1-12)
 BUILD_STAMP := $(VENV)/.moetrain-built
-SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu csrc/*.cuh)
+SOURCES := setup.py pyproject.toml moetrain/_source_hash.py $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu csrc/*.cuh)
 PYTEST_ARGS ?=
 
 .PHONY: demo test lint bench build clean

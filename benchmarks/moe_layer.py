@@ -276,7 +276,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON to PATH")
     args = parser.parse_args()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from moetrain.checkpoint import CheckpointError
 from moetrain.config import TrainConfig, config_from_dict
 from moetrain.planner.cli import add_plan_parser
 
@@ -106,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except ValueError as error:
+    except (ValueError, CheckpointError, OSError, ImportError) as error:
+        # Bad input (config, checkpoint, files, a missing optional package): one line, no traceback.
         print(f"moetrain: error: {error}", file=sys.stderr)
         return 2
 

@@ -159,6 +159,7 @@ class ParallelConfig:
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("adamw", "groupwise", "offload")
 
 
@@ -237,6 +238,11 @@ class BalanceConfig:
                 if not isinstance(value, (list, tuple)) or not value:
                     raise ValueError(f"balance.{name} must be a list with one entry per rank, got {value!r}")
                 object.__setattr__(self, name, tuple(value))
+        for index, speed in enumerate(self.speeds or ()):
+            if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0 < speed < math.inf:
+                raise ValueError(f"balance.speeds[{index}] must be a finite number > 0, got {speed!r}")
+        for index, limit in enumerate(self.memory_limits or ()):
+            require_int(f"balance.memory_limits[{index}]", limit, 1)
         require_bool("balance.calibrate", self.calibrate)
         if self.calibrate and self.speeds is not None:
             raise ValueError("balance: give either speeds or calibrate: true, not both")
@@ -252,7 +258,9 @@ class TrainConfig:
     named by its ``name`` key (``"moe_lm"``: :class:`moetrain.lm.LMConfig`); ``grad_accum``
     micro-steps per optimizer step; ``checkpoint_every`` steps (0: only at the end and on SIGTERM),
     ``keep_last`` checkpoints kept; ``recompute_budget_mb``: activation-memory budget for
-    automatic checkpointing (None: off); ``threads``: torch CPU threads per rank (None: torch's)."""
+    automatic checkpointing (None: off); ``threads``: torch CPU threads per rank (None: torch's);
+    ``device``: ``"cuda"`` (GPU ``LOCAL_RANK``, NCCL), ``"cpu"`` (gloo) or ``"auto"`` (cuda when
+    torch sees a GPU)."""
 
     model: object
     parallel: ParallelConfig = ParallelConfig()
@@ -270,6 +278,7 @@ class TrainConfig:
     resume: bool = True
     recompute_budget_mb: float | None = None
     threads: int | None = None
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         require_int("steps", self.steps, 1)
@@ -286,6 +295,7 @@ class TrainConfig:
             require_nonneg_float("recompute_budget_mb", self.recompute_budget_mb)
         if self.threads is not None:
             require_int("threads", self.threads, 1)
+        require_choice("device", self.device, DEVICES)
 
 
 def model_config_classes() -> dict[str, type]:
@@ -335,8 +345,18 @@ def config_from_dict(cls: type, data, path: str = ""):
     except TypeError as error:
         raise ValueError(f"{where}: {error}") from None
     except ValueError as error:
-        message = str(error)
-        raise ValueError(message if not path or message.startswith(path) else f"{path}.{message}") from None
+        raise ValueError(_prefixed(path, str(error))) from None
+
+
+def _prefixed(path: str, message: str) -> str:
+    """``message`` with the key path in front, without repeating the part it already names:
+    ("model.tasks", "tasks.x must ...") -> "model.tasks.x must ..."."""
+    parts = path.split(".") if path else []
+    for start in range(len(parts)):
+        named = ".".join(parts[start:])
+        if message.startswith(named) and message[len(named) : len(named) + 1] in (".", " ", ":", "["):
+            return ".".join([*parts[:start], message])
+    return _join(path, message)
 
 
 def _model_config_from_dict(data, path: str):

@@ -5,9 +5,17 @@ One optimizer step = ``grad_accum`` micro-steps of ``data.micro_batch_size`` seq
 1. forward under autocast (bf16 / fp16) and ``loss / grad_accum`` backward (DDP syncs dense
    gradients on the last micro-step only); MoE aux losses are injected into the same backward with
    the matching scale (``set_aux_loss_scale``: ``loss_scale / grad_accum``);
-2. expert gradients reduced over their expert-data-parallel group, fp16 gradients unscaled;
+2. expert gradients reduced over their expert-data-parallel group;
 3. clipping by the true global norm (each expert once), optimizer step (AdamW, group-wise or
    CPU-offloaded), LR schedule: linear warm-up then cosine decay to ``min_lr_ratio * lr``.
+   fp16: the norm is taken of the still-scaled gradients (clipping at ``grad_clip * scale``) and,
+   being all-reduced, says on every rank at once whether any gradient anywhere overflowed: then
+   every rank skips the step and lowers the scale together (an overflow in one rank's experts must
+   not leave the other ranks stepping). Otherwise ``GradScaler.step`` unscales, inside the fused /
+   C++ Adam step where the optimizer supports it.
+
+``device``: ``"cuda"`` puts the model and batches on GPU ``LOCAL_RANK`` with NCCL, ``"cpu"`` runs
+on gloo, ``"auto"`` picks cuda when torch sees a GPU.
 
 Rank 0 shows a progress bar and writes ``out_dir/metrics.jsonl`` (and TensorBoard events when the
 ``tensorboard`` package is installed): loss, aux loss, learning rate, grad norm, tokens/s, and per
@@ -38,7 +46,7 @@ from moetrain.comm.grad_sync import ExpertGradReducer, clip_grad_norm_, global_g
 from moetrain.config import TrainConfig
 from moetrain.layers import collect_moe_stats, set_aux_loss_scale
 from moetrain.offload import GroupwiseApply, OffloadOptimizer
-from moetrain.parallel import ParallelContext, init_distributed
+from moetrain.parallel import ParallelContext, init_distributed, read_launch_environment
 from moetrain.progress import ProgressBar
 
 
@@ -108,6 +116,32 @@ def build_m6_moe(config: TrainConfig, parallel: ParallelContext, rank: int):
 MODEL_BUILDERS = {"moe_lm": build_moe_lm, "m6_moe": build_m6_moe}
 
 
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    """The config's ``device`` for the process with ``local_rank``: ``"auto"`` is cuda when torch
+    sees a GPU; cuda maps local ranks onto the visible GPUs round-robin."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "device = 'cuda' but torch sees no GPU (a CPU-only torch build or no visible device); "
+            "use device: cpu or auto"
+        )
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def to_device(value, device: torch.device):
+    """Tensors inside ``value`` (a tensor, or dicts / lists / tuples of them) moved to ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, dict):
+        return {key: to_device(item, device) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_device(item, device) for item in value)
+    return value
+
+
 def lr_at(step: int, config: TrainConfig) -> float:
     """Learning-rate multiplier at optimizer step ``step`` (0-based): ``(step + 1) / warmup`` during
     warm-up, then ``min + (1 - min) * (1 + cos(pi * progress)) / 2`` with progress in [0, 1]."""
@@ -139,7 +173,10 @@ class Trainer:
         self.config = config
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        self.launch = init_distributed()
+        self.device = resolve_device(config.device, read_launch_environment().local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.launch = init_distributed(backend="nccl" if self.device.type == "cuda" else "gloo")
         self.parallel = ParallelContext(config.parallel)
         self.rank = self.parallel.rank
         self.is_main = self.rank == 0
@@ -147,16 +184,16 @@ class Trainer:
         random.seed(config.seed)
         builder = MODEL_BUILDERS[_model_name(config)]
         self.model, self.batches, self.loss_fn = builder(config, self.parallel, self.rank)
+        self.model.to(self.device)
         self.loss_weight = 1.0  # hardware-aware balancing: W * n_r / N
         self.global_batch = config.data.micro_batch_size * self.parallel.world_size
         self.ddp = wrap_data_parallel(self.model, self.parallel)
         self.reducer = ExpertGradReducer(self.model, self.parallel)
         self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_at(step, config))
-        device_type = "cpu"
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
-        self.device_type = device_type
-        self.scaler = torch.amp.GradScaler(device_type) if config.precision == "fp16" else None
+        self.device_type = self.device.type
+        self.scaler = torch.amp.GradScaler(self.device_type) if config.precision == "fp16" else None
         self.out_dir = Path(config.out_dir)
         self.checkpoint_dir = self.out_dir / "checkpoints"
         self.step = 0
@@ -188,7 +225,8 @@ class Trainer:
     def _plan_recompute(self) -> None:
         from moetrain.recompute import apply_recompute_plan, auto_checkpoint, remove_recompute
 
-        inputs, targets = self.batches.probe(self.batches.batch, self.config.seed * 31 + 7 + self.rank)
+        probe = self.batches.probe(self.batches.batch, self.config.seed * 31 + 7 + self.rank)
+        inputs, targets = to_device(probe, self.device)
         budget = int(self.config.recompute_budget_mb * 2**20)
         plan = auto_checkpoint(
             self.model, inputs, budget, loss_fn=lambda out: self.loss_fn(out, targets), verbose=self.is_main
@@ -227,10 +265,13 @@ class Trainer:
 
     def _timed_pass(self, sequences: int) -> None:
         """One forward+backward on ``sequences`` sequences, for speed calibration (grads dropped)."""
-        inputs, targets = self.batches.probe(sequences, self.config.seed * 31 + 11 + self.rank)
+        probe = self.batches.probe(sequences, self.config.seed * 31 + 11 + self.rank)
+        inputs, targets = to_device(probe, self.device)
         output = self.model(**inputs) if isinstance(inputs, dict) else self.model(inputs)
         self.loss_fn(output, targets).backward()
         self.model.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the timer must see the work done
 
     # ------------------------------------------------------------------------------------------
     def _extra_state(self) -> dict:
@@ -278,7 +319,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def _micro_step(self, last: bool, loss_scale: float) -> tuple[float, float]:
-        inputs, targets = self.batches.next()
+        inputs, targets = to_device(self.batches.next(), self.device)
         accum = self.config.grad_accum
         weight = self.loss_weight / accum
         set_aux_loss_scale(self.model, loss_scale * weight)
@@ -297,7 +338,7 @@ class Trainer:
     def _global_sum(self, values: list[float]) -> list[float]:
         if self.parallel.world_size == 1:
             return values
-        tensor = torch.tensor(values, dtype=torch.float64)
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor)
         return tensor.tolist()
 
@@ -328,17 +369,22 @@ class Trainer:
             losses.append(loss)
             auxes.append(aux)
         self.reducer.reduce()
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
+        # With fp16 the gradients are still multiplied by loss_scale: clip at the scaled threshold.
         if config.optim.grad_clip > 0:
-            grad_norm = float(clip_grad_norm_(self.model, config.optim.grad_clip, self.parallel))
+            clip_at = config.optim.grad_clip * loss_scale
+            scaled_norm = float(clip_grad_norm_(self.model, clip_at, self.parallel))
         else:
-            grad_norm = float(global_grad_norm(self.model, self.parallel))
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
+            scaled_norm = float(global_grad_norm(self.model, self.parallel))
+        grad_norm = scaled_norm / loss_scale
+        skipped = False
+        if self.scaler is None:
+            self.optimizer.step()
+        elif math.isfinite(scaled_norm):
+            self.scaler.step(self.optimizer)  # every rank's gradients are finite: none skips
             self.scaler.update()
         else:
-            self.optimizer.step()
+            self._skip_overflowed_step()
+            skipped = True
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         self.step += 1
@@ -360,8 +406,18 @@ class Trainer:
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": tokens / elapsed,
+            **({} if self.scaler is None else {"loss_scale": loss_scale, "skipped": skipped}),
             **self._expert_metrics(),
         }
+
+    def _skip_overflowed_step(self) -> None:
+        """An inf / NaN gradient somewhere (the all-reduced norm says so on every rank): drop the
+        gradients, leave weights and optimizer state alone, and lower the scale exactly as
+        ``GradScaler.update`` does after an overflow (scale * backoff_factor, growth count reset)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        state = self.scaler.state_dict()
+        state.update(scale=state["scale"] * state["backoff_factor"], _growth_tracker=0)
+        self.scaler.load_state_dict(state)
 
     def train(self, until: int | None = None) -> list[dict]:
         """Runs to ``config.steps`` (resuming first when a checkpoint exists), or only to step
@@ -374,8 +430,9 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.json").write_text(json.dumps(asdict(config), indent=2, default=str))
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        writer = _MetricsWriter(self.out_dir) if self.is_main else None
-        bar = ProgressBar(config.steps, "train") if self.is_main else None
+        writer = _MetricsWriter(self.out_dir, self.step) if self.is_main else None
+        bar = ProgressBar(config.steps, "train", log_every=config.log_every, initial=self.step)
+        bar = bar if self.is_main else None
         history = []
         try:
             while self.step < last_step:
@@ -383,11 +440,13 @@ class Trainer:
                 history.append(metrics)
                 if writer is not None:
                     writer.write(metrics)
+                    load = {"load cv": max(metrics["expert_load_cv"])} if "expert_load_cv" in metrics else {}
                     bar.update(
                         self.step,
                         loss=metrics["loss"],
                         aux=metrics["aux_loss"],
                         **{"tok/s": int(metrics["tokens_per_s"])},
+                        **load,
                     )
                 stop = self._agree(self.stop_requested)
                 if stop or (config.checkpoint_every and self.step % config.checkpoint_every == 0):
@@ -411,21 +470,27 @@ class Trainer:
         """True on every rank when any rank's flag is set (all ranks checkpoint together)."""
         if self.parallel.world_size == 1:
             return flag
-        tensor = torch.tensor([1.0 if flag else 0.0])
+        tensor = torch.tensor([1.0 if flag else 0.0], device=self.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return bool(tensor.item())
 
 
 class _MetricsWriter:
-    """``metrics.jsonl`` (one JSON object per step) and, when installed, TensorBoard events."""
+    """``metrics.jsonl`` (one JSON object per step) and, when installed, TensorBoard events.
 
-    def __init__(self, out_dir: Path):
+    A run resumed at ``resumed_step`` first drops the records of later steps (written before a
+    crash, then redone), so every step appears once."""
+
+    def __init__(self, out_dir: Path, resumed_step: int = 0):
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(out_dir / "metrics.jsonl", "a")  # noqa: SIM115 - open for the whole run
+        path = out_dir / "metrics.jsonl"
+        _drop_records_after(path, resumed_step)
+        self.file = open(path, "a")  # noqa: SIM115 - open for the whole run
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(str(out_dir / "tensorboard"))
+            # purge_step: TensorBoard hides the events of steps >= it from the earlier attempt.
+            self.tensorboard = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resumed_step + 1)
         except ImportError:
             self.tensorboard = None
             print("tensorboard is not installed: metrics go to metrics.jsonl only", flush=True)
@@ -446,6 +511,26 @@ class _MetricsWriter:
         self.file.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """Rewrites ``path`` (JSON lines with a ``step``) without the records after ``step``, via a
+    temporary file and an atomic rename; a torn last line (a crash mid-write) is dropped too."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if _record_step(line) <= step]
+    if len(kept) < len(lines):
+        temporary = path.with_name(path.name + ".tmp")
+        temporary.write_text("".join(line + "\n" for line in kept))
+        os.replace(temporary, path)
+
+
+def _record_step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf  # unreadable: dropped
 
 
 def check_fits(config: TrainConfig, world_size: int) -> None:

@@ -9,7 +9,9 @@ from typing import TextIO
 
 class ProgressBar:
     """Redraws one line on ``stream`` (a terminal: with ``\\r``; a log file: a line every
-    ``log_every`` updates). ``update(step, **metrics)`` formats floats with 4 significant digits."""
+    ``log_every`` steps). ``update(step, **metrics)`` formats floats with 4 significant digits.
+    ``initial``: steps already done before this bar started (a resumed run); the ETA uses the
+    rate of the steps done since."""
 
     def __init__(
         self,
@@ -18,6 +20,7 @@ class ProgressBar:
         width: int = 24,
         stream: TextIO | None = None,
         log_every: int = 50,
+        initial: int = 0,
     ):
         self.total = max(total, 1)
         self.description = description
@@ -25,6 +28,7 @@ class ProgressBar:
         self.stream = stream if stream is not None else sys.stderr
         self.interactive = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.log_every = log_every
+        self.initial = initial
         self.start = time.perf_counter()
         self._last_len = 0
 
@@ -32,7 +36,8 @@ class ProgressBar:
         done = min(step, self.total)
         filled = int(self.width * done / self.total)
         elapsed = time.perf_counter() - self.start
-        eta = elapsed / done * (self.total - done) if done else 0.0
+        since_start = done - self.initial
+        eta = elapsed / since_start * (self.total - done) if since_start > 0 else 0.0
         parts = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()]
         bar = "#" * filled + "." * (self.width - filled)
         prefix = f"{self.description} " if self.description else ""

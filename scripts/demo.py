@@ -4,8 +4,9 @@
 2. Pretrains the tiny M6 preset through the engine with 2 local ranks (torchrun, gloo), the
    experts split between them (ep_size 2), the three pretraining tasks mixed; saves a checkpoint.
 3. Loads the checkpoint into a single process (the experts are resharded from 2 ranks to 1),
-   captions the held-out images greedily, prints them beside the true captions, and the caption
-   accuracy beside that of always answering the most frequent training caption.
+   captions the held-out images greedily, prints them beside the true captions, the caption
+   accuracy beside that of always answering the most frequent training caption, and each MoE
+   layer's share of tokens per expert while captioning.
 
 Options: ``python scripts/demo.py --help`` (``--steps`` for a shorter or longer run).
 """
@@ -72,7 +73,7 @@ def evaluate(out_dir: Path) -> None:
     model.eval()
     tokenizer = load_tokenizer(config.model.tokenizer)
     start = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), RoutingCounter(model) as routing:
         result = evaluate_captioning(model, tokenizer, out_dir / "data", num_examples=12)
     seconds = time.perf_counter() - start
 
@@ -91,6 +92,44 @@ def evaluate(out_dir: Path) -> None:
     print(f"always the most frequent training caption: {result['baseline_accuracy']:.1%}")
     attributes = ", ".join(f"{k} {v:.0%}" for k, v in result["attribute_accuracy"].items())
     print(f"per attribute: {attributes}")
+    routing.print_table()
+
+
+class RoutingCounter:
+    """Adds up, over every forward while active, the routed slots each expert of each MoE layer
+    received (``MoELayer.last_stats.routed_per_expert``)."""
+
+    def __init__(self, model: torch.nn.Module):
+        from moetrain import MoELayer
+
+        self.layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
+        self.counts = [torch.zeros(m.config.num_experts, dtype=torch.float64) for _, m in self.layers]
+        self.handles = []
+
+    def __enter__(self) -> RoutingCounter:
+        for index, (_, layer) in enumerate(self.layers):
+            self.handles.append(layer.register_forward_hook(self._counter(index)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def _counter(self, index: int):
+        def hook(layer, inputs, output) -> None:
+            self.counts[index] += layer.last_stats.routed_per_expert.double().cpu()
+
+        return hook
+
+    def print_table(self) -> None:
+        if not self.layers:
+            return
+        experts = len(self.counts[0])
+        print(f"\nexpert token share while captioning (even = {1 / experts:.1%} each):")
+        print(f"  {'MoE layer':<28}" + "".join(f"{f'expert {e}':>10}" for e in range(experts)))
+        for (name, _), counts in zip(self.layers, self.counts, strict=True):
+            shares = counts / counts.sum().clamp_min(1)
+            print(f"  {name:<28}" + "".join(f"{share:>10.1%}" for share in shares.tolist()))
 
 
 def _free_port() -> int:

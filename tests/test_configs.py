@@ -20,3 +20,17 @@ def test_configs_are_found():
 def test_shipped_config_is_valid(path):
     config = build_train_config(str(path), [])
     check_fits(config, config.parallel.ep_size)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("model.tasks.skip_bad_records=maybe", "model.tasks.skip_bad_records must be True or False"),
+        ("model.moe.top_k=9", "model.moe.top_k must satisfy"),
+        ("balance.memory_limits=[4, 0]", "balance.memory_limits[1] must be an integer >= 1, got 0"),
+    ],
+)
+def test_errors_name_the_full_key_once(override, message):
+    with pytest.raises(ValueError) as error:
+        build_train_config(str(ROOT / "models/m6_moe/tiny.yaml"), [override])
+    assert str(error.value).startswith(message), str(error.value)

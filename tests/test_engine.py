@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -121,12 +122,26 @@ def test_cli_errors_are_one_line_before_training(tmp_path, capsys):
         _write(
             tmp_path, "ep.json", json.dumps({**good, "parallel": {"ep_size": 3}})
         ): "ep_size = 3 must divide",
+        _write(
+            tmp_path, "speeds.json", json.dumps({**good, "balance": {"speeds": [1.0, -2]}})
+        ): "balance.speeds[1] must be a finite number > 0, got -2",
+        _write(tmp_path, "device.json", json.dumps({**good, "device": "tpu"})): "device must be one of",
     }
     for path, message in cases.items():
         assert main(["train", "--config", path]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "metrics.jsonl").exists()
+    run(tiny(tmp_path / "run", steps=2))  # a saved run whose checkpoint then gets truncated
+    saved = next((tmp_path / "run" / "checkpoints" / "step_00000002").glob("*.distcp"))
+    saved.write_bytes(saved.read_bytes()[:100])
+    capsys.readouterr()
+    assert (
+        main(["train", "--config", _write(tmp_path, "run.json", json.dumps(tiny(tmp_path / "run", steps=3)))])
+        == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert saved.name in err and len(err.splitlines()) == 1, err
 
 
 def test_cli_overrides(tmp_path):
@@ -165,18 +180,60 @@ def test_sigterm_checkpoints_then_exits(tmp_path):
     assert len(steps) == 1
 
 
-def distributed_worker(rank, world, out_dir):
+def distributed_worker(rank, world, out_dir, until=None):
     config = config_from_dict(
         TrainConfig, tiny(out_dir, **{"parallel.ep_size": world, "parallel.local_world_size": 1})
     )
-    return [m["loss"] for m in Trainer(config).train()]
+    return [m["loss"] for m in Trainer(config).train(until=until)]
 
 
 @pytest.mark.timeout(240)
 def test_two_ranks_with_expert_parallelism_train_and_resume(tmp_path):
-    first = run_distributed(distributed_worker, 2, str(tmp_path))
-    assert first[0] == first[1] and len(first[0]) == 8  # the logged loss is the global mean
-    assert (tmp_path / "checkpoints").exists()
+    straight = run_distributed(distributed_worker, 2, str(tmp_path / "straight"))
+    assert straight[0] == straight[1] and len(straight[0]) == 8  # the logged loss is the global mean
+    first = run_distributed(distributed_worker, 2, str(tmp_path / "resumed"), 5)
+    second = run_distributed(distributed_worker, 2, str(tmp_path / "resumed"))
+    assert first[0] + second[0] == straight[0]  # stopped at 5, resumed to 8: the same run
+    assert first[1] + second[1] == straight[1]
+
+
+def overflow_worker(rank, world, out_dir):
+    """fp16, ep_size = world: each rank's experts are its own (expert-DP group of one), so an
+    overflow in rank 0's expert gradient reaches no other rank through the gradient reductions."""
+    config = config_from_dict(
+        TrainConfig,
+        tiny(
+            out_dir, steps=4, precision="fp16", **{"parallel.ep_size": world, "parallel.local_world_size": 1}
+        ),
+    )
+    trainer = Trainer(config)
+    if rank == 0:
+        expert_weight = next(p for n, p in trainer.model.named_parameters() if "experts" in n)
+        expert_weight.register_hook(lambda g: torch.full_like(g, float("inf")) if trainer.step == 1 else g)
+    history = trainer.train()
+    dense = [p.detach().clone() for n, p in trainer.model.named_parameters() if "experts" not in n]
+    return [(m["skipped"], m["loss_scale"]) for m in history], dense
+
+
+@pytest.mark.timeout(240)
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    (steps0, dense0), (steps1, dense1) = run_distributed(overflow_worker, 2, str(tmp_path))
+    assert steps0 == steps1
+    assert [skipped for skipped, _ in steps0] == [False, True, False, False]
+    scales = [scale for _, scale in steps0]
+    assert scales[2] == scales[1] / 2  # backed off once, on both ranks
+    assert all(torch.equal(a, b) for a, b in zip(dense0, dense1, strict=True))  # replicas still equal
+
+
+def test_resume_drops_metrics_of_steps_redone(tmp_path):
+    run(tiny(tmp_path, checkpoint_every=3), until=7)  # checkpoints at 3, 6 and 7
+    for step in (6, 7):  # as if the run crashed after step 7 with only step 3 saved
+        shutil.rmtree(tmp_path / "checkpoints" / f"step_{step:08d}")
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 8, "lo')  # a torn last line
+    run(tiny(tmp_path, checkpoint_every=3))
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9))
 
 
 def balanced_worker(rank, world, out_dir, speeds):
@@ -207,3 +264,20 @@ def test_balanced_batches_follow_rank_speeds(tmp_path):
     assert n0 + n1 == 16 and w0 + w1 == pytest.approx(2.0)  # measured speeds, same global batch
     with pytest.raises(ValueError, match="balance"):
         config_from_dict(TrainConfig, tiny(tmp_path, **{"balance.speeds": [1.0], "balance.calibrate": True}))
+
+
+def test_progress_bar_logs_every_n_steps_and_times_only_this_run(monkeypatch):
+    import io
+
+    from moetrain import progress
+
+    now = {"t": 0.0}
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now["t"])
+    stream = io.StringIO()  # not a terminal: one line every log_every steps
+    bar = progress.ProgressBar(100, "train", stream=stream, log_every=5, initial=90)
+    for step in range(91, 96):
+        now["t"] += 2.0
+        bar.update(step, loss=1.0)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1 and "95/100" in lines[0]
+    assert lines[0].endswith("eta   10s")  # 5 steps in 10 s since the resume, 5 to go

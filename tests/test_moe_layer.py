@@ -209,6 +209,7 @@ BAD_CONFIGS = [
     ({"normalize_gates": "yes"}, "normalize_gates"),
     ({"shared_expert_d_ff": 0}, "shared_expert_d_ff"),
     ({"aux_loss_coef": -0.1}, "aux_loss_coef"),
+    ({"capcity_factor": 1.0}, "unknown key 'capcity_factor'; allowed keys there: .*capacity_factor"),
 ]
 
 

@@ -103,10 +103,12 @@ def global_grad_norm(model: nn.Module, parallel=None) -> torch.Tensor:
     on every rank after DDP) locally, expert gradients summed over the EP group (which holds every
     expert exactly once). Call after the gradients are synchronised."""
 
+    device = next(model.parameters()).device  # NCCL reduces device tensors only
+
     def sum_of_squares(params):
         grads = [p.grad.detach().float() for p in params if p.grad is not None]
         if not grads:
-            return torch.zeros((), dtype=torch.float64)
+            return torch.zeros((), dtype=torch.float64, device=device)
         return sum(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in grads)
 
     dense = sum_of_squares(dense_parameters(model))

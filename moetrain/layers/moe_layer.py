@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from moetrain.config import MoEConfig
+from moetrain.config import MoEConfig, config_from_dict
 from moetrain.layers.dispatch import (
     AllToAllTokenDispatcher,
     DispatchRecord,
@@ -89,7 +89,7 @@ class MoELayer(nn.Module):
     ):
         super().__init__()
         if config is None:
-            config = MoEConfig(**options)
+            config = config_from_dict(MoEConfig, options)  # a misspelt option is a ValueError naming it
         elif options:
             raise ValueError(f"pass either a MoEConfig or keyword options, not both (got {sorted(options)})")
         self.config = config
