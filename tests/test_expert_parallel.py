@@ -16,7 +16,7 @@ from torch import nn
 from moetrain import MoEConfig, MoELayer, set_aux_loss_scale
 from moetrain.comm.all_to_all import all_to_all, all_to_all_reverse, exchange_counts
 from moetrain.comm.grad_sync import ExpertGradReducer, clip_grad_norm_, global_grad_norm, wrap_data_parallel
-from moetrain.parallel import ParallelContext
+from moetrain.parallel import ParallelContext, node_grid
 from tests.dist_utils import run_distributed
 
 D_MODEL, D_FF, EXPERTS = 16, 24, 8
@@ -301,10 +301,17 @@ def test_impossible_layouts_raise_value_errors_naming_the_numbers():
     messages, description, algorithm = run_distributed(context_errors_worker, 4)[0]
     assert "ep_size = 3 must divide the world size = 4" in messages[0]
     assert "local_world_size = 3" in messages[1]
-    assert messages[2] is None or "hierarchical" in messages[2]
+    assert messages[2] is None  # spread over one node: a 1 x 4 grid, which the 2-D exchange handles
     assert "num_experts = 6 must be divisible by ep_size = 4" in messages[3]
     assert "needs the nccl backend" in messages[4]
     assert algorithm == "hierarchical" and "ep_size=4" in description
+
+
+def test_node_grid_needs_the_same_member_count_on_every_node():
+    assert node_grid([0, 1, 2, 3], 2) == (2, 2)
+    assert node_grid([0, 2, 4, 6], 2) == (4, 1)
+    assert node_grid([0, 1, 2], 2) is None  # 2 members on node 0, 1 on node 1: no M x L grid
+    assert node_grid([1, 2, 3, 4], 2) is None
 
 
 def replay_worker(rank, world, local_world):

@@ -25,6 +25,7 @@ GATING_CASES = {
     "capacity_drops": {"capacity_factor": 0.5, "min_capacity": 1},
     "batch_prioritized_drops": {"capacity_factor": 0.5, "min_capacity": 1, "batch_prioritized_routing": True},
     "top1_unnormalized": {"top_k": 1, "capacity_factor": 1.0, "min_capacity": 1},
+    "min_capacity_sets_capacity": {"capacity_factor": 0.1, "min_capacity": 3},
     "top3_of_5_normalized": {"num_experts": 5, "top_k": 3},
     "top_k_equals_E": {"top_k": 4},
     "sigmoid_normalized": {"score_function": "sigmoid", "normalize_gates": True},
@@ -88,6 +89,13 @@ def test_capacity_cases_really_drop_tokens():
         layer = MoELayer(**{**BASE, **GATING_CASES[case]}).double()
         layer(torch.randn(21, BASE["d_model"], dtype=torch.float64))
         assert layer.last_stats.dropped_fraction > 0, case
+
+
+def test_min_capacity_is_the_floor_of_the_capacity():
+    layer = MoELayer(**{**BASE, **GATING_CASES["min_capacity_sets_capacity"]}).double()
+    layer(torch.randn(21, BASE["d_model"], dtype=torch.float64))  # ceil(0.1 * 21 * 2 / 4) = 2 < 3
+    assert layer.last_stats.capacity == 3
+    assert int(layer.last_stats.kept_per_expert.max()) <= 3 and layer.last_stats.dropped_fraction > 0
 
 
 def test_batch_prioritized_routing_keeps_highest_scores():
