@@ -84,7 +84,9 @@ def test_cluster_overrides_and_errors_name_the_field():
         ({"compute_efficiency": 1.5}, "compute_efficiency must be a number in \\(0, 1\\]"),
         ({"autocast": True, "precision": "fp32"}, "autocast must be False with precision 'fp32'"),
         ({"all_to_all": "ring"}, "all_to_all must be one of 'auto', 'flat', 'hierarchical'"),
-        ({"target_len": 600}, "target_len must be <= seq_len = 512"),
+        ({"seq_len": 512, "target_len": 600}, "target_len must be <= seq_len = 512"),
+        ({"memory_headroom": 1.0}, "memory_headroom must be a number in \\[0, 1\\)"),
+        ({"memory_headroom": -0.1}, "memory_headroom must be a number in \\[0, 1\\)"),
     ],
 )
 def test_settings_errors_name_field_and_allowed_values(changes, message):
@@ -294,3 +296,173 @@ def test_cli_m6_1t_on_480_v100(capsys):
 def test_cli_errors_are_value_errors():
     with pytest.raises(ValueError, match="model must be an M6 preset"):
         _run(["plan", "--model", "no/such/file.yaml", "--cluster", "v100-32gb", "--nodes", "1"])
+
+
+# ---------------------------------------------------------------------------------------------
+# sequence length default, cluster flags, memory headroom
+# ---------------------------------------------------------------------------------------------
+
+
+def small_lm_yaml(tmp_path, max_seq_len: int = 48):
+    """A bare moe_lm model config file (no data section: nothing sets the sequence length)."""
+    path = tmp_path / "small.yaml"
+    path.write_text(
+        "name: moe_lm\nd_model: 32\nnum_layers: 2\nnum_heads: 4\nvocab_size: 64\n"
+        f"max_seq_len: {max_seq_len}\nmoe:\n  d_ff: 64\n  num_experts: 8\n"
+    )
+    return str(path)
+
+
+def test_seq_len_defaults_to_the_model_maximum(tmp_path, capsys):
+    from moetrain.planner.model import resolve_model
+
+    model, defaults = resolve_model(small_lm_yaml(tmp_path, 48))
+    assert "seq_len" not in defaults and PlanSettings().seq_len is None
+    cluster = cluster_preset("a100-80gb", 1)
+    plan = make_plan(model, cluster, PlanSettings())
+    assert plan.settings.seq_len == 48 and plan.time["tokens_per_step"] == 8 * 48
+    assert make_plan(model, cluster, PlanSettings(seq_len=16)).settings.seq_len == 16
+    with pytest.raises(ValueError, match="seq_len = 64 exceeds the model's maximum of 48"):
+        make_plan(model, cluster, PlanSettings(seq_len=64))
+    argv = ["plan", "--model", small_lm_yaml(tmp_path), "--cluster", "a100-80gb", "--nodes", "1", "--json"]
+    assert _run(argv) == 0
+    assert json.loads(capsys.readouterr().out)["settings"]["seq_len"] == 48
+    assert _run([*argv, "--seq-len", "24"]) == 0
+    assert json.loads(capsys.readouterr().out)["settings"]["seq_len"] == 24
+
+
+@pytest.mark.skipif(not m6_available(), reason="models.m6_moe is not importable")
+def test_cli_m6_tiny_plans_at_its_own_maximum_text_length(capsys):
+    from models.m6_moe.config import M6Config
+
+    maximum = M6Config.preset("tiny").max_text_len
+    assert maximum < 512  # the old fixed default, which m6-tiny refused
+    argv = ["plan", "--model", "m6-tiny", "--cluster", "a100-80gb", "--nodes", "1"]
+    assert _run(argv) == 0
+    assert f"micro-batch 1 x {maximum} tokens + 16 image patches" in capsys.readouterr().out
+    assert _run([*argv, "--recommend", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {c["settings"]["seq_len"] for c in result["candidates"]} == {maximum}
+    assert result["best"]["settings"]["seq_len"] == maximum
+    with pytest.raises(ValueError, match=f"seq_len = 512 exceeds the model's maximum of {maximum}"):
+        _run([*argv, "--seq-len", "512"])
+
+
+def test_cli_overrides_every_cluster_figure(tmp_path, capsys):
+    base = ["plan", "--model", small_lm_yaml(tmp_path), "--cluster", "v100-32gb", "--nodes", "2", "--json"]
+    assert _run(base) == 0
+    default = json.loads(capsys.readouterr().out)
+    flags = [
+        "--gpus-per-node", "4", "--gpu-memory-gib", "16", "--peak-tflops", "100", "--intra-node-gbs", "50",
+        "--inter-node-gbps", "25", "--intra-node-latency-us", "5", "--inter-latency-us", "30",
+        "--host-memory-gib", "256",
+    ]  # fmt: skip
+    assert _run([*base, *flags]) == 0
+    data = json.loads(capsys.readouterr().out)
+    cluster, gpu = data["cluster"], data["cluster"]["gpu"]
+    assert cluster["gpus_per_node"] == 4 and data["world_size"] == 8
+    assert gpu["memory_bytes"] == data["gpu_capacity"] == 16 * GiB
+    assert data["gpu_usable"] == int(16 * GiB * 0.9)
+    assert gpu["peak_flops"] == {"fp16": 100e12, "fp32": 15.7e12}  # the training precision's (fp16)
+    assert cluster["intra_node_bandwidth"] == 50e9 and cluster["inter_node_bandwidth"] == 25e9 / 8
+    assert cluster["intra_node_latency"] == pytest.approx(5e-6)
+    assert cluster["inter_node_latency"] == pytest.approx(30e-6)
+    assert cluster["host_memory_bytes"] == data["host_capacity"] == 256 * GiB
+    # the figures are used: compute time follows the peak, the all-reduce the latencies
+    assert data["time"]["compute_s"] == pytest.approx(default["time"]["compute_s"] * 125 / 100)
+    assert _run([*base, "--inter-node-latency-us", "0", "--intra-node-latency-us", "0"]) == 0
+    no_latency = json.loads(capsys.readouterr().out)
+    assert no_latency["time"]["grad_sync_s"] < default["time"]["grad_sync_s"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--gpu-memory-gib", "0", "--gpu-memory-gib must be a finite number > 0 \\(GiB\\), got 0.0"),
+        ("--peak-tflops", "-5", "--peak-tflops must be a finite number > 0 \\(TFLOP/s\\), got -5.0"),
+        ("--peak-tflops", "inf", "--peak-tflops must be a finite number > 0"),
+        ("--intra-node-gbs", "0", "--intra-node-gbs must be a finite number > 0 \\(GB/s\\)"),
+        ("--inter-node-gbps", "nan", "--inter-node-gbps must be a finite number > 0 \\(Gb/s\\)"),
+        ("--intra-latency-us", "-1", "--intra-node-latency-us must be a finite number >= 0 \\(us\\)"),
+        ("--inter-node-latency-us", "-0.5", "--inter-node-latency-us must be a finite number >= 0 \\(us\\)"),
+        ("--host-memory-gib", "-1", "--host-memory-gib must be a finite number > 0 \\(GiB\\)"),
+        ("--gpus-per-node", "0", "--gpus-per-node must be an integer >= 1, got 0"),
+        ("--memory-headroom", "1", "--memory-headroom must be a number in \\[0, 1\\) .*got 1.0"),
+        ("--memory-headroom", "-0.1", "--memory-headroom must be a number in \\[0, 1\\)"),
+    ],
+)
+def test_cli_cluster_flags_out_of_range_name_the_flag_and_range(tmp_path, flag, value, message):
+    argv = ["plan", "--model", small_lm_yaml(tmp_path), "--cluster", "v100-32gb", "--nodes", "1"]
+    with pytest.raises(ValueError, match=message):
+        _run([*argv, flag, value])
+
+
+def test_fit_check_and_auto_recompute_keep_the_memory_headroom():
+    model = describe_lm(one_t_like_lm())
+    cluster = m6_cluster()
+    settings = M6_SETTINGS.replace(seq_len=708, autocast=True, micro_batch=16)
+    unguarded = make_plan(model, cluster, settings.replace(memory_headroom=0.0))
+    assert unguarded.fits and unguarded.gpu_total > 0.9 * 32 * GiB  # fits only with < 10% free
+    plan = make_plan(model, cluster, settings)  # default headroom 10%
+    assert (plan.gpu_capacity, plan.gpu_usable) == (32 * GiB, int(0.9 * 32 * GiB))
+    assert not plan.fits and plan.gpu_total > plan.gpu_usable
+    assert "GPU memory" in plan.overflow and "usable (32.00 GiB less 10% headroom) by" in plan.overflow
+    assert "DOES NOT FIT" in plan.format_table() and plan.to_dict()["gpu_usable"] == plan.gpu_usable
+    for micro in (4, 8):  # auto recompute budgets against the usable memory, not the capacity
+        fitted = make_plan(model, cluster, settings.replace(micro_batch=micro))
+        loose = make_plan(model, cluster, settings.replace(micro_batch=micro, memory_headroom=0.0))
+        assert fitted.fits and fitted.gpu_total <= fitted.gpu_usable
+        assert fitted.recompute.activation_bytes < loose.recompute.activation_bytes
+        assert fitted.time["recompute_s"] > loose.time["recompute_s"]
+        assert "total / usable" in fitted.format_table() and "less 10% headroom" in fitted.format_table()
+    result = recommend(
+        model, cluster, settings, ep_sizes=[480], offload=(True,), micro_batches=[8, 16], global_batch=7680
+    )
+    assert result.best.settings.micro_batch == 8 and result.best.settings.grad_accum == 2
+    assert {c.settings.micro_batch: c.status for c in result.candidates}[16] == "does not fit"
+
+
+@pytest.mark.skipif(not m6_available(), reason="models.m6_moe is not importable")
+def test_m6_1t_config_is_the_recommendation_with_headroom(capsys):
+    from pathlib import Path
+
+    from moetrain.cli import build_train_config
+
+    path = str(Path(__file__).resolve().parents[1] / "configs" / "m6_1t.yaml")
+    config = build_train_config(path, [])
+    argv = ["plan", "--model", path, "--cluster", "v100-32gb", "--nodes", "60", "--inter-node-gbps", "35"]
+    assert _run([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    # an M6 data.seq_len bounds prefix and target each: 2 x 256 text tokens
+    assert data["settings"]["seq_len"] == 2 * config.data.seq_len == 512
+    assert data["settings"]["autocast"] and data["settings"]["offload"]
+    assert data["fits"] and data["gpu_total"] <= data["gpu_usable"] == int(0.9 * 32 * GiB)
+    activations = data["gpu_memory"]["activations"]  # the config's budget is the planner's choice
+    assert config.recompute_budget_mb * 2**20 <= activations < (config.recompute_budget_mb + 10) * 2**20
+    # the previous setting, micro-batch 16 in one micro-step, fits 32 GiB only with < 1% to spare
+    assert _run([*argv, "--micro-batch", "16", "--grad-accum", "1"]) == 1
+    assert "does not fit: GPU memory" in capsys.readouterr().out
+    assert _run([*argv, "--micro-batch", "16", "--grad-accum", "1", "--memory-headroom", "0"]) == 0
+    capsys.readouterr()
+    best = recommend(
+        *_m6_1t_and_cluster(),
+        PlanSettings(precision="fp16", autocast=True, offload=True),
+        ep_sizes=[480],
+        offload=(True,),
+        micro_batches=[4, 8, 16],
+        global_batch=480 * config.data.micro_batch_size * config.grad_accum,
+    ).best
+    assert (
+        (best.settings.micro_batch, best.settings.grad_accum)
+        == (8, 2)
+        == (
+            config.data.micro_batch_size,
+            config.grad_accum,
+        )
+    )
+
+
+def _m6_1t_and_cluster():
+    from moetrain.planner.model import resolve_model
+
+    return resolve_model("m6-1T")[0], m6_cluster()

@@ -7,20 +7,40 @@
 
 ``--model``: an M6 preset (``m6-tiny``, ``m6-base``, ``m6-10B``, ``m6-100B``, ``m6-1T``) or a YAML/JSON
 training config (its batch, precision, parallel and optimizer settings become the defaults) or a
-bare model config with a ``name``. Exit status: 0 when the plan (or the best recommendation)
-fits, 1 when it does not; invalid options raise ``ValueError`` (``moetrain`` prints it, status 2).
+bare model config with a ``name``. Cluster figures default to the ``--cluster`` preset's and
+each can be overridden (``--gpu-memory-gib``, ``--peak-tflops``, ``--intra-node-gbs``,
+``--inter-node-gbps``, ``--intra-node-latency-us``, ``--inter-node-latency-us``,
+``--host-memory-gib``, ``--gpus-per-node``). ``--seq-len`` defaults to the config's
+``data.seq_len``, else the model's maximum. A plan fits when its GPU total is within the usable
+memory, the capacity less ``--memory-headroom`` (default 0.1). Exit status: 0 when the plan (or the
+best recommendation) fits, 1 when it does not; invalid options raise ``ValueError`` naming the flag
+and its allowed range (``moetrain`` prints it, status 2).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+from dataclasses import replace
 
-from moetrain.planner.hardware import GPU_PRESETS, GiB, cluster_preset, gbps_to_bytes
+from moetrain.planner.hardware import GPU_PRESETS, ClusterSpec, GiB, GPUSpec, cluster_preset, gbps_to_bytes
 from moetrain.planner.model import resolve_model
 from moetrain.planner.plan import make_plan
 from moetrain.planner.search import recommend
-from moetrain.planner.settings import RECOMPUTE_MODES, PlanSettings
+from moetrain.planner.settings import DEFAULT_MEMORY_HEADROOM, RECOMPUTE_MODES, PlanSettings
+
+# Cluster flags: (argparse dest, flag, unit, zero allowed). Each must be a finite number > 0
+# (>= 0 where zero is allowed); check_cluster_flags says which flag and range when not.
+CLUSTER_FLAGS = (
+    ("gpu_memory_gib", "--gpu-memory-gib", "GiB", False),
+    ("peak_tflops", "--peak-tflops", "TFLOP/s", False),
+    ("intra_node_gbs", "--intra-node-gbs", "GB/s", False),
+    ("inter_node_gbps", "--inter-node-gbps", "Gb/s", False),
+    ("intra_node_latency_us", "--intra-node-latency-us", "us", True),
+    ("inter_node_latency_us", "--inter-node-latency-us", "us", True),
+    ("host_memory_gib", "--host-memory-gib", "GiB", False),
+)
 
 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
@@ -36,13 +56,40 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
         "--cluster", required=True, choices=sorted(GPU_PRESETS), type=str.lower, help="GPU type"
     )
     plan.add_argument("--nodes", required=True, type=int)
-    plan.add_argument("--gpus-per-node", type=int, default=8)
-    plan.add_argument("--inter-node-gbps", type=float, help="inter-node bandwidth per node, Gb/s")
-    plan.add_argument("--intra-node-gbs", type=float, help="intra-node bandwidth per GPU and direction, GB/s")
-    plan.add_argument("--host-memory-gib", type=float, help="host memory per node, GiB")
+    plan.add_argument("--gpus-per-node", type=int, help="GPUs per node, >= 1 (default: the preset's, 8)")
+    plan.add_argument("--gpu-memory-gib", type=float, help="memory per GPU, GiB > 0 (default: the preset's)")
+    plan.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="dense peak TFLOP/s > 0 of one GPU in the training precision (default: the datasheet's)",
+    )
+    plan.add_argument("--inter-node-gbps", type=float, help="inter-node bandwidth per node, Gb/s > 0")
+    plan.add_argument(
+        "--intra-node-gbs", type=float, help="intra-node bandwidth per GPU and direction, GB/s > 0"
+    )
+    plan.add_argument(
+        "--intra-node-latency-us",
+        "--intra-latency-us",
+        type=float,
+        help="latency per intra-node message, microseconds >= 0 (default 10)",
+    )
+    plan.add_argument(
+        "--inter-node-latency-us",
+        "--inter-latency-us",
+        type=float,
+        help="latency per inter-node message, microseconds >= 0 (default 20)",
+    )
+    plan.add_argument("--host-memory-gib", type=float, help="host memory per node, GiB > 0")
+    plan.add_argument(
+        "--memory-headroom",
+        type=float,
+        help=f"fraction of GPU memory kept free, in [0, 1) (default {DEFAULT_MEMORY_HEADROOM:g})",
+    )
     plan.add_argument("--ep-size", type=int)
     plan.add_argument("--micro-batch", type=int, help="sequences per GPU per micro-step")
-    plan.add_argument("--seq-len", type=int, help="text tokens per sequence")
+    plan.add_argument(
+        "--seq-len", type=int, help="text tokens per sequence (default: the config's, else the model's max)"
+    )
     plan.add_argument("--grad-accum", type=int)
     plan.add_argument(
         "--precision", choices=("fp32", "bf16", "fp16"), help="default: bf16 where the GPU has it, else fp16"
@@ -77,6 +124,7 @@ def settings_from_args(args, defaults: dict) -> PlanSettings:
         "all_to_all": args.all_to_all,
         "comm_dtype": args.comm_dtype,
         "compute_efficiency": args.efficiency,
+        "memory_headroom": args.memory_headroom,
     }
     values.update({k: v for k, v in options.items() if v is not None})
     if args.autocast:
@@ -90,20 +138,72 @@ def settings_from_args(args, defaults: dict) -> PlanSettings:
     return PlanSettings(**values)
 
 
-def run_plan(args) -> int:
-    """Runs ``moetrain plan``; prints a table (or JSON) and returns 0 if it fits, else 1."""
-    model, defaults = resolve_model(args.model)
-    overrides = {"gpus_per_node": args.gpus_per_node}
+def _is_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def check_cluster_flags(args) -> None:
+    """ValueError naming the flag and its allowed range for a cluster flag out of range (see
+    ``CLUSTER_FLAGS``; ``--gpus-per-node``: an integer >= 1; ``--memory-headroom``: [0, 1))."""
+    for dest, flag, unit, allow_zero in CLUSTER_FLAGS:
+        value = getattr(args, dest)
+        if value is not None and not (_is_number(value) and (value >= 0 if allow_zero else value > 0)):
+            raise ValueError(
+                f"{flag} must be a finite number {'>= 0' if allow_zero else '> 0'} ({unit}), got {value!r}"
+            )
+    gpus = args.gpus_per_node
+    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
+        raise ValueError(f"--gpus-per-node must be an integer >= 1, got {gpus!r}")
+    headroom = args.memory_headroom
+    if headroom is not None and not (_is_number(headroom) and 0 <= headroom < 1):
+        raise ValueError(
+            "--memory-headroom must be a number in [0, 1) (fraction of GPU memory kept free), "
+            f"got {headroom!r}"
+        )
+
+
+def default_precision(gpu: GPUSpec) -> str:
+    """``"bf16"`` where the GPU has a bf16 fast path, else ``"fp16"``."""
+    return "bf16" if "bf16" in gpu.peak_flops else "fp16"
+
+
+def gpu_from_args(args, precision: str) -> GPUSpec:
+    """The ``--cluster`` GPU with ``--gpu-memory-gib`` (GiB -> bytes) and ``--peak-tflops`` (TFLOP/s
+    -> FLOP/s, for ``precision``, the one the plan trains in) applied."""
+    gpu = GPU_PRESETS[args.cluster]
+    if args.gpu_memory_gib is not None:
+        gpu = replace(gpu, memory_bytes=max(1, round(args.gpu_memory_gib * GiB)))
+    if args.peak_tflops is not None:
+        gpu = replace(gpu, peak_flops={**gpu.peak_flops, precision: args.peak_tflops * 1e12})
+    return gpu
+
+
+def cluster_from_args(args, precision: str) -> ClusterSpec:
+    """The ``--cluster`` preset on ``--nodes`` nodes with every cluster flag given applied (units
+    converted to bytes, bytes/s and seconds); flags checked by :func:`check_cluster_flags`."""
+    check_cluster_flags(args)
+    overrides = {"gpu": gpu_from_args(args, precision)}
+    if args.gpus_per_node is not None:
+        overrides["gpus_per_node"] = args.gpus_per_node
     if args.inter_node_gbps is not None:
         overrides["inter_node_bandwidth"] = gbps_to_bytes(args.inter_node_gbps)
     if args.intra_node_gbs is not None:
         overrides["intra_node_bandwidth"] = args.intra_node_gbs * 1e9
+    if args.intra_node_latency_us is not None:
+        overrides["intra_node_latency"] = args.intra_node_latency_us * 1e-6
+    if args.inter_node_latency_us is not None:
+        overrides["inter_node_latency"] = args.inter_node_latency_us * 1e-6
     if args.host_memory_gib is not None:
-        overrides["host_memory_bytes"] = int(args.host_memory_gib * GiB)
-    cluster = cluster_preset(args.cluster, args.nodes, **overrides)
-    if args.precision is None and "precision" not in defaults:
-        defaults = {**defaults, "precision": "bf16" if "bf16" in cluster.gpu.peak_flops else "fp16"}
-    settings = settings_from_args(args, defaults)
+        overrides["host_memory_bytes"] = round(args.host_memory_gib * GiB)
+    return cluster_preset(args.cluster, args.nodes, **overrides)
+
+
+def run_plan(args) -> int:
+    """Runs ``moetrain plan``; prints a table (or JSON) and returns 0 if it fits, else 1."""
+    model, defaults = resolve_model(args.model)
+    precision = args.precision or defaults.get("precision") or default_precision(GPU_PRESETS[args.cluster])
+    cluster = cluster_from_args(args, precision)
+    settings = settings_from_args(args, {**defaults, "precision": precision})
     if args.global_batch is not None and not args.recommend:
         raise ValueError("--global-batch is only used with --recommend")
     if args.recommend:

@@ -93,7 +93,8 @@ class GPUSpec:
 # - P100 16GB: "NVIDIA Tesla P100" datasheet (2016), SXM2 (NVLink) column: half precision
 #   21.2 TFLOPS, single 10.6 TFLOPS, 16 GB HBM2 at 732 GB/s, NVLink 160 GB/s, PCIe Gen3 x16.
 # "fp32" is plain FP32 (PyTorch leaves TF32 matmuls off by default), not TF32. Memory sizes are
-# binary (HBM stacks): a "32GB" V100 has 32 GiB, of which the driver shows ~31.75 GiB usable.
+# binary (HBM stacks): a "32GB" V100 has 32 GiB, of which the driver shows ~31.75 GiB usable; plans
+# keep ``PlanSettings.memory_headroom`` (default 10%) of ``memory_bytes`` free, which covers that.
 GPU_PRESETS: dict[str, GPUSpec] = {
     "v100-32gb": GPUSpec(
         name="V100-SXM2-32GB",
@@ -220,10 +221,10 @@ class ClusterSpec:
         return out
 
 
-def cluster_preset(gpu: str, nodes: int, **overrides) -> ClusterSpec:
-    """A cluster of ``nodes`` nodes of preset GPU type ``gpu`` (a key of :data:`GPU_PRESETS`) with
-    that system's node defaults; any :class:`ClusterSpec` field can be overridden, and GPU fields
-    through ``gpu=replace(GPU_PRESETS[...], memory_bytes=...)``."""
+def cluster_preset(gpu: str, /, nodes: int, **overrides) -> ClusterSpec:
+    """A cluster of ``nodes`` nodes of preset GPU type ``gpu`` (a key of :data:`GPU_PRESETS`,
+    positional) with that system's node defaults; any :class:`ClusterSpec` field can be overridden,
+    and GPU fields through ``gpu=replace(GPU_PRESETS[...], memory_bytes=...)``."""
     key = gpu.lower() if isinstance(gpu, str) else gpu
     if key not in GPU_PRESETS:
         raise ValueError(f"cluster must be one of {', '.join(map(repr, GPU_PRESETS))}, got {gpu!r}")

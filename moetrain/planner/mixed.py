@@ -6,7 +6,8 @@ mixed world): forward FLOPs per sequence split into the part that follows the ra
 and, under expert parallelism, the expert FFN rows a rank computes for the whole EP group
 (``f_expert`` per sequence of the *average* rank: with balanced routing every rank's experts see
 ``k * mean tokens`` rows however its own batch is sized); and the most sequences it fits
-(``memory_limit``: the largest micro-batch for which the plan fits that GPU).
+(``memory_limit``: the largest micro-batch for which the plan fits that GPU, within its usable
+memory: capacity less ``settings.memory_headroom``).
 
 Rank r then needs ``3 * (n_r * f_own + (N / W) * f_expert) / (peak_r * compute_efficiency)`` seconds
 of compute per micro-step; :func:`moetrain.balance.balance_batch` minimises the largest, with the

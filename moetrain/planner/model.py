@@ -224,7 +224,9 @@ def resolve_model(spec: str) -> tuple[ModelDescription, dict]:
     """``--model`` of ``moetrain plan``: an M6 preset (``m6-1T``, ``m6-tiny``, ..., case-insensitive)
     or a YAML/JSON file holding a training config (``model:`` with a ``name``; its ``data``,
     ``parallel``, ``grad_accum`` and ``precision`` become default settings, returned as the second
-    item) or a bare model config (a mapping with ``name``)."""
+    item; an M6 config's ``data.seq_len`` bounds the prefix and the target each, so it plans
+    ``2 * data.seq_len`` text tokens) or a bare model config (a mapping with ``name``). Without a
+    ``data`` section the sequence length is left to the settings (default: the model's maximum)."""
     lowered = spec.lower()
     if lowered.startswith("m6-") or lowered.startswith("m6:"):
         preset = next((p for p in M6_PRESETS if p.lower() == lowered[3:]), None)
@@ -247,6 +249,13 @@ def resolve_model(spec: str) -> tuple[ModelDescription, dict]:
     return _model_from_file(path)
 
 
+def train_seq_len(arch: ModelArch, data_seq_len: int) -> int:
+    """Text tokens per sequence a training config's ``data.seq_len`` means: itself for a language
+    model; ``2 * data.seq_len`` for M6, whose prefix and target may each be that long (the engine
+    checks that both fit ``max_text_len``)."""
+    return 2 * data_seq_len if arch.family == "m6" else data_seq_len
+
+
 def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
     import yaml
 
@@ -263,9 +272,10 @@ def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
         raise ValueError(f"model config {path} must hold a mapping")
     if "model" in data:
         train = config_from_dict(TrainConfig, data)
+        model = describe(train.model, path.stem)
         defaults = {
             "micro_batch": train.data.micro_batch_size,
-            "seq_len": train.data.seq_len,
+            "seq_len": train_seq_len(model.arch, train.data.seq_len),
             "grad_accum": train.grad_accum,
             "precision": train.precision,
             "autocast": train.precision != "fp32",  # the engine: fp32 weights, autocast compute
@@ -276,7 +286,7 @@ def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
             "offload": train.optim.name == "offload",
             "offload_apply_groups": train.optim.num_apply_groups,
         }
-        return describe(train.model, path.stem), defaults
+        return model, defaults
     classes = model_config_classes()
     if data.get("name") not in classes:
         raise ValueError(

@@ -4,7 +4,8 @@
 
 - parameters per rank from the model built on ``meta`` (:mod:`moetrain.planner.model`);
 - GPU memory: weights + gradients + optimizer states (unless offloaded) + activations (with the
-  recompute plan) + all-to-all buffers + transient working memory + reserved;
+  recompute plan) + all-to-all buffers + transient working memory + reserved, against the usable
+  memory ``memory_bytes * (1 - settings.memory_headroom)`` (the headroom is kept free);
 - host memory per node: offloaded optimizer states (12 bytes/parameter: fp32 master and two
   moments) and pinned staging (two apply groups of gradients + weight copies) for each of the
   node's GPUs, plus the node's reserve;
@@ -81,9 +82,12 @@ class Plan:
     """Everything :func:`make_plan` computed. Bytes per GPU in ``gpu_memory`` (named terms, see
     ``GPU_MEMORY_TERMS``), per node in ``host_memory``; traffic per rank per step in ``traffic``;
     seconds in ``time``; ``all_to_all_alternative``: rows and counts of the all-to-all algorithm not
-    chosen, for comparison (not in the step time). ``fits`` is True when both memories fit;
+    chosen, for comparison (not in the step time). ``gpu_capacity``: the GPU's memory (bytes);
+    ``gpu_usable``: what a plan may fill, the capacity less ``settings.memory_headroom``. ``fits`` is
+    True when the GPU total is within ``gpu_usable`` and the host total within ``host_capacity``;
     ``overflow`` names what does not, by how much and its largest term (e.g. ``"GPU memory: 37.06
-    GiB > 32.00 GiB by 5.06 GiB (largest term: optimizer_states 25.08 GiB)"``)."""
+    GiB > 28.80 GiB usable (32.00 GiB less 10% headroom) by 8.26 GiB (largest term:
+    optimizer_states 25.08 GiB)"``)."""
 
     model: str
     cluster: ClusterSpec
@@ -96,6 +100,7 @@ class Plan:
     params: dict[str, int]
     gpu_memory: dict[str, int]
     gpu_capacity: int
+    gpu_usable: int
     host_memory: dict[str, int]
     host_capacity: int
     recompute: RecomputeChoice
@@ -116,7 +121,7 @@ class Plan:
     @property
     def fits(self) -> bool:
         return (
-            self.gpu_total <= self.gpu_capacity
+            self.gpu_total <= self.gpu_usable
             and self.host_total <= self.host_capacity
             and self.recompute.feasible
         )
@@ -125,14 +130,17 @@ class Plan:
     def overflow(self) -> str | None:
         """Which memory does not fit, by how much, and its largest term; None when it fits."""
         problems = []
-        for where, terms, total, capacity in (
-            ("GPU memory", self.gpu_memory, self.gpu_total, self.gpu_capacity),
-            ("host memory per node", self.host_memory, self.host_total, self.host_capacity),
+        usable = (
+            f"{_gib(self.gpu_usable)} usable ({_gib(self.gpu_capacity)} less {self.headroom_label} headroom)"
+        )
+        for where, terms, total, capacity, limit in (
+            ("GPU memory", self.gpu_memory, self.gpu_total, self.gpu_usable, usable),
+            ("host memory per node", self.host_memory, self.host_total, self.host_capacity, None),
         ):
             if total > capacity:
                 largest = max(terms, key=terms.get)
                 problems.append(
-                    f"{where}: {_gib(total)} > {_gib(capacity)} by {_gib(total - capacity)} "
+                    f"{where}: {_gib(total)} > {limit or _gib(capacity)} by {_gib(total - capacity)} "
                     f"(largest term: {largest} {_gib(terms[largest])})"
                 )
         if not self.recompute.feasible and self.recompute.mode == "budget":
@@ -141,6 +149,11 @@ class Plan:
                 f"the minimum {_gib(self.recompute.min_activation_bytes)} any recompute reaches"
             )
         return "; ".join(problems) or None
+
+    @property
+    def headroom_label(self) -> str:
+        """``settings.memory_headroom`` as a percentage, e.g. ``"10%"``."""
+        return f"{100 * self.settings.memory_headroom:g}%"
 
     @property
     def tokens_per_s(self) -> float:
@@ -161,6 +174,7 @@ class Plan:
             "gpu_memory": dict(self.gpu_memory),
             "gpu_total": self.gpu_total,
             "gpu_capacity": self.gpu_capacity,
+            "gpu_usable": self.gpu_usable,
             "host_memory": dict(self.host_memory),
             "host_total": self.host_total,
             "host_capacity": self.host_capacity,
@@ -201,8 +215,18 @@ def resolve_capacity_factor(model: ModelDescription, settings: PlanSettings) -> 
     return cf or None
 
 
+def resolve_seq_len(model: ModelDescription, settings: PlanSettings) -> PlanSettings:
+    """``settings`` with ``seq_len`` None replaced by the model's maximum text tokens
+    (``max_seq_len``; M6: ``max_text_len``); unchanged otherwise."""
+    if settings.seq_len is not None:
+        return settings
+    return settings.replace(seq_len=model.arch.max_seq_len)
+
+
 def workload(model: ModelDescription, settings: PlanSettings, kernels: str = "cuda") -> Workload:
-    """The per-rank :class:`Workload` of ``settings`` (row bound ``capacity`` for memory)."""
+    """The per-rank :class:`Workload` of ``settings`` (row bound ``capacity`` for memory; ``seq_len``
+    None: the model's maximum)."""
+    settings = resolve_seq_len(model, settings)
     return Workload(
         batch=settings.micro_batch,
         seq_len=settings.seq_len,
@@ -258,7 +282,9 @@ def make_plan(
     module docstring). ``kernels``: whose saving rules the activation model applies, ``"cuda"``
     (the GPUs planned for) or ``"cpu"`` (to compare with a run on this machine). ValueError when
     the layout is impossible (ep_size not dividing the world size or the expert count, an
-    unsupported precision on the GPU, ...)."""
+    unsupported precision on the GPU, ...). ``settings.seq_len`` None is planned as the model's
+    maximum, and the plan's ``settings`` say which."""
+    settings = resolve_seq_len(model, settings)
     world = cluster.world_size
     ep = settings.ep_size
     if world % ep:
@@ -316,7 +342,8 @@ def make_plan(
         "transient": _transient(acts, arch, work, b),
         "reserved": cluster.gpu_reserved_bytes,
     }
-    left = cluster.gpu.memory_bytes - sum(gpu.values())
+    usable = settings.usable_memory(cluster.gpu.memory_bytes)
+    left = usable - sum(gpu.values())
     recompute = choose_recompute(acts, settings, flops_per_s, max(left, 0))
     gpu["activations"] = recompute.activation_bytes
 
@@ -421,6 +448,7 @@ def make_plan(
         },
         gpu_memory=gpu,
         gpu_capacity=cluster.gpu.memory_bytes,
+        gpu_usable=usable,
         host_memory=host,
         host_capacity=cluster.host_memory_bytes,
         recompute=recompute,

@@ -81,6 +81,19 @@ def recompute_summary(plan) -> str:
     return "recompute " + ", ".join(pieces)
 
 
+def gpu_total_line(plan) -> str:
+    """``total / usable`` with the verdict, the GiB to spare (negative: over) and how the usable
+    memory follows from the capacity and the headroom."""
+    verdict = "fits" if plan.gpu_total <= plan.gpu_usable else "DOES NOT FIT"
+    spare = (plan.gpu_usable - plan.gpu_total) / GiB
+    margin = f"{spare:.2f} GiB to spare" if spare >= 0 else f"over by {-spare:.2f} GiB"
+    return (
+        f"  {'total / usable':<46} {_gib(plan.gpu_total)} / {plan.gpu_usable / GiB:.2f}  {verdict} "
+        f"({margin}; usable = {plan.gpu_capacity / GiB:.2f} GiB less "
+        f"{plan.headroom_label} headroom)"
+    )
+
+
 def format_plan(plan) -> str:
     """Header, GPU memory, host memory, traffic and time tables, notes."""
     p = plan.params
@@ -103,11 +116,7 @@ def format_plan(plan) -> str:
                 f"  (without recompute {plan.recompute.baseline_bytes / GiB:.2f}; {recompute_summary(plan)})"
             )
         lines.append(f"  {label:<46} {_gib(value)}{extra}")
-    verdict = "fits" if plan.gpu_total <= plan.gpu_capacity else "DOES NOT FIT"
-    lines.append(
-        f"  {'total / capacity':<46} {_gib(plan.gpu_total)} / {plan.gpu_capacity / GiB:.2f}  {verdict} "
-        f"(headroom {(plan.gpu_capacity - plan.gpu_total) / GiB:.2f} GiB)"
-    )
+    lines.append(gpu_total_line(plan))
     lines += ["", f"{'host memory per node':<48} {'GiB':>8}"]
     for key, label in _HOST_LABELS.items():
         lines.append(f"  {label:<46} {_gib(plan.host_memory[key])}")

@@ -2,7 +2,8 @@
 
 The search is exhaustive over (ep_size, offload, micro_batch), each with the recompute mode(s)
 given (default ``"auto"``: the cheapest recompute plan that fits the memory left on the GPU,
-which is the best recompute budget for that configuration). With ``global_batch`` (sequences per
+which is the best recompute budget for that configuration). "Fits" is against the usable memory,
+the GPU's capacity less ``PlanSettings.memory_headroom`` (default 10%). With ``global_batch`` (sequences per
 optimizer step) fixed, ``grad_accum = global_batch / (world_size * micro_batch)`` follows from the
 micro-batch, so every candidate trains on the same batch and tokens/s compares like with like.
 """
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 
 from moetrain.planner.hardware import ClusterSpec
 from moetrain.planner.model import ModelDescription
-from moetrain.planner.plan import Plan, make_plan
+from moetrain.planner.plan import Plan, make_plan, resolve_seq_len
 from moetrain.planner.settings import PlanSettings
 
 STATUSES = ("best", "fits", "slower", "does not fit", "invalid")
@@ -102,7 +103,8 @@ def recommend(
     ``micro_batches`` (default 1, 2, 4, ... 64) and ``recompute`` modes on top of ``base``; returns
     the fastest that fit and the reason for each rejection. ``global_batch``: sequences per
     optimizer step, fixed (``grad_accum`` derived; micro-batches that do not divide it are
-    invalid); None keeps ``base.grad_accum``."""
+    invalid); None keeps ``base.grad_accum``. ``base.seq_len`` None: the model's maximum, as in
+    every candidate's settings."""
     if global_batch is not None and (
         isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1
     ):
@@ -111,6 +113,7 @@ def recommend(
         )
     if not isinstance(top, int) or top < 1:
         raise ValueError(f"top must be an integer >= 1, got {top!r}")
+    base = resolve_seq_len(model, base)
     ep_sizes = valid_ep_sizes(model, cluster) if ep_sizes is None else list(ep_sizes)
     micro_batches = [2**i for i in range(7)] if micro_batches is None else list(micro_batches)
     world = cluster.world_size

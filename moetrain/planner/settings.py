@@ -10,6 +10,7 @@ from moetrain.config import ALL_TO_ALL_ALGORITHMS, COMM_DTYPES, EP_LAYOUTS, requ
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE_MODES = ("none", "full", "fraction", "budget", "auto")
 MODEL_CAPACITY = "model"
+DEFAULT_MEMORY_HEADROOM = 0.10  # fraction of GPU memory a plan leaves free (see PlanSettings)
 
 
 def _is_number(value) -> bool:
@@ -22,8 +23,10 @@ class PlanSettings:
 
     - ``ep_size``: expert-parallel group size (divides the world size and the expert count).
     - ``micro_batch``: sequences per rank per micro-step; ``seq_len`` text tokens each (models with
-      images add their patches); ``target_len``: text tokens per sequence that get logits (M6's
-      prefix-LM; None: all ``seq_len``, the captioning worst case; language models predict all);
+      images add their patches; None, the default: the model's maximum, ``max_seq_len`` /
+      ``max_text_len``, filled in by :func:`~moetrain.planner.plan.make_plan`); ``target_len``:
+      text tokens per sequence that get logits (M6's prefix-LM; None: all ``seq_len``, the
+      captioning worst case; language models predict all);
       ``grad_accum`` micro-steps per optimizer step. Tokens per step =
       ``world_size * micro_batch * seq_len * grad_accum``.
     - ``precision``: ``"fp32"``, ``"bf16"`` or ``"fp16"``. With ``autocast=False`` (default) the
@@ -45,11 +48,17 @@ class PlanSettings:
     - ``capacity_factor``: ``"model"`` (the model config's training value), a number, or ``None`` /
       ``0`` (dropless); ``min_capacity`` comes from the model config.
     - ``compute_efficiency``: fraction of the GPU's peak FLOP/s the model's matmuls reach (0, 1].
+    - ``memory_headroom``: fraction of each GPU's memory the plan keeps free, in [0, 1) (default
+      0.10). A plan fits only if its total is at most the usable memory, ``memory_bytes * (1 -
+      memory_headroom)``, and ``"auto"`` recompute budgets against that. The margin covers what the
+      model does not know: activations are validated to within 10%, the buffers, transient and
+      reserved terms are estimates, and the driver shows less than the datasheet (~31.75 of a
+      V100's 32 GiB).
     """
 
     ep_size: int = 1
     micro_batch: int = 1
-    seq_len: int = 512
+    seq_len: int | None = None
     target_len: int | None = None
     grad_accum: int = 1
     precision: str = "bf16"
@@ -64,15 +73,17 @@ class PlanSettings:
     comm_dtype: str | None = None
     capacity_factor: float | str | None = MODEL_CAPACITY
     compute_efficiency: float = 0.4
+    memory_headroom: float = DEFAULT_MEMORY_HEADROOM
 
     def __post_init__(self) -> None:
         require_int("ep_size", self.ep_size, 1)
         require_int("micro_batch", self.micro_batch, 1)
-        require_int("seq_len", self.seq_len, 1)
+        if self.seq_len is not None:
+            require_int("seq_len", self.seq_len, 1)
         require_int("grad_accum", self.grad_accum, 1)
         if self.target_len is not None:
             require_int("target_len", self.target_len, 1)
-            if self.target_len > self.seq_len:
+            if self.seq_len is not None and self.target_len > self.seq_len:
                 raise ValueError(f"target_len must be <= seq_len = {self.seq_len}, got {self.target_len}")
         require_choice("precision", self.precision, PRECISIONS)
         if not isinstance(self.autocast, bool):
@@ -113,11 +124,24 @@ class PlanSettings:
             raise ValueError(
                 f"compute_efficiency must be a number in (0, 1], got {self.compute_efficiency!r}"
             )
+        if not (_is_number(self.memory_headroom) and 0 <= self.memory_headroom < 1):
+            raise ValueError(
+                "memory_headroom must be a number in [0, 1) (fraction of GPU memory kept free), "
+                f"got {self.memory_headroom!r}"
+            )
 
     @property
     def tokens_per_micro_batch(self) -> int:
-        """Tokens one rank processes per micro-step: ``micro_batch * seq_len``."""
+        """Text tokens one rank processes per micro-step: ``micro_batch * seq_len`` (ValueError while
+        ``seq_len`` is None, the model's maximum: :func:`~moetrain.planner.plan.make_plan` knows it)."""
+        if self.seq_len is None:
+            raise ValueError("seq_len is None (the model's maximum): resolve it with a model first")
         return self.micro_batch * self.seq_len
+
+    def usable_memory(self, memory_bytes: int) -> int:
+        """Bytes of a GPU with ``memory_bytes`` a plan may fill: ``memory_bytes * (1 -
+        memory_headroom)``, rounded down."""
+        return math.floor(memory_bytes * (1 - self.memory_headroom))
 
     def replace(self, **changes) -> PlanSettings:
         """A copy with ``changes`` (field names checked: ValueError naming the allowed ones)."""
