@@ -116,19 +116,21 @@ def build_m6_moe(config: TrainConfig, parallel: ParallelContext, rank: int):
 MODEL_BUILDERS = {"moe_lm": build_moe_lm, "m6_moe": build_m6_moe}
 
 
-def resolve_device(name: str, local_rank: int) -> torch.device:
-    """The config's ``device`` for the process with ``local_rank``: ``"auto"`` is cuda when torch
-    sees a GPU; cuda maps local ranks onto the visible GPUs round-robin."""
+def resolve_device(name: str, local_rank: int, local_world_size: int) -> torch.device:
+    """The config's ``device`` for the process with ``local_rank`` of ``local_world_size`` on its
+    node: ``"cuda"`` is GPU ``local_rank`` (NCCL needs one GPU per rank); ``"auto"`` is cuda when
+    torch sees a GPU for every local rank, else cpu."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        name = "cuda" if gpus >= local_world_size else "cpu"
     if name == "cpu":
         return torch.device("cpu")
-    if not torch.cuda.is_available():
+    if gpus < local_world_size:
         raise ValueError(
-            "device = 'cuda' but torch sees no GPU (a CPU-only torch build or no visible device); "
-            "use device: cpu or auto"
+            f"device = 'cuda' needs one GPU per rank: {local_world_size} ranks on this node, torch sees "
+            f"{gpus} GPU(s); use device: cpu (or auto)"
         )
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cuda", local_rank)
 
 
 def to_device(value, device: torch.device):
@@ -173,7 +175,8 @@ class Trainer:
         self.config = config
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        self.device = resolve_device(config.device, read_launch_environment().local_rank)
+        launch = read_launch_environment()
+        self.device = resolve_device(config.device, launch.local_rank, launch.local_world_size)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.launch = init_distributed(backend="nccl" if self.device.type == "cuda" else "gloo")
@@ -264,14 +267,40 @@ class Trainer:
             )
 
     def _timed_pass(self, sequences: int) -> None:
-        """One forward+backward on ``sequences`` sequences, for speed calibration (grads dropped)."""
-        probe = self.batches.probe(sequences, self.config.seed * 31 + 11 + self.rank)
-        inputs, targets = to_device(probe, self.device)
-        output = self.model(**inputs) if isinstance(inputs, dict) else self.model(inputs)
-        self.loss_fn(output, targets).backward()
-        self.model.zero_grad(set_to_none=True)
+        """One forward+backward on ``sequences`` sequences, for speed calibration (grads dropped).
+
+        With expert parallelism the model's pass waits for the other EP ranks at every all-to-all,
+        so each rank would time the slowest one; the rank then times a communication-free proxy
+        instead: an FFN of the model's shape (``d_model -> d_ff -> d_model``) over the tokens of
+        ``sequences`` sequences (relative speeds are what balancing needs)."""
+        if self.parallel.ep_size > 1:
+            self._timed_proxy(sequences)
+        else:
+            probe = self.batches.probe(sequences, self.config.seed * 31 + 11 + self.rank)
+            inputs, targets = to_device(probe, self.device)
+            output = self.model(**inputs) if isinstance(inputs, dict) else self.model(inputs)
+            self.loss_fn(output, targets).backward()
+            self.model.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the timer must see the work done
+
+    def _timed_proxy(self, sequences: int) -> None:
+        model = self.config.model
+        d_model, d_ff = model.d_model, model.moe.d_ff
+        if getattr(self, "_proxy_weights", None) is None:
+            generator = torch.Generator().manual_seed(0)
+            self._proxy_weights = [
+                (torch.randn(*shape, generator=generator) / shape[0] ** 0.5).to(self.device).requires_grad_()
+                for shape in ((d_model, d_ff), (d_ff, d_model))
+            ]
+        w1, w2 = self._proxy_weights
+        x = torch.randn(sequences * self.config.data.seq_len, d_model, device=self.device)
+        with torch.autocast(
+            self.device_type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
+        ):
+            y = F.gelu(x @ w1) @ w2
+        y.float().square().mean().backward()
+        w1.grad = w2.grad = None
 
     # ------------------------------------------------------------------------------------------
     def _extra_state(self) -> dict:
@@ -407,8 +436,19 @@ class Trainer:
             "grad_norm": grad_norm,
             "tokens_per_s": tokens / elapsed,
             **({} if self.scaler is None else {"loss_scale": loss_scale, "skipped": skipped}),
+            **self._data_metrics(),
             **self._expert_metrics(),
         }
+
+    def _data_metrics(self) -> dict:
+        """Bad records the data pipeline skipped so far on this rank (datasets that count them)."""
+        count = getattr(self.batches, "skipped_records", None)
+        return {} if count is None else {"skipped_records": count}
+
+    def _report_skipped_records(self, when: str) -> None:
+        summary = getattr(self.batches, "skip_summary", None)
+        if self.is_main and summary is not None and self.batches.skipped_records:
+            print(f"data ({when}, rank 0): {summary()}", flush=True)
 
     def _skip_overflowed_step(self) -> None:
         """An inf / NaN gradient somewhere (the all-reduced norm says so on every rank): drop the
@@ -429,6 +469,7 @@ class Trainer:
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.json").write_text(json.dumps(asdict(config), indent=2, default=str))
+        self._report_skipped_records("start")
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         writer = _MetricsWriter(self.out_dir, self.step) if self.is_main else None
         bar = ProgressBar(config.steps, "train", log_every=config.log_every, initial=self.step)
@@ -464,6 +505,7 @@ class Trainer:
                 bar.close()
             if writer is not None:
                 writer.close()
+        self._report_skipped_records("end")
         return history
 
     def _agree(self, flag: bool) -> bool:

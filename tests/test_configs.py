@@ -28,6 +28,7 @@ def test_shipped_config_is_valid(path):
         ("model.tasks.skip_bad_records=maybe", "model.tasks.skip_bad_records must be True or False"),
         ("model.moe.top_k=9", "model.moe.top_k must satisfy"),
         ("balance.memory_limits=[4, 0]", "balance.memory_limits[1] must be an integer >= 1, got 0"),
+        ("model.moe_every=5", "model.moe_every = 5 exceeds num_layers = 4"),
     ],
 )
 def test_errors_name_the_full_key_once(override, message):

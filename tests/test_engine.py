@@ -38,6 +38,7 @@ def tiny(out_dir, **overrides) -> dict:
         "out_dir": str(out_dir),
         "threads": 1,
         "log_every": 1,
+        "device": "cpu",  # the gloo tests keep to the CPU on a GPU machine too
     }
     for key, value in overrides.items():
         node = config
@@ -266,6 +267,16 @@ def test_balanced_batches_follow_rank_speeds(tmp_path):
         config_from_dict(TrainConfig, tiny(tmp_path, **{"balance.speeds": [1.0], "balance.calibrate": True}))
 
 
+def test_device_choice():
+    from moetrain.engine import resolve_device
+
+    assert resolve_device("cpu", 0, 1) == torch.device("cpu")
+    if torch.cuda.device_count() < 2:
+        assert resolve_device("auto", 0, 2) == torch.device("cpu")  # no GPU for every local rank
+        with pytest.raises(ValueError, match="device = 'cuda' needs one GPU per rank: 2 ranks"):
+            resolve_device("cuda", 1, 2)
+
+
 def test_progress_bar_logs_every_n_steps_and_times_only_this_run(monkeypatch):
     import io
 
@@ -281,3 +292,29 @@ def test_progress_bar_logs_every_n_steps_and_times_only_this_run(monkeypatch):
     lines = stream.getvalue().splitlines()
     assert len(lines) == 1 and "95/100" in lines[0]
     assert lines[0].endswith("eta   10s")  # 5 steps in 10 s since the resume, 5 to go
+
+
+def test_skipped_bad_records_are_reported_and_logged(tmp_path, capsys):
+    from models.m6_moe import ensure_synthetic_dataset
+
+    data = ensure_synthetic_dataset(tmp_path / "data", num_train=16, num_heldout=2, size=32, progress=False)
+    manifest = data / "train.jsonl"
+    with open(manifest, "a") as f:
+        f.write("{not json\n")
+    config = build_train_config(
+        str(ROOT / "models/m6_moe/tiny.yaml"),
+        [
+            f"out_dir={tmp_path / 'run'}",
+            f"data.source={manifest}",
+            "model.tasks.skip_bad_records=true",
+            "steps=2",
+            "data.micro_batch_size=2",
+            "threads=1",
+            "device=cpu",
+        ],
+    )
+    history = Trainer(config).train()
+    assert [m["skipped_records"] for m in history] == [1, 1]
+    out = capsys.readouterr().out
+    assert "data (start, rank 0): 1 bad record skipped:" in out and "invalid JSON" in out
+    assert "data (end, rank 0): 1 bad record skipped:" in out

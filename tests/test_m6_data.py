@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -69,6 +70,46 @@ def test_byte_tokenizer_special_ids():
         load_tokenizer("words")
 
 
+def write_word_level_tokenizer(path: Path, words: list[str], num_sentinels: int = 16) -> Path:
+    """A tiny ``tokenizers`` JSON file written by hand: a word-level model split on whitespace,
+    ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<extra_id_i>`` 3 + i, then ``[UNK]`` and ``words``."""
+    specials = ["<pad>", "<bos>", "<eos>", *(f"<extra_id_{i}>" for i in range(num_sentinels))]
+    vocab = {token: i for i, token in enumerate([*specials, "[UNK]", *words])}
+    added = [
+        {"id": vocab[t], "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True}
+        for t in specials
+    ]  # fmt: skip
+    spec = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None, "decoder": None,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"},
+    }  # fmt: skip
+    path.write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+    return path
+
+
+def test_json_tokenizer_round_trips_a_tiny_vocabulary(tmp_path):
+    pytest.importorskip("tokenizers", reason="the optional 'tokenizers' package is not installed")
+    words = ["a", "red", "circle", "on", "the", "left", "左边", "有", "一个", "红色的", "圆形"]
+    path = write_word_level_tokenizer(tmp_path / "tiny.json", words)
+    tok = load_tokenizer(str(path))
+    assert isinstance(tok, JSONTokenizer)
+    assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
+    assert tok.sentinel_ids == tuple(range(3, 19)) and tok.vocab_size == 19 + 1 + len(words)
+    for text in ("a red circle on the left", "左边 有 一个 红色的 圆形"):
+        ids = tok.encode(text)
+        assert ids == [20 + words.index(w) for w in text.split()]
+        assert tok.decode(ids) == text
+        assert tok.decode([tok.bos_id, *ids, tok.eos_id, tok.pad_id]) == text  # specials dropped
+    assert tok.decode([tok.sentinel_ids[0], *tok.encode("red")], skip_special=False) == "<extra_id_0> red"
+    assert tok.encode("a blue circle") == [20, 19, 22]  # unknown word -> [UNK]
+    with pytest.raises(ValueError, match="has no special token '<extra_id_16>'"):
+        JSONTokenizer(path, num_sentinels=17)
+    with pytest.raises(ValueError, match="tokenizer file .*nope.json does not exist"):
+        JSONTokenizer(tmp_path / "nope.json")
+
+
 def test_json_tokenizer_needs_the_tokenizers_package(tmp_path):
     try:
         import tokenizers  # noqa: F401
@@ -85,6 +126,14 @@ def test_synthetic_dataset_is_deterministic(synthetic, tmp_path):
     assert digest(again) == digest(synthetic)
     other = write_synthetic_dataset(tmp_path / "other", seed=4, num_train=24, num_heldout=6)
     assert digest(other) != digest(synthetic)
+
+
+def test_synthetic_dataset_shows_progress(tmp_path, capsys):
+    write_synthetic_dataset(tmp_path / "quiet", num_train=3, num_heldout=2, progress=False)
+    assert capsys.readouterr().err == ""
+    write_synthetic_dataset(tmp_path / "shown", num_train=3, num_heldout=2)
+    err = capsys.readouterr().err
+    assert "synthetic dataset [" in err and "3/5 | split train" in err and "5/5 | split heldout" in err
 
 
 def test_synthetic_captions_parse_and_match_the_image(synthetic):
@@ -162,15 +211,14 @@ def images_dir(tmp_path) -> Path:
 @pytest.mark.parametrize(
     "bad_line, message",
     [
-        ({"image": "missing.png", "text": "x"}, r"manifest\.jsonl:2: image .*missing\.png does not exist"),
         ({"image": "good.png"}, r"manifest\.jsonl:2: record has no text"),
         ({"image": "good.png", "text": "  "}, r"manifest\.jsonl:2: record has no text"),
         ('{"image": "good.png", "text": ', r"manifest\.jsonl:2: invalid JSON"),
         ('["good.png", "x"]', r"manifest\.jsonl:2: a record must be a JSON object"),
-        ({"image": "garbage.png", "text": "x"}, r"manifest\.jsonl:2: image .*garbage\.png cannot be read"),
+        ({"image": 3, "text": "x"}, r"manifest\.jsonl:2: 'image' must be a path string or null"),
     ],
 )
-def test_bad_records_stop_with_file_and_line(images_dir, bad_line, message):
+def test_bad_manifest_lines_stop_with_file_and_line(images_dir, bad_line, message):
     manifest = write_manifest(images_dir, [{"image": "good.png", "text": "fine"}, bad_line])
     with pytest.raises(ValueError, match=message) as error:
         ManifestDataset(manifest, image_size=8)
@@ -180,14 +228,102 @@ def test_bad_records_stop_with_file_and_line(images_dir, bad_line, message):
     assert "manifest.jsonl:2" in skipping.skip_reasons[0]
 
 
+@pytest.mark.parametrize(
+    "image, message",
+    [
+        ("missing.png", r"manifest\.jsonl:2: image .*missing\.png does not exist"),
+        ("garbage.png", r"manifest\.jsonl:2: image .*garbage\.png cannot be read"),
+        ("truncated.png", r"manifest\.jsonl:2: image .*truncated\.png cannot be decoded"),
+    ],
+)
+def test_bad_image_files_are_found_at_first_load(images_dir, image, message, monkeypatch):
+    manifest = write_manifest(
+        images_dir, [{"image": "good.png", "text": "fine"}, {"image": image, "text": "x"}]
+    )
+    opened = []
+    monkeypatch.setattr(Image, "open", lambda *args, **kwargs: opened.append(args))
+    dataset = ManifestDataset(manifest, image_size=8)  # construction opens no image file
+    skipping = ManifestDataset(manifest, image_size=8, skip_bad_records=True)
+    monkeypatch.undo()
+    assert opened == [] and len(dataset) == len(skipping) == 2
+    with pytest.raises(ValueError, match=message) as error:
+        dataset.load_image(1)
+    assert "\n" not in str(error.value)
+    assert skipping.load_image(1) is None and skipping.load_image(1) is None
+    assert skipping.skipped_records == 1 and skipping.is_bad(1) and not skipping.is_bad(0)
+    assert re.search(message, skipping.skip_reasons[0])
+
+
+def test_verify_images_checks_every_header_up_front_with_progress(images_dir, capsys):
+    lines = [
+        {"image": "good.png", "text": "fine"},
+        {"image": "missing.png", "text": "x"},
+        {"image": "garbage.png", "text": "y"},
+        {"image": "truncated.png", "text": "z"},
+        {"text": "only text"},
+    ]
+    manifest = write_manifest(images_dir, lines)
+    with pytest.raises(ValueError, match=r"manifest\.jsonl:2: image .*missing\.png does not exist"):
+        ManifestDataset(manifest, image_size=8).verify_images(progress=False)
+    assert capsys.readouterr().err == ""
+    dataset = ManifestDataset(manifest, image_size=8, skip_bad_records=True)
+    assert dataset.verify_images() == 2  # the truncated file's header is fine: its pixels fail later
+    assert sorted(dataset.undecodable) == [1, 2] and dataset.skipped_records == 2
+    err = capsys.readouterr().err
+    assert "checking images of manifest.jsonl" in err and "4/4" in err and "bad 2" in err
+    assert dataset.load_image(1) is None and dataset.skipped_records == 2  # counted once
+    assert dataset.load_image(3) is None and dataset.skipped_records == 3
+    assert dataset.verify_images(progress=False) == 0  # known-bad ones are not checked again
+
+
+def test_skip_summary_is_one_line_with_count_and_first_reasons(images_dir):
+    clean = ManifestDataset(write_manifest(images_dir, [{"image": "good.png", "text": "x"}]), image_size=8)
+    assert clean.skip_summary() == f"no bad records skipped ({clean.manifest})"
+    lines = [
+        {"image": "good.png", "text": "fine"},
+        '{"image": ',
+        {"image": "good.png"},
+        "[1, 2]",
+        {"image": "missing.png", "text": "x"},
+        {"image": 3, "text": "x"},
+    ]
+    dataset = ManifestDataset(write_manifest(images_dir, lines), image_size=8, skip_bad_records=True)
+    reasons = dataset.skip_reasons
+    assert dataset.skip_summary(max_reasons=1) == f"4 bad records skipped: {reasons[0]}; ... 3 more"
+    sampler = TaskSampler(dataset, TOKENIZER, M6TaskConfig(denoise_weight=0, image_text_weight=0), seq_len=16)
+    batches = M6Batches(sampler, 1, seed=0, rank=0, num_patches=4)
+    assert dataset.load_image(1) is None  # the missing image: found at load time, counted
+    summary = batches.skip_summary()
+    assert summary == dataset.skip_summary() and batches.skipped_records == 5
+    assert summary.startswith("5 bad records skipped: ") and summary.endswith("; ... 2 more")
+    assert all(reason in summary for reason in reasons[:3]) and reasons[3] not in summary
+    assert "manifest.jsonl:2: invalid JSON" in summary and "\n" not in summary
+    assert dataset.skip_summary(max_reasons=5).endswith("missing.png does not exist")
+    one = ManifestDataset(write_manifest(images_dir, lines[:2]), image_size=8, skip_bad_records=True)
+    assert one.skip_summary().startswith("1 bad record skipped: ")
+
+
 def test_empty_manifest_and_all_bad_records_raise(images_dir):
     with pytest.raises(ValueError, match="manifest .*manifest.jsonl holds no usable records"):
         ManifestDataset(write_manifest(images_dir, [""]), image_size=8)
-    manifest = write_manifest(images_dir, [{"image": "missing.png", "text": "x"}])
+    manifest = write_manifest(images_dir, [{"image": "good.png"}])
     with pytest.raises(ValueError, match=r"holds no usable records \(1 bad records skipped\)"):
         ManifestDataset(manifest, image_size=8, skip_bad_records=True)
     with pytest.raises(ValueError, match="cannot be read"):
         ManifestDataset(images_dir / "nope.jsonl", image_size=8)
+
+
+def test_all_images_bad_stops_the_image_tasks_but_not_denoise(images_dir):
+    lines = [{"image": "missing.png", "text": "x y z"}, {"image": "garbage.png", "text": "abc"}]
+    dataset = ManifestDataset(write_manifest(images_dir, lines), image_size=8, skip_bad_records=True)
+    sampler = TaskSampler(dataset, TOKENIZER, M6TaskConfig(), seq_len=16)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="task 'caption': every image record of .* was skipped as bad"):
+        sampler.sample(g, "caption")
+    assert dataset.skipped_records == 2 and sampler.pools["caption"] == sampler.pools["image_text"] == []
+    with pytest.raises(ValueError, match="task 'image_text': every image record"):
+        sampler.sample(g, "image_text")
+    assert sampler.sample(g, "denoise").image is None  # the texts stay usable
 
 
 def test_images_are_rgb_resized_and_decoding_errors_follow_the_skip_rule(images_dir):

@@ -16,8 +16,18 @@ from models.m6_moe.config import (
     M6Config,
     M6TaskConfig,
 )
-from models.m6_moe.generate import beam_search, build_context, generate, greedy_search, sample
+from models.m6_moe.evaluate import evaluate_captioning
+from models.m6_moe.generate import (
+    beam_search,
+    build_context,
+    filter_logits,
+    generate,
+    greedy_search,
+    sample,
+    sampling_probs,
+)
 from models.m6_moe.model import M6Model, count_active_parameters, count_parameters, prefix_lm_mask
+from models.m6_moe.synthetic import write_synthetic_dataset
 from models.m6_moe.tasks import m6_loss
 from models.m6_moe.tokenizer import ByteTokenizer
 from moetrain.config import DataConfig, TrainConfig, config_from_dict
@@ -340,14 +350,134 @@ def test_beam_search_finds_the_likelier_sequence_and_stops_at_eos():
     assert greedy_search(model, TOKENIZER, context, max_new_tokens=1) == [[a]]
 
 
+def kept(logits_BV: torch.Tensor) -> list[list[int]]:
+    """The token ids that survived :func:`filter_logits`, per row."""
+    return [torch.isfinite(row).nonzero().flatten().tolist() for row in logits_BV]
+
+
+def test_top_k_keeps_the_k_largest_logits_per_row():
+    rows = [[1.0, 3.0, 0.5, 2.0, -1.0, 2.5], [0.0, -2.0, 4.0, 1.0, 3.0, 2.0]]
+    logits = torch.tensor(rows)
+    filtered = filter_logits(logits, top_k=3)
+    assert kept(filtered) == [[1, 3, 5], [2, 4, 5]]
+    survivors = torch.isfinite(filtered)
+    assert torch.equal(filtered[survivors], logits[survivors])  # survivors keep their logits
+    assert logits.tolist() == rows  # the input is not changed
+    assert kept(filter_logits(logits, top_k=1)) == [[1], [2]]
+    everything = [list(range(6))] * 2
+    assert kept(filter_logits(logits, top_k=0)) == kept(filter_logits(logits, top_k=6)) == everything
+    # ties with the k-th largest logit survive too
+    assert kept(filter_logits(torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.0, 3.0]]), top_k=2)) == [[1, 2, 3, 5]]
+
+
+# token 1: 0.5, token 3: 0.3, token 0: 0.15, token 2: 0.05 (shuffled, so the sort is exercised)
+NUCLEUS_PROBS = [0.15, 0.5, 0.05, 0.3]
+
+
+@pytest.mark.parametrize(
+    "top_p, survivors",
+    [
+        (0.3, [1]),
+        (0.5, [1]),  # 0.5 alone reaches 0.5
+        (0.51, [1, 3]),
+        (0.7, [1, 3]),  # token 3 crosses the threshold (0.5 + 0.3 = 0.8) and survives
+        (0.8, [1, 3]),  # exactly reached by 0.5 + 0.3: the next token is not needed
+        (0.81, [0, 1, 3]),
+        (0.95, [0, 1, 3]),
+        (0.96, [0, 1, 2, 3]),
+        (1.0, [0, 1, 2, 3]),
+    ],
+)
+def test_top_p_keeps_the_smallest_set_that_reaches_top_p(top_p, survivors):
+    logits = torch.tensor([NUCLEUS_PROBS]).log() + 3.0  # only the softmax matters
+    filtered = filter_logits(logits, top_p=top_p)
+    assert kept(filtered) == [survivors]
+    assert torch.equal(filtered[torch.isfinite(filtered)], logits[0, survivors])
+    renormalised = torch.tensor(NUCLEUS_PROBS)[survivors]
+    torch.testing.assert_close(
+        sampling_probs(logits, top_p=top_p)[0, survivors], renormalised / renormalised.sum()
+    )
+
+
+def test_top_p_works_row_by_row():
+    logits = torch.tensor([NUCLEUS_PROBS, [0.25] * 4, [0.97, 0.01, 0.01, 0.01]]).log()
+    # uniform: 0.25 + 0.25 + 0.25 is the first sum >= 0.7 (ties keep sort order: three survive)
+    survivors = kept(filter_logits(logits, top_p=0.7))
+    assert survivors[0] == [1, 3] and len(survivors[1]) == 3 and survivors[2] == [0]
+
+
+def test_temperature_scales_logits_before_top_p():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    close = {"rtol": 0, "atol": 2e-6}
+    torch.testing.assert_close(sampling_probs(logits)[0], torch.tensor([0.5, 0.3, 0.15, 0.05]), **close)
+    # T = 0.5 squares the probabilities: 0.25 / 0.09 / 0.0225 / 0.0025, over 0.365
+    sharp = torch.tensor([0.684932, 0.246575, 0.061644, 0.006849])
+    torch.testing.assert_close(sampling_probs(logits, temperature=0.5)[0], sharp, **close)
+    # T = 2 takes square roots: 0.707107 / 0.547723 / 0.387298 / 0.223607, over 1.865735
+    flat = torch.tensor([0.378996, 0.293569, 0.207585, 0.119849])
+    torch.testing.assert_close(sampling_probs(logits, temperature=2.0)[0], flat, **close)
+    # top_p 0.7: T = 1 keeps 0.5 + 0.3; T = 2 needs a third token (0.379 + 0.294 = 0.673 < 0.7)
+    two = torch.tensor([0.625, 0.375, 0.0, 0.0])
+    torch.testing.assert_close(sampling_probs(logits, top_p=0.7)[0], two, **close)
+    three = torch.tensor([0.430604, 0.333544, 0.235852, 0.0])  # flat[:3] / 0.880151
+    torch.testing.assert_close(sampling_probs(logits, top_p=0.7, temperature=2.0)[0], three, **close)
+    # top_p 0.6: T = 1 keeps two tokens (0.5 < 0.6), T = 0.5 only the first (0.685 >= 0.6)
+    assert kept(filter_logits(logits, top_p=0.6)) == [[0, 1]]
+    assert sampling_probs(logits, top_p=0.6, temperature=0.5)[0].tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_top_k_then_top_p_on_the_renormalised_top_k():
+    logits = torch.tensor([[0.3, 0.25, 0.2, 0.1, 0.1, 0.05]]).log()
+    # alone, each keeps three tokens: top-3; top_p 0.7 (0.3 + 0.25 = 0.55 < 0.7, + 0.2 = 0.75)
+    assert kept(filter_logits(logits, top_k=3)) == kept(filter_logits(logits, top_p=0.7)) == [[0, 1, 2]]
+    # together: top-3 renormalised is 0.4 / 0.333 / 0.267, and 0.4 + 0.333 >= 0.7 keeps two
+    assert kept(filter_logits(logits, top_k=3, top_p=0.7)) == [[0, 1]]
+    expected = torch.tensor([0.3, 0.25, 0, 0, 0, 0]) / 0.55
+    torch.testing.assert_close(sampling_probs(logits, top_k=3, top_p=0.7)[0], expected)
+    assert kept(filter_logits(logits, top_k=2, top_p=0.99)) == [[0, 1]]  # top-k binds
+    # top_p 0.72: T = 1 keeps two (0.4 + 0.333 = 0.733); T = 2 flattens the top-3 to
+    # 0.366 / 0.335 / 0.299 (square roots) and needs the third (0.366 + 0.335 = 0.701 < 0.72)
+    assert (sampling_probs(logits, top_k=3, top_p=0.72)[0] > 0).tolist() == [True] * 2 + [False] * 4
+    flattened = sampling_probs(logits, top_k=3, top_p=0.72, temperature=2.0)[0]
+    torch.testing.assert_close(flattened, torch.tensor([0.366385, 0.334462, 0.299152, 0, 0, 0]))
+
+
+def test_sample_draws_only_surviving_tokens_with_their_probabilities():
+    a, b, c, d = 65, 66, 67, 68
+    model = ScriptedModel({(): {a: 0.5, b: 0.3, c: 0.15, d: 0.05}})
+    context = build_context(model, TOKENIZER, prefixes=[""] * 400)
+    g = torch.Generator().manual_seed(0)
+    drawn = [t[0] for t in sample(model, TOKENIZER, context, max_new_tokens=1, top_p=0.7, generator=g)]
+    assert set(drawn) == {a, b}
+    assert abs(drawn.count(a) / 400 - 0.625) < 0.08  # 0.5 / (0.5 + 0.3); 3.3 standard deviations
+    drawn = [t[0] for t in sample(model, TOKENIZER, context, max_new_tokens=1, top_k=3, generator=g)]
+    assert set(drawn) == {a, b, c}
+
+
 def test_generation_validates_options(model):
     context = build_context(model, TOKENIZER, prefixes=["x"])
     with pytest.raises(ValueError, match="top_p must be a number in"):
         sample(model, TOKENIZER, context, max_new_tokens=2, top_p=0.0)
+    with pytest.raises(ValueError, match="top_k must be an integer >= 0"):
+        sample(model, TOKENIZER, context, max_new_tokens=2, top_k=-1)
+    with pytest.raises(ValueError, match="temperature must be a number > 0"):
+        sample(model, TOKENIZER, context, max_new_tokens=2, temperature=0)
+    with pytest.raises(ValueError, match="top_p must be a number in"):
+        filter_logits(torch.zeros(1, 4), top_p=True)
     with pytest.raises(ValueError, match="exceeds the model's max_text_len = 48"):
         greedy_search(model, TOKENIZER, context, max_new_tokens=100)
     with pytest.raises(ValueError, match="strategy must be one of"):
         generate(model, TOKENIZER, prefixes=["x"], strategy="nucleus")
+
+
+def test_evaluate_captioning_scores_and_shows_progress(model, tmp_path, capsys):
+    data_dir = write_synthetic_dataset(tmp_path / "data", seed=2, num_train=4, num_heldout=5, progress=False)
+    scores = evaluate_captioning(model, TOKENIZER, data_dir, batch_size=2, max_new_tokens=4)
+    assert scores["images"] == 5 and 0 <= scores["accuracy"] <= 1 and len(scores["examples"]) == 5
+    err = capsys.readouterr().err
+    assert "held-out captioning [" in err and "3/3 | images 5 | accuracy" in err
+    evaluate_captioning(model, TOKENIZER, data_dir, max_new_tokens=2, limit=2, progress=False)
+    assert capsys.readouterr().err == ""
 
 
 def test_example_yaml_is_the_tiny_preset():

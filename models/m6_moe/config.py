@@ -185,6 +185,11 @@ class M6Config:
         if self.moe.d_model != self.d_model:
             raise ValueError(f"moe.d_model must equal d_model = {self.d_model}, got {self.moe.d_model}")
         require_int("moe_every", self.moe_every, 0)
+        if self.moe_every > self.num_layers:
+            raise ValueError(
+                f"moe_every = {self.moe_every} exceeds num_layers = {self.num_layers}: no layer would get "
+                f"the MoE FFN; use 0 for a dense model or a value in 1..{self.num_layers}"
+            )
         _require_fraction("dropout", self.dropout)
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"tie_embeddings must be True or False, got {self.tie_embeddings!r}")

@@ -4,12 +4,15 @@ Manifest: one JSON object per line, ``{"image": path, "text": str}``; ``image`` 
 the manifest's directory (or absolute) and may be left out (or null) for a text-only record, which
 only the text-to-text task uses. Other keys are ignored; blank lines are skipped.
 
-Bad data is found as early as possible. At construction every line is checked: valid JSON, an
-object, a non-empty ``text`` string, and an image file that exists and whose header Pillow can
-identify. Decoding the pixels happens at load time (:meth:`ManifestDataset.load_image`). Either
-way a bad record raises a one-line ``ValueError`` naming the manifest and its line, or, with
-``skip_bad_records=True``, is skipped and counted in ``skipped_records`` (with the reasons in
-``skip_reasons`` for the logs). A manifest without any usable record always raises.
+Construction reads the manifest only, no image: every line must be valid JSON, an object, with a
+non-empty ``text`` string and an ``image`` that is a path string or null. Image files are checked
+when a record is first loaded (:meth:`ManifestDataset.load_image`: the file exists, Pillow
+identifies its header and decodes its pixels), so startup costs no per-image I/O on any rank;
+:meth:`ManifestDataset.verify_images` checks every image up front (once, with a progress bar) for
+those who want bad files found before a long run. Either way a bad record raises a one-line
+``ValueError`` naming the manifest and its line, or, with ``skip_bad_records=True``, is skipped
+and counted in ``skipped_records`` (the reasons in ``skip_reasons``; :meth:`skip_summary` is the
+one-line report for the logs). A manifest without any usable record always raises.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from pathlib import Path
 
 import torch
 from PIL import Image
+
+from moetrain.progress import ProgressBar
 
 
 @dataclass(frozen=True)
@@ -48,8 +53,9 @@ def normalize_pixels(pixels_CHW: torch.Tensor) -> torch.Tensor:
 
 
 class ManifestDataset:
-    """The records of one manifest. ``image_size`` / ``image_channels``: what :meth:`load_image`
-    returns. ``cache_images``: keep decoded ``uint8`` images in memory (small datasets)."""
+    """The records of one manifest (read at construction; image files are checked lazily, see
+    the module docstring). ``image_size`` / ``image_channels``: what :meth:`load_image` returns.
+    ``cache_images``: keep decoded ``uint8`` images in memory (small datasets)."""
 
     def __init__(
         self,
@@ -71,7 +77,8 @@ class ManifestDataset:
 
     @property
     def skipped_records(self) -> int:
-        """Records skipped so far: at construction and by :meth:`load_image`."""
+        """Records skipped so far: at construction (manifest lines) and by :meth:`load_image` /
+        :meth:`verify_images` (image files)."""
         return len(self.skip_reasons)
 
     def __len__(self) -> int:
@@ -116,24 +123,22 @@ class ManifestDataset:
         if not isinstance(image, str) or not image:
             return self._reject(number, f"'image' must be a path string or null, got {image!r}")
         path = Path(image) if Path(image).is_absolute() else self.manifest.parent / image
-        if not path.is_file():
-            return self._reject(number, f"image {path} does not exist")
-        try:
-            with Image.open(path) as opened:  # reads the header only
-                opened.size  # noqa: B018 - identifying the format is the check
-        except Exception as error:  # Pillow raises many types for bad files
-            return self._reject(number, f"image {path} cannot be read ({_one_line(error)})")
         return Record(text, path, number)
 
     @property
     def undecodable(self) -> frozenset[int]:
-        """Indices of the records whose image :meth:`load_image` skipped (skip mode)."""
+        """Indices of the records whose image :meth:`load_image` or :meth:`verify_images` found
+        bad (skip mode)."""
         return frozenset(self._bad)
 
+    def is_bad(self, index: int) -> bool:
+        """Whether record ``index``'s image was found bad (skip mode); O(1)."""
+        return index in self._bad
+
     def load_image(self, index: int) -> torch.Tensor | None:
-        """Record ``index``'s image as ``uint8 [C, image_size, image_size]``. A decoding error
-        raises ``ValueError`` naming the manifest line, or (``skip_bad_records``) marks the
-        record unusable, counts it and returns None."""
+        """Record ``index``'s image as ``uint8 [C, image_size, image_size]``. A missing,
+        unidentifiable or undecodable file raises ``ValueError`` naming the manifest line, or
+        (``skip_bad_records``) marks the record unusable, counts it once and returns None."""
         record = self.records[index]
         if record.image is None:
             raise ValueError(f"{self.manifest}:{record.line}: record has no image")
@@ -142,13 +147,80 @@ class ManifestDataset:
         cached = self._cache.get(index)
         if cached is not None:
             return cached
-        try:
-            with Image.open(record.image) as opened:
-                pixels = image_to_tensor(opened, self.image_size, self.image_channels)
-        except Exception as error:  # Pillow raises many types for truncated / corrupt data
-            self._bad.add(index)
-            self._reject(record.line, f"image {record.image} cannot be decoded ({_one_line(error)})")
+        pixels, reason = _decode(record.image, self.image_size, self.image_channels)
+        if pixels is None:
+            self._mark_bad(index, reason)
             return None
         if self.cache_images:
             self._cache[index] = pixels
         return pixels
+
+    def _mark_bad(self, index: int, reason: str) -> None:
+        self._bad.add(index)
+        self._reject(self.records[index].line, reason)
+
+    def verify_images(self, progress: bool = True) -> int:
+        """Checks every image file now (exists, header identifiable; pixels are not decoded) instead
+        of at first load, with a :class:`~moetrain.progress.ProgressBar` on stderr (``progress``).
+        A bad one raises, or (skip mode) is marked and counted as :meth:`load_image` would.
+        Returns the number of bad images found. Costs one file open per image record: run it
+        once, in one process, to vet a manifest before a long run, not on every rank (what it
+        finds stays in this process; training ranks still find a bad file when they draw it)."""
+        indices = [i for i, r in enumerate(self.records) if r.image is not None and i not in self._bad]
+        bar = None
+        if progress:
+            description = f"checking images of {self.manifest.name}"
+            bar = ProgressBar(len(indices), description, log_every=max(1, len(indices) // 10))
+        bad = 0
+        for done, index in enumerate(indices, start=1):
+            reason = _check_header(self.records[index].image)
+            if reason is not None:
+                bad += 1
+                self._mark_bad(index, reason)
+            if bar is not None:
+                bar.update(done, bad=bad)
+        if bar is not None:
+            bar.close()
+        return bad
+
+    def skip_summary(self, max_reasons: int = 3) -> str:
+        """One line for the logs: the number of records skipped so far and the first
+        ``max_reasons`` reasons (each names the manifest and line), e.g. ``"5 bad records skipped:
+        d/m.jsonl:3: image d/a.png does not exist; d/m.jsonl:9: record has no text ...; ... 3
+        more"``, or ``"no bad records skipped (d/m.jsonl)"``."""
+        count = self.skipped_records
+        if count == 0:
+            return f"no bad records skipped ({self.manifest})"
+        shown = "; ".join(self.skip_reasons[:max_reasons])
+        more = f"; ... {count - max_reasons} more" if count > max_reasons else ""
+        return f"{count} bad record{'s' if count != 1 else ''} skipped: {shown}{more}"
+
+
+def _check_header(path: Path) -> str | None:
+    """None when ``path`` exists and Pillow identifies its header (only the header is read), else
+    the one-line reason."""
+    if not path.is_file():
+        return f"image {path} does not exist"
+    try:
+        with Image.open(path) as opened:
+            opened.size  # noqa: B018 - identifying the format is the check
+    except Exception as error:  # Pillow raises many types for bad files
+        return f"image {path} cannot be read ({_one_line(error)})"
+    return None
+
+
+def _decode(path: Path, size: int, channels: int) -> tuple[torch.Tensor | None, str]:
+    """``(uint8 [channels, size, size], "")`` or ``(None, one-line reason)``: a missing file, an
+    unidentifiable header ("cannot be read") or truncated / corrupt pixel data ("cannot be
+    decoded")."""
+    try:
+        opened = Image.open(path)
+    except FileNotFoundError:
+        return None, f"image {path} does not exist"
+    except Exception as error:  # Pillow raises many types for bad files
+        return None, f"image {path} cannot be read ({_one_line(error)})"
+    try:
+        with opened:
+            return image_to_tensor(opened, size, channels), ""
+    except Exception as error:  # Pillow raises many types for truncated / corrupt data
+        return None, f"image {path} cannot be decoded ({_one_line(error)})"

@@ -19,6 +19,7 @@ from models.m6_moe.synthetic import (
     captions_by_image,
     most_frequent_caption_accuracy,
 )
+from moetrain.progress import ProgressBar
 
 
 def evaluate_captioning(
@@ -29,11 +30,14 @@ def evaluate_captioning(
     max_new_tokens: int = 48,
     limit: int | None = None,
     num_examples: int = 5,
+    progress: bool = True,
 ) -> dict:
     """Scores over the held-out split of the synthetic dataset in ``data_dir`` (its first ``limit``
     images when given): ``accuracy``, ``baseline_accuracy``, ``attribute_accuracy`` (per colour,
     shape, position), ``images`` and ``examples`` (the first ``num_examples``
-    ``(prediction, references)`` pairs)."""
+    ``(prediction, references)`` pairs). ``progress``: a :class:`~moetrain.progress.ProgressBar`
+    over the batches on stderr with the accuracy so far (one greedy generation of up to
+    ``max_new_tokens`` full forwards per batch)."""
     data_dir = Path(data_dir)
     cfg = model.config
     heldout = captions_by_image(data_dir / "heldout.jsonl")
@@ -43,13 +47,22 @@ def evaluate_captioning(
     for index, record in enumerate(dataset.records):
         first_index.setdefault(str(record.image.relative_to(data_dir)), index)
     names = list(heldout)[:limit]
+    references = [heldout[name] for name in names]
+    starts = range(0, len(names), batch_size)
+    bar = None
+    if progress:
+        bar = ProgressBar(len(starts), "held-out captioning", log_every=max(1, len(starts) // 10))
     predictions = []
-    for start in range(0, len(names), batch_size):
+    for step, start in enumerate(starts, start=1):
         chunk = names[start : start + batch_size]
         images = torch.stack([dataset.load_image(first_index[name]) for name in chunk])
         context = build_context(model, tokenizer, images=images)
         predictions += [tokenizer.decode(t) for t in greedy_search(model, tokenizer, context, max_new_tokens)]
-    references = [heldout[name] for name in names]
+        if bar is not None:
+            so_far = caption_accuracy(predictions, references[: len(predictions)])
+            bar.update(step, images=len(predictions), accuracy=so_far)
+    if bar is not None:
+        bar.close()
     train_captions = [c for captions in train.values() for c in captions]
     return {
         "accuracy": caption_accuracy(predictions, references),

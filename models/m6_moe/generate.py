@@ -82,26 +82,53 @@ def _last_logits(model, context: dict, generated_BT: torch.Tensor, bos_id: int) 
     return logits_BTV[:, -1].float()
 
 
-def filter_logits(logits_BV: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Sets to -inf every logit outside the ``top_k`` largest (0: no limit) and outside the
-    smallest set of most likely tokens whose probability sums to >= ``top_p`` (nucleus; 1: no
-    limit). The most likely token always survives."""
+# Top-p: a prefix of the sorted distribution whose mass is within this of ``top_p`` counts as
+# reaching it, so that an exact boundary (0.5 + 0.3 at top_p 0.8) is not decided by the rounding of
+# softmax and cumsum (done in fp64, errors ~1e-12 at a 21k vocabulary).
+TOP_P_TOLERANCE = 1e-6
+
+
+def _check_sampling_options(top_k: int = 0, top_p: float = 1.0, temperature: float = 1.0) -> None:
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise ValueError(f"top_k must be an integer >= 0, got {top_k!r}")
-    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+    if isinstance(top_p, bool) or not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+
+
+def filter_logits(logits_BV: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """A copy of ``logits_BV`` with -inf for every token filtered out, row by row; survivors keep
+    their logits. First top-k: the ``top_k`` largest logits survive (0: no limit; ties with the
+    k-th largest survive too). Then top-p (nucleus) on the softmax of what top-k left: sorted by
+    probability, a token survives when the mass of the tokens before it is < ``top_p``, i.e. the
+    smallest set of most likely tokens whose probability sums to >= ``top_p`` survives, the token
+    that crosses ``top_p`` included (1: no limit; :data:`TOP_P_TOLERANCE`). The most likely token
+    always survives. Example, probabilities 0.5 / 0.3 / 0.15 / 0.05: top_p 0.5 keeps 1 token, 0.7
+    and 0.8 keep 2, 0.9 keeps 3."""
+    _check_sampling_options(top_k, top_p)
     logits_BV = logits_BV.clone()
     if 0 < top_k < logits_BV.shape[-1]:
         kth_B1 = logits_BV.topk(top_k, dim=-1).values[:, -1:]
         logits_BV[logits_BV < kth_B1] = float("-inf")
     if top_p < 1:
         sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True)
-        probs_BV = sorted_BV.softmax(dim=-1)
+        probs_BV = sorted_BV.double().softmax(dim=-1)
         mass_before_BV = probs_BV.cumsum(dim=-1) - probs_BV
-        drop_BV = mass_before_BV >= top_p
+        drop_BV = mass_before_BV >= top_p - TOP_P_TOLERANCE
         drop_BV[:, 0] = False
         logits_BV[drop_BV.scatter(1, order_BV, drop_BV)] = float("-inf")
     return logits_BV
+
+
+def sampling_probs(
+    logits_BV: torch.Tensor, top_k: int = 0, top_p: float = 1.0, temperature: float = 1.0
+) -> torch.Tensor:
+    """The distribution :func:`sample` draws from, ``[B, V]`` fp32 rows summing to 1:
+    ``softmax(filter_logits(logits / temperature, top_k, top_p))``. The temperature comes first,
+    so it also changes which tokens top-p keeps (< 1 sharpens: fewer; > 1 flattens: more)."""
+    _check_sampling_options(top_k, top_p, temperature)
+    return filter_logits(logits_BV.float() / temperature, top_k, top_p).softmax(dim=-1)
 
 
 def _decode(model, tokenizer, context: dict, max_new_tokens: int, choose) -> list[list[int]]:
@@ -140,13 +167,12 @@ def sample(
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> list[list[int]]:
-    """Samples from ``softmax(filter_logits(logits / temperature, top_k, top_p))``; ``top_k=1``
-    is greedy search."""
-    if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+    """Samples each token from :func:`sampling_probs` (``top_k``, ``top_p``, ``temperature``);
+    ``top_k=1`` is greedy search."""
+    _check_sampling_options(top_k, top_p, temperature)  # before the first forward
 
     def choose(logits_BV):
-        probs_BV = filter_logits(logits_BV / temperature, top_k, top_p).softmax(dim=-1)
+        probs_BV = sampling_probs(logits_BV, top_k, top_p, temperature)
         return torch.multinomial(probs_BV, 1, generator=generator).squeeze(1)
 
     with _inference(model):

@@ -93,7 +93,8 @@ class TaskSampler:
 
     ``seq_len``: the longest prefix, and the longest target counting bos / eos. Records that a
     task can use are fixed at construction; a task with weight > 0 and no usable record raises
-    ``ValueError``. Records whose image fails to decode in skip mode are dropped from the pools."""
+    ``ValueError``. Records whose image file turns out bad at load time (skip mode: missing,
+    unreadable or undecodable) are dropped from the pools."""
 
     def __init__(self, dataset: ManifestDataset, tokenizer, tasks: M6TaskConfig, seq_len: int):
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
@@ -117,7 +118,6 @@ class TaskSampler:
         self.task_names = [t for t in TASKS if weights[t] > 0]
         self.task_probs = torch.tensor([weights[t] for t in self.task_names], dtype=torch.float64)
         self.truncated_samples = 0
-        self._undecodable_seen = 0
 
     def _tokens(self, index: int) -> list[int]:
         tokens = self.tokens[index]
@@ -127,17 +127,19 @@ class TaskSampler:
         return tokens
 
     def _draw_index(self, task: str, generator: torch.Generator) -> int:
-        undecodable = self.dataset.undecodable
-        if len(undecodable) != self._undecodable_seen:  # drop newly skipped records from the pools
-            self._undecodable_seen = len(undecodable)
+        """A uniform draw from ``task``'s pool; for the image tasks never a record whose image is
+        known bad. Drawing one prunes every such record from the image pools (O(records)), so they
+        are rebuilt only when a stale entry is met, not at every newly found bad image. ``denoise``
+        uses only the text and keeps every record."""
+        while self.pools[task]:
+            pool = self.pools[task]
+            index = pool[int(torch.randint(len(pool), (), generator=generator))]
+            if task == "denoise" or not self.dataset.is_bad(index):
+                return index
+            bad = self.dataset.undecodable
             for name in ("caption", "image_text"):
-                self.pools[name] = [i for i in self.pools[name] if i not in undecodable]
-        pool = self.pools[task]
-        if not pool:
-            raise ValueError(
-                f"task {task!r}: every image record of {self.dataset.manifest} was skipped as bad"
-            )
-        return pool[int(torch.randint(len(pool), (), generator=generator))]
+                self.pools[name] = [i for i in self.pools[name] if i not in bad]
+        raise ValueError(f"task {task!r}: every image record of {self.dataset.manifest} was skipped as bad")
 
     def sample(self, generator: torch.Generator, task: str | None = None) -> Sample:
         """One sample of ``task`` (None: drawn from the mixture)."""
@@ -262,6 +264,12 @@ class M6Batches:
     def skipped_records(self) -> int:
         """Bad records skipped by the dataset (construction and load time), for the logs."""
         return self.sampler.dataset.skipped_records
+
+    def skip_summary(self, max_reasons: int = 3) -> str:
+        """One line for the logs: the count of skipped bad records and the first ``max_reasons``
+        reasons (:meth:`ManifestDataset.skip_summary`). The count grows during the run as images
+        are first loaded, so it is worth reporting at the end as well as at the start."""
+        return self.sampler.dataset.skip_summary(max_reasons)
 
     def state_dict(self) -> dict:
         return {
