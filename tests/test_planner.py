@@ -293,6 +293,22 @@ def test_cli_m6_1t_on_480_v100(capsys):
     assert "does not fit: GPU memory" in capsys.readouterr().out
 
 
+def test_cli_mixed_cluster_reports_the_balanced_speedup(capsys):
+    argv = ["plan", "--model", "m6-base", "--cluster", "v100-32gb", "--nodes", "4", "--precision", "fp16"]
+    assert _run([*argv, "--mixed", "p100-16gb:4", "--global-batch", "1024", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    text = json.dumps(result)
+    assert "v100-32gb" in text and "p100-16gb" in text
+    assert result["balanced_step_s"] < result["uniform_step_s"]  # the V100s take more sequences
+    assert _run([*argv, "--mixed", "p100-16gb:4"]) == 0
+    assert "speed-up" in capsys.readouterr().out
+    for bad, message in (("p100:4", "--mixed takes GPU:NODES"), ("p100-16gb:0", "NODES an integer >= 1")):
+        with pytest.raises(ValueError, match=message):
+            _run([*argv, "--mixed", bad])
+    with pytest.raises(ValueError, match="cannot be combined"):
+        _run([*argv, "--mixed", "p100-16gb:4", "--recommend"])
+
+
 def test_cli_errors_are_value_errors():
     with pytest.raises(ValueError, match="model must be an M6 preset"):
         _run(["plan", "--model", "no/such/file.yaml", "--cluster", "v100-32gb", "--nodes", "1"])

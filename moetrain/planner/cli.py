@@ -4,6 +4,7 @@
         --precision fp16 --ep-size 480 --offload --micro-batch 8
     moetrain plan --model m6-1T --cluster v100-32gb --nodes 60 --inter-node-gbps 35 --recommend
     moetrain plan --model configs/tiny_lm.yaml --cluster a100-80gb --nodes 2 --json
+    moetrain plan --model m6-base --cluster v100-32gb --nodes 4 --mixed p100-16gb:4 --precision fp16
 
 ``--model``: an M6 preset (``m6-tiny``, ``m6-base``, ``m6-10B``, ``m6-100B``, ``m6-1T``) or a YAML/JSON
 training config (its batch, precision, parallel and optimizer settings become the defaults) or a
@@ -15,6 +16,12 @@ each can be overridden (``--gpu-memory-gib``, ``--peak-tflops``, ``--intra-node-
 memory, the capacity less ``--memory-headroom`` (default 0.1). Exit status: 0 when the plan (or the
 best recommendation) fits, 1 when it does not; invalid options raise ``ValueError`` naming the flag
 and its allowed range (``moetrain`` prints it, status 2).
+
+``--mixed GPU:NODES[,GPU:NODES...]`` adds nodes of other GPU types to the ``--cluster`` ones and
+prints the hardware-aware balancing of that mixed cluster instead (Whale: micro-batches by speed
+within each GPU's memory, :func:`moetrain.planner.mixed.plan_mixed_cluster`) with the step time
+against equal micro-batches; ``--global-batch`` is the sequences per micro-step over all GPUs
+(default ``--micro-batch`` times the GPU count).
 """
 
 from __future__ import annotations
@@ -104,7 +111,14 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--capacity-factor", type=float, help="0: dropless (default: the model's)")
     plan.add_argument("--efficiency", type=float, help="fraction of peak FLOP/s reached (default 0.4)")
     plan.add_argument("--recommend", action="store_true", help="search ep_size, offload, micro-batch")
-    plan.add_argument("--global-batch", type=int, help="with --recommend: sequences per step, fixed")
+    plan.add_argument(
+        "--global-batch", type=int, help="with --recommend or --mixed: sequences per step, fixed"
+    )
+    plan.add_argument(
+        "--mixed",
+        metavar="GPU:NODES[,GPU:NODES]",
+        help="more nodes of other GPU types: print the balanced micro-batches and the speed-up",
+    )
     plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
     plan.set_defaults(run=run_plan)
     return plan
@@ -182,7 +196,14 @@ def cluster_from_args(args, precision: str) -> ClusterSpec:
     """The ``--cluster`` preset on ``--nodes`` nodes with every cluster flag given applied (units
     converted to bytes, bytes/s and seconds); flags checked by :func:`check_cluster_flags`."""
     check_cluster_flags(args)
-    overrides = {"gpu": gpu_from_args(args, precision)}
+    overrides = {"gpu": gpu_from_args(args, precision), **link_overrides(args)}
+    return cluster_preset(args.cluster, args.nodes, **overrides)
+
+
+def link_overrides(args) -> dict:
+    """The cluster flags that are not about the GPU (node size, links, host memory), as
+    ``cluster_preset`` keyword arguments."""
+    overrides = {}
     if args.gpus_per_node is not None:
         overrides["gpus_per_node"] = args.gpus_per_node
     if args.inter_node_gbps is not None:
@@ -195,7 +216,42 @@ def cluster_from_args(args, precision: str) -> ClusterSpec:
         overrides["inter_node_latency"] = args.inter_node_latency_us * 1e-6
     if args.host_memory_gib is not None:
         overrides["host_memory_bytes"] = round(args.host_memory_gib * GiB)
-    return cluster_preset(args.cluster, args.nodes, **overrides)
+    return overrides
+
+
+def parse_mixed(text: str) -> list[tuple[str, int]]:
+    """``"p100-16gb:4,a100-80gb:2"`` -> ``[("p100-16gb", 4), ("a100-80gb", 2)]``; ValueError
+    naming ``--mixed`` and the GPU presets for anything else."""
+    parts = []
+    for item in text.split(","):
+        gpu, _, nodes = item.strip().lower().partition(":")
+        if gpu not in GPU_PRESETS or not nodes.isdigit() or int(nodes) < 1:
+            presets = ", ".join(sorted(GPU_PRESETS))
+            raise ValueError(
+                f"--mixed takes GPU:NODES pairs separated by commas, GPU one of {presets} and NODES an "
+                f"integer >= 1; got {item.strip()!r}"
+            )
+        parts.append((gpu, int(nodes)))
+    return parts
+
+
+def run_mixed(args, model, settings: PlanSettings) -> int:
+    """``--mixed``: the balanced plan of ``--cluster`` x ``--nodes`` plus the listed nodes."""
+    from moetrain.planner.mixed import plan_mixed_cluster
+
+    if args.recommend:
+        raise ValueError("--mixed and --recommend cannot be combined: pick the settings, then balance")
+    if args.gpu_memory_gib is not None or args.peak_tflops is not None:
+        raise ValueError(
+            "--gpu-memory-gib and --peak-tflops describe one GPU type; --mixed uses the presets'"
+        )
+    parts = [(args.cluster, args.nodes), *parse_mixed(args.mixed)]
+    overrides = link_overrides(args)
+    gpus = sum(nodes for _, nodes in parts) * overrides.get("gpus_per_node", 8)
+    global_batch = args.global_batch or settings.micro_batch * gpus
+    result = plan_mixed_cluster(model, parts, settings, global_batch, **overrides)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.format_table())
+    return 0
 
 
 def run_plan(args) -> int:
@@ -204,8 +260,11 @@ def run_plan(args) -> int:
     precision = args.precision or defaults.get("precision") or default_precision(GPU_PRESETS[args.cluster])
     cluster = cluster_from_args(args, precision)
     settings = settings_from_args(args, {**defaults, "precision": precision})
+    if args.mixed is not None:
+        check_cluster_flags(args)
+        return run_mixed(args, model, settings)
     if args.global_batch is not None and not args.recommend:
-        raise ValueError("--global-batch is only used with --recommend")
+        raise ValueError("--global-batch is only used with --recommend or --mixed")
     if args.recommend:
         result = recommend(
             model,
