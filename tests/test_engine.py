@@ -318,3 +318,22 @@ def test_skipped_bad_records_are_reported_and_logged(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "data (start, rank 0): 1 bad record skipped:" in out and "invalid JSON" in out
     assert "data (end, rank 0): 1 bad record skipped:" in out
+
+
+def test_tensorboard_events_when_installed(tmp_path):
+    pytest.importorskip("tensorboard", reason="the optional tensorboard package is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run(tiny(tmp_path, steps=3))
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "expert_load_cv/layer0",
+        "dropped_fraction/layer0",
+    } <= tags
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]
