@@ -84,6 +84,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moetrain.layers.experts import GroupedExperts
+from moetrain.progress import ProgressBar
 
 FORMAT = "moetrain.checkpoint"
 VERSION = 1
@@ -92,6 +93,7 @@ TMP_SUFFIX = ".tmp"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _STEP_TMP_DIR = re.compile(r"^step_(\d{8,})\.tmp$")
 _HASH_CHUNK = 8 * 2**20
+_PROGRESS_MIN_BYTES = 4 * 2**30  # hashing less than this on rank 0 takes a few seconds: no bar
 
 
 class CheckpointError(RuntimeError):
@@ -320,12 +322,38 @@ def _restore_rng(state: dict[str, Any]) -> list[str]:
 # Files and checksums
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, progress: _HashProgress | None = None) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as stream:
         while chunk := stream.read(_HASH_CHUNK):
             digest.update(chunk)
+            if progress is not None:
+                progress.advance(len(chunk))
     return digest.hexdigest()
+
+
+class _HashProgress:
+    """A progress bar (MiB) over the bytes rank 0 hashes, shown only when they reach
+    ``_PROGRESS_MIN_BYTES`` (a large checkpoint: each rank hashes ~1 / world of it)."""
+
+    def __init__(self, files: list[Path], what: str, layout: _Layout):
+        total = sum(f.stat().st_size for f in files if f.is_file())
+        self.bar = None
+        self.done = 0
+        if layout.is_coordinator and total >= _PROGRESS_MIN_BYTES:
+            mib = max(1, total >> 20)
+            self.bar = ProgressBar(
+                mib, f"checkpoint: {what} (rank 0's share, MiB)", log_every=max(1, mib // 10)
+            )
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.bar is not None:
+            self.bar.update(self.done >> 20)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _manifest_digest(manifest: dict[str, Any]) -> str:
@@ -381,9 +409,12 @@ def _read_manifest(path: Path) -> dict[str, Any]:
 def _checksum_share(directory: Path, names: list[str], layout: _Layout) -> dict[str, dict[str, Any]]:
     """Size and sha256 of ``names`` (sorted), rank r hashing names[r::world]; every rank gets all."""
     mine = {}
-    for name in names[layout.rank :: layout.world_size]:
+    share = names[layout.rank :: layout.world_size]
+    progress = _HashProgress([directory / name for name in share], "hashing", layout)
+    for name in share:
         file = directory / name
-        mine[name] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
+        mine[name] = {"bytes": file.stat().st_size, "sha256": _sha256(file, progress)}
+    progress.close()
     if not layout.distributed:
         return mine
     gathered: list[Any] = [None] * layout.world_size
@@ -393,7 +424,18 @@ def _checksum_share(directory: Path, names: list[str], layout: _Layout) -> dict[
 
 def _verify_share(path: Path, files: dict[str, dict[str, Any]], layout: _Layout) -> CheckpointError | None:
     """Checks this rank's share of the files (size first, then sha256); the first problem found."""
-    for name in sorted(files)[layout.rank :: layout.world_size]:
+    share = sorted(files)[layout.rank :: layout.world_size]
+    progress = _HashProgress([path / name for name in share], "verifying", layout)
+    try:
+        return _first_bad_file(path, share, files, progress)
+    finally:
+        progress.close()
+
+
+def _first_bad_file(
+    path: Path, share: list[str], files: dict, progress: _HashProgress
+) -> CheckpointError | None:
+    for name in share:
         expected = files[name]
         file = path / name
         if not file.is_file():
@@ -403,7 +445,7 @@ def _verify_share(path: Path, files: dict[str, dict[str, Any]], layout: _Layout)
             return CheckpointError(
                 f"{file}: truncated or altered: {size} bytes, the manifest says {expected['bytes']}"
             )
-        if _sha256(file) != expected["sha256"]:
+        if _sha256(file, progress) != expected["sha256"]:
             return CheckpointError(f"{file}: corrupt: its sha256 does not match the manifest")
     return None
 

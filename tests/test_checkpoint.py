@@ -326,6 +326,15 @@ def test_damaged_checkpoint_raises_naming_the_file(tmp_path, damage):
         assert torch.equal(p.detach(), q)  # nothing was loaded
 
 
+def test_large_checkpoints_show_hashing_progress(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(ckpt, "_PROGRESS_MIN_BYTES", 1)  # every checkpoint counts as large
+    path, model = _small_checkpoint(tmp_path)
+    load_checkpoint(tmp_path, model=model)
+    err = capsys.readouterr().err
+    assert "checkpoint: hashing (rank 0's share, MiB)" in err
+    assert "checkpoint: verifying (rank 0's share, MiB)" in err
+
+
 @pytest.mark.parametrize("crash_in", ["_write_manifest", "_publish"])
 def test_crash_mid_save_leaves_the_previous_checkpoint_latest(tmp_path, monkeypatch, crash_in):
     first, model = _small_checkpoint(tmp_path, step=1)
