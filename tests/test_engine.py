@@ -337,3 +337,40 @@ def test_tensorboard_events_when_installed(tmp_path):
         "dropped_fraction/layer0",
     } <= tags
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]
+
+
+BALANCE_GRADIENT = {
+    "model.moe.capacity_factor": None,  # dropless: a rank's capacity would depend on its batch
+    "model.moe.aux_loss_coef": 0.0,  # the balancing loss is not additive over sequences
+    "model.moe.router_jitter": 0.0,
+    "optim.grad_clip": 0.0,
+    "steps": 1,
+}
+
+
+def balanced_gradient_worker(rank, world, out_dir):
+    config = config_from_dict(
+        TrainConfig, tiny(out_dir, **{**BALANCE_GRADIENT, "balance.speeds": [3.0, 1.0]})
+    )
+    trainer = Trainer(config)
+    trainer.train_step()
+    return trainer.batches.batch, {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+
+
+@pytest.mark.timeout(240)
+def test_balanced_step_has_the_gradient_of_the_global_batch(tmp_path):
+    """Through the engine: 2 data-parallel ranks with micro-batches 6 and 2 (speeds 3:1) give the
+    gradient of one process on the same 8 sequences (the loss weights w_r = W * n_r / N)."""
+    from moetrain.engine import TextBatches
+
+    (n0, grads0), (n1, grads1) = run_distributed(balanced_gradient_worker, 2, str(tmp_path / "ranks"))
+    assert (n0, n1) == (6, 2)
+    config = config_from_dict(TrainConfig, tiny(tmp_path / "one", **BALANCE_GRADIENT))
+    reference = Trainer(config)
+    corpus, seq = reference.batches.corpus, config.data.seq_len
+    draws = [TextBatches(corpus, n, seq, config.seed, rank).next() for rank, n in enumerate((n0, n1))]
+    inputs, targets = (torch.cat(parts) for parts in zip(*draws, strict=True))
+    reference.loss_fn(reference.model(inputs), targets).backward()
+    for name, param in reference.model.named_parameters():
+        torch.testing.assert_close(grads0[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(grads1[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
