@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
+import unicodedata
 from pathlib import Path
 
 import torch
@@ -87,7 +88,7 @@ def evaluate(out_dir: Path) -> None:
     print(f"  {'generated':<34} | true captions")
     for prediction, references in result["examples"]:
         mark = "ok" if prediction.split() in [r.split() for r in references] else "  "
-        print(f"{mark} {prediction[:34]:<34} | {' / '.join(references)}")
+        print(f"{mark} {_pad(prediction, 34)} | {' / '.join(references)}")
     print(f"\ncaption accuracy (exact match, held-out): {result['accuracy']:.1%}")
     print(f"always the most frequent training caption: {result['baseline_accuracy']:.1%}")
     attributes = ", ".join(f"{k} {v:.0%}" for k, v in result["attribute_accuracy"].items())
@@ -130,6 +131,18 @@ class RoutingCounter:
         for (name, _), counts in zip(self.layers, self.counts, strict=True):
             shares = counts / counts.sum().clamp_min(1)
             print(f"  {name:<28}" + "".join(f"{share:>10.1%}" for share in shares.tolist()))
+
+
+def _pad(text: str, columns: int) -> str:
+    """``text`` cut or padded to ``columns`` terminal columns (CJK characters take two)."""
+    out, used = [], 0
+    for char in text:
+        width = 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
+        if used + width > columns:
+            break
+        out.append(char)
+        used += width
+    return "".join(out) + " " * (columns - used)
 
 
 def _free_port() -> int:
