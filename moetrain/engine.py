@@ -113,6 +113,10 @@ def build_m6_moe(config: TrainConfig, parallel: ParallelContext, rank: int):
     return build_m6(config, parallel, rank)
 
 
+# name -> builder(config, parallel, rank) -> (model, batches, loss_fn). ``loss_fn(output, targets)``
+# is a mean; when it averages over a number of units that varies between batches (tokens that
+# count), it may carry ``loss_fn.loss_units(targets) -> int`` so that balanced ranks are weighted
+# by units rather than by sequences (``Trainer._loss_share``).
 MODEL_BUILDERS = {"moe_lm": build_moe_lm, "m6_moe": build_m6_moe}
 
 
@@ -347,11 +351,26 @@ class Trainer:
         self.stop_requested = True
 
     # ------------------------------------------------------------------------------------------
-    def _micro_step(self, last: bool, loss_scale: float) -> tuple[float, float]:
+    def _loss_share(self, targets) -> float:
+        """This rank's loss weight ``w_r`` for one micro-step: ``W * n_r / N`` in sequences, or, when
+        balancing a loss that averages over a varying number of units (``loss_fn.loss_units``,
+        e.g. M6's target tokens), ``W * u_r / U`` with the units counted over all ranks (one
+        scalar all-reduce), so the gradient is that of the mean over every unit of the global batch."""
+        count_units = getattr(self.loss_fn, "loss_units", None)
+        if self.balance is None or count_units is None or self.parallel.world_size == 1:
+            return self.loss_weight
+        mine = float(count_units(targets))
+        total = torch.tensor([mine], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        return self.parallel.world_size * mine / max(float(total.item()), 1.0)
+
+    def _micro_step(self, last: bool, loss_scale: float) -> tuple[float, float, float]:
+        """Forward and backward of one micro-batch: (loss, aux loss, this rank's loss weight)."""
         inputs, targets = to_device(self.batches.next(), self.device)
         accum = self.config.grad_accum
-        weight = self.loss_weight / accum
-        set_aux_loss_scale(self.model, loss_scale * weight)
+        share = self._loss_share(targets)
+        weight = share / accum
+        set_aux_loss_scale(self.model, loss_scale * self.loss_weight / accum)
         sync = last or self.ddp is self.model
         context = contextlib.nullcontext() if sync else self.ddp.no_sync()
         with context:
@@ -362,7 +381,7 @@ class Trainer:
             loss = self.loss_fn(output, targets)
             scaled = loss * weight
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-        return loss.item(), collect_moe_stats(self.model).aux_loss.item()
+        return loss.item(), collect_moe_stats(self.model).aux_loss.item(), share
 
     def _global_sum(self, values: list[float]) -> list[float]:
         if self.parallel.world_size == 1:
@@ -392,10 +411,10 @@ class Trainer:
         start = time.perf_counter()
         loss_scale = self.scaler.get_scale() if self.scaler is not None else 1.0
         self.optimizer.zero_grad(set_to_none=True)
-        losses, auxes = [], []
+        weighted_losses, auxes = [], []
         for micro in range(config.grad_accum):
-            loss, aux = self._micro_step(micro == config.grad_accum - 1, loss_scale)
-            losses.append(loss)
+            loss, aux, share = self._micro_step(micro == config.grad_accum - 1, loss_scale)
+            weighted_losses.append(share * loss)
             auxes.append(aux)
         self.reducer.reduce()
         # With fp16 the gradients are still multiplied by loss_scale: clip at the scaled threshold.
@@ -417,11 +436,11 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         self.step += 1
-        # The logged loss is the global-batch mean: each rank's mean weighted by its share W * n_r / N.
+        # The logged loss is the global-batch mean: each rank's mean weighted by its share w_r.
         world = self.parallel.world_size
         weighted_loss, aux, tokens = self._global_sum(
             [
-                self.loss_weight * sum(losses) / len(losses),
+                sum(weighted_losses) / len(weighted_losses),
                 sum(auxes) / len(auxes),
                 self.batches.tokens_per_batch * config.grad_accum,
             ]

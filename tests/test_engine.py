@@ -374,3 +374,52 @@ def test_balanced_step_has_the_gradient_of_the_global_batch(tmp_path):
     for name, param in reference.model.named_parameters():
         torch.testing.assert_close(grads0[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
         torch.testing.assert_close(grads1[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+M6_BALANCE_GRADIENT = [
+    "steps=1",
+    "data.micro_batch_size=4",
+    "model.moe.capacity_factor=null",
+    "model.moe.aux_loss_coef=0.0",
+    "model.moe.router_jitter=0.0",
+    "model.dropout=0.0",
+    "optim.grad_clip=0.0",
+    "threads=1",
+    "device=cpu",
+]
+
+
+def m6_balanced_worker(rank, world, out_dir):
+    overrides = [*M6_BALANCE_GRADIENT, f"out_dir={out_dir}", "balance.speeds=[3.0, 1.0]"]
+    trainer = Trainer(build_train_config(str(ROOT / "models/m6_moe/tiny.yaml"), overrides))
+    trainer.train_step()
+    return trainer.batches.batch, {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+
+
+@pytest.mark.timeout(240)
+def test_balanced_m6_step_has_the_gradient_of_the_mean_over_all_target_tokens(tmp_path):
+    """M6 averages its loss over target tokens, whose number varies between samples: balanced
+    ranks are weighted by their share of the target tokens, so micro-batches 6 + 2 give one
+    process's gradient of the mean over every target token of the same 8 samples."""
+    from models.m6_moe import build_m6
+    from models.m6_moe.tasks import count_target_tokens, m6_loss
+
+    (n0, grads0), (n1, grads1) = run_distributed(m6_balanced_worker, 2, str(tmp_path / "ranks"))
+    assert (n0, n1) == (6, 2)
+    config = build_train_config(
+        str(ROOT / "models/m6_moe/tiny.yaml"), [*M6_BALANCE_GRADIENT, f"out_dir={tmp_path / 'one'}"]
+    )
+    model = Trainer(config).model
+    sums, tokens = [], []
+    for rank, n in enumerate((n0, n1)):
+        batches = build_m6(config, None, rank)[1]  # rank r's data stream, as the engine draws it
+        batches.batch = n
+        inputs, labels = batches.next()
+        tokens.append(count_target_tokens(labels))
+        sums.append(m6_loss(model(**inputs), labels) * tokens[-1])
+    assert tokens[0] / n0 != tokens[1] / n1  # unequal tokens per sample: sequence weights would be off
+    (sum(sums) / sum(tokens)).backward()
+    for name, param in model.named_parameters():
+        want = torch.zeros_like(param) if param.grad is None else param.grad
+        torch.testing.assert_close(grads0[name], want, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(grads1[name], want, rtol=1e-4, atol=1e-6, msg=name)

@@ -293,3 +293,11 @@ def m6_loss(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(
         logits_BTV.float().reshape(-1, logits_BTV.shape[-1]), labels_BT.reshape(-1), ignore_index=IGNORE_INDEX
     )
+
+
+def count_target_tokens(labels_BT: torch.Tensor) -> int:
+    """The tokens :func:`m6_loss` averages over (labels other than ``IGNORE_INDEX``)."""
+    return int((labels_BT != IGNORE_INDEX).sum())
+
+
+m6_loss.loss_units = count_target_tokens  # the engine weights balanced ranks by target tokens
