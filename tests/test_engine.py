@@ -196,6 +196,10 @@ def test_two_ranks_with_expert_parallelism_train_and_resume(tmp_path):
     second = run_distributed(distributed_worker, 2, str(tmp_path / "resumed"))
     assert first[0] + second[0] == straight[0]  # stopped at 5, resumed to 8: the same run
     assert first[1] + second[1] == straight[1]
+    # The same checkpoint resumed by one process: the experts of both ranks are gathered, and the
+    # rank the saved run had keeps its data stream.
+    fewer = run(tiny(tmp_path / "resumed", steps=10))
+    assert len(fewer) == 2 and all(torch.isfinite(torch.tensor(fewer)))
 
 
 def overflow_worker(rank, world, out_dir):
