@@ -260,7 +260,9 @@ class TrainConfig:
     ``keep_last`` checkpoints kept; ``recompute_budget_mb``: activation-memory budget for
     automatic checkpointing (None: off); ``threads``: torch CPU threads per rank (None: torch's);
     ``device``: ``"cuda"`` (GPU ``LOCAL_RANK``, NCCL), ``"cpu"`` (gloo) or ``"auto"`` (cuda when
-    torch sees a GPU)."""
+    torch sees a GPU); ``param_dtype``: the dtype the model's weights and gradients are stored in,
+    ``"fp32"`` (``precision`` then means autocast) or the ``precision`` itself, with the fp32 master
+    weights and Adam moments in the offloaded optimizer (``optim.name: offload``)."""
 
     model: object
     parallel: ParallelConfig = ParallelConfig()
@@ -279,6 +281,7 @@ class TrainConfig:
     recompute_budget_mb: float | None = None
     threads: int | None = None
     device: str = "auto"
+    param_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         require_int("steps", self.steps, 1)
@@ -296,6 +299,18 @@ class TrainConfig:
         if self.threads is not None:
             require_int("threads", self.threads, 1)
         require_choice("device", self.device, DEVICES)
+        require_choice("param_dtype", self.param_dtype, PRECISIONS)
+        if self.param_dtype != "fp32" and self.param_dtype != self.precision:
+            raise ValueError(
+                f"param_dtype = {self.param_dtype!r} needs precision = {self.param_dtype!r} (the weights' "
+                f"dtype is the compute dtype), got precision = {self.precision!r}"
+            )
+        if self.param_dtype != "fp32" and self.optim.name != "offload":
+            raise ValueError(
+                f"param_dtype = {self.param_dtype!r} keeps the model's weights in {self.param_dtype}; their "
+                f"fp32 master copy lives in the offloaded optimizer, so optim.name must be 'offload', got "
+                f"{self.optim.name!r}"
+            )
 
 
 def model_config_classes() -> dict[str, type]:

@@ -192,6 +192,8 @@ class Trainer:
         builder = MODEL_BUILDERS[_model_name(config)]
         self.model, self.batches, self.loss_fn = builder(config, self.parallel, self.rank)
         self.model.to(self.device)
+        if config.param_dtype != "fp32":  # fp32 masters: built by the OffloadOptimizer below
+            self.model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[config.param_dtype])
         self.loss_weight = 1.0  # hardware-aware balancing: W * n_r / N
         self.global_batch = config.data.micro_batch_size * self.parallel.world_size
         self.ddp = wrap_data_parallel(self.model, self.parallel)
@@ -434,7 +436,8 @@ class Trainer:
             self._skip_overflowed_step()
             skipped = True
         lr = self.optimizer.param_groups[0]["lr"]
-        self.scheduler.step()
+        if not skipped:  # a skipped step does not advance the schedule (as in Megatron-LM)
+            self.scheduler.step()
         self.step += 1
         # The logged loss is the global-batch mean: each rank's mean weighted by its share w_r.
         world = self.parallel.world_size

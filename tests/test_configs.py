@@ -29,9 +29,12 @@ def test_shipped_config_is_valid(path):
         ("model.moe.top_k=9", "model.moe.top_k must satisfy"),
         ("balance.memory_limits=[4, 0]", "balance.memory_limits[1] must be an integer >= 1, got 0"),
         ("model.moe_every=5", "model.moe_every = 5 exceeds num_layers = 4"),
+        ("param_dtype=bf16", "param_dtype = 'bf16' needs precision = 'bf16'"),
+        (("precision=fp16", "param_dtype=fp16"), "param_dtype = 'fp16' keeps the model's weights in fp16"),
     ],
 )
 def test_errors_name_the_full_key_once(override, message):
     with pytest.raises(ValueError) as error:
-        build_train_config(str(ROOT / "models/m6_moe/tiny.yaml"), [override])
+        overrides = [override] if isinstance(override, str) else list(override)
+        build_train_config(str(ROOT / "models/m6_moe/tiny.yaml"), overrides)
     assert str(error.value).startswith(message), str(error.value)

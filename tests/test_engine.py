@@ -76,6 +76,8 @@ def test_resume_equals_straight_run(tmp_path):
         {"optim.name": "groupwise"},
         {"optim.name": "offload", "precision": "bf16"},
         {"optim.name": "offload", "precision": "fp16", "grad_accum": 2},
+        {"optim.name": "offload", "precision": "bf16", "param_dtype": "bf16"},
+        {"optim.name": "offload", "precision": "fp16", "param_dtype": "fp16"},
         {"recompute_budget_mb": 0.05},
     ],
 )

@@ -278,7 +278,8 @@ def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
             "seq_len": train_seq_len(model.arch, train.data.seq_len),
             "grad_accum": train.grad_accum,
             "precision": train.precision,
-            "autocast": train.precision != "fp32",  # the engine: fp32 weights, autocast compute
+            # the engine: fp32 weights with autocast compute, unless param_dtype stores them low
+            "autocast": train.precision != "fp32" and train.param_dtype == "fp32",
             "ep_size": train.parallel.ep_size,
             "all_to_all": train.parallel.all_to_all,
             "ep_layout": train.parallel.ep_layout,
