@@ -281,6 +281,10 @@ def test_cli_plan_with_a_config_file(tmp_path, capsys):
     assert _run(["plan", "--model", str(config), "--cluster", "h100-80gb", "--nodes", "1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["fits"] and data["settings"]["precision"] == "bf16" and data["world_size"] == 8
+    config.write_text(config.read_text() + "param_dtype: bf16\noptim:\n  name: offload\n")
+    assert _run([*argv, "--ep-size", "8"]) == 0  # weights stored in bf16: no autocast copies
+    out = capsys.readouterr().out
+    assert "(autocast, fp32 weights)" not in out and "offload on" in out
 
 
 @pytest.mark.skipif(not m6_available(), reason="models.m6_moe is not importable")
