@@ -1,10 +1,12 @@
 """Flat vs hierarchical (2-D) all-to-all on world 8 emulated as 2 nodes x 4 ranks (gloo, CPU).
 
-For per-rank payloads from 4 KiB to 16 MiB and fp32 / bf16 wire dtypes it measures the round trip
-(exchange + reverse, as in MoE dispatch + combine) of both algorithms in the same run, and counts
-per rank the messages sent and the bytes that cross between emulated nodes. It then fits the
-alpha-beta model ``t = alpha * messages + beta * bytes`` (least squares over every measurement) and
-states what the model predicts at 60 nodes x 8 GPUs.
+For per-rank payloads of fp32 rows from 4 KiB to 16 MiB it measures the round trip (exchange +
+reverse, as in MoE dispatch + combine) of both algorithms in the same run, on three wires: fp32 as
+is, ``comm_dtype="bf16"`` and ``comm_dtype="fp16"`` (scaled), the last two including their encode
+and decode, and counts per rank the messages sent and the bytes that cross between emulated nodes.
+It then fits the alpha-beta model ``t = alpha * messages + beta * bytes`` (least squares over the
+fp32-wire measurements: communication only) and states what the model predicts at 60 nodes x 8
+GPUs.
 
 Usage: ``python benchmarks/all_to_all.py [--json PATH] [--repeats N]``. The 8 ranks share this
 machine's cores and talk over loopback, so intra- and inter-node links cost the same here; the
@@ -30,6 +32,7 @@ from moetrain.parallel import ParallelContext
 
 WORLD, LOCAL = 8, 4
 SIZES_KIB = [4, 64, 1024, 16384]
+WIRES = ("fp32", "bf16", "fp16")  # fp32 rows sent as they are, as bf16, as scaled fp16
 
 
 def traffic(ctx, plan, row_bytes: int) -> tuple[int, int, int]:
@@ -60,18 +63,19 @@ def worker(rank: int, args, out_path: str, port: int) -> None:
     hidden = 32
     rows_out = []
     for size_kib in SIZES_KIB:
-        for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            row_bytes = hidden * torch.finfo(dtype).bits // 8
-            rows = max(WORLD, size_kib * 1024 // row_bytes)
-            counts = torch.full((WORLD, 1), rows // WORLD)
-            x = torch.randn(int(counts.sum()), hidden).to(dtype)
+        rows = max(WORLD, size_kib * 1024 // (4 * hidden))
+        counts = torch.full((WORLD, 1), rows // WORLD)
+        x = torch.randn(int(counts.sum()), hidden)
+        for wire in WIRES:
+            comm_dtype = None if wire == "fp32" else wire
+            row_bytes = {"fp32": 4 * hidden, "bf16": 2 * hidden, "fp16": 2 * (hidden + 1)}[wire]
             for algo, ctx in contexts.items():
                 _, plan = exchange_counts(counts, ctx)
                 samples = []
                 for i in range(args.warmup + args.repeats):
                     dist.barrier()
                     start = time.perf_counter()
-                    all_to_all_reverse(all_to_all(x, plan), plan)
+                    all_to_all_reverse(all_to_all(x, plan, comm_dtype), plan, comm_dtype)
                     elapsed = torch.tensor([time.perf_counter() - start])
                     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                     if i >= args.warmup:
@@ -80,7 +84,7 @@ def worker(rank: int, args, out_path: str, port: int) -> None:
                 rows_out.append(
                     {
                         "algorithm": algo,
-                        "dtype": dtype_name,
+                        "wire": wire,
                         "payload_bytes": int(x.numel() * x.element_size()),
                         "round_trip_ms": 1e3 * statistics.median(samples),
                         "messages_per_rank": 2 * messages,
@@ -143,14 +147,14 @@ def main() -> None:
         with open(out_path) as f:
             rows = json.load(f)
 
-    alpha, beta = fit_alpha_beta(rows)
+    alpha, beta = fit_alpha_beta([r for r in rows if r["wire"] == "fp32"])
     print(
         f"all-to-all round trip (exchange + reverse), world {WORLD} = 2 nodes x {LOCAL} ranks, "
         "gloo on loopback"
     )
     header = [
         "payload",
-        "dtype",
+        "wire",
         "flat ms",
         "hier ms",
         "flat/hier",
@@ -162,14 +166,14 @@ def main() -> None:
     print(" | ".join(f"{h:>13}" for h in header))
     table = []
     for size in sorted({r["payload_bytes"] for r in rows}):
-        for dtype in ("fp32", "bf16"):
-            pair = {r["algorithm"]: r for r in rows if r["payload_bytes"] == size and r["dtype"] == dtype}
+        for wire in WIRES:
+            pair = {r["algorithm"]: r for r in rows if r["payload_bytes"] == size and r["wire"] == wire}
             if len(pair) < 2:
                 continue
             f, h = pair["flat"], pair["hierarchical"]
             line = [
                 f"{size / 1024:.0f} KiB",
-                dtype,
+                wire,
                 f"{f['round_trip_ms']:.3f}",
                 f"{h['round_trip_ms']:.3f}",
                 f"{f['round_trip_ms'] / h['round_trip_ms']:.2f}",
@@ -181,7 +185,8 @@ def main() -> None:
             table.append(line)
             print(" | ".join(f"{v!s:>13}" for v in line))
     print(
-        f"\nalpha-beta fit over {len(rows)} measurements: alpha = {alpha * 1e6:.1f} us/message, "
+        f"\nalpha-beta fit over the {len(rows) // len(WIRES)} fp32-wire measurements: "
+        f"alpha = {alpha * 1e6:.1f} us/message, "
         f"beta = {beta * 1e9:.3f} ns/byte ({1 / beta / 1e9 if beta > 0 else float('inf'):.2f} GB/s)"
     )
     beta_inter = 8 / (args.inter_node_gbps * 1e9)
