@@ -151,24 +151,25 @@ MOETRAIN_TARGET_AVX2_F16C bool unpack_row_f32_avx2(const int16_t* in, int64_t hi
 }
 #endif
 
-// The vector row routines where they exist (fp32 rows on x86 with AVX2); false: take the scalar loop.
-inline bool pack_row_vector(const float* row, int64_t hidden, int16_t* out) {
+// The vector row routines where they exist (fp32 rows on x86; ``avx2``: the CPU path allows AVX2,
+// read once per call by the caller); false: take the scalar loop.
+inline bool pack_row_vector(bool avx2, const float* row, int64_t hidden, int16_t* out) {
 #if MOETRAIN_X86
-  return simd_level() >= SimdLevel::kAVX2 && pack_row_f32_avx2(row, hidden, out);
+  return avx2 && pack_row_f32_avx2(row, hidden, out);
 #else
   return false;
 #endif
 }
-inline bool pack_row_vector(const double*, int64_t, int16_t*) { return false; }
+inline bool pack_row_vector(bool, const double*, int64_t, int16_t*) { return false; }
 
-inline bool unpack_row_vector(const int16_t* in, int64_t hidden, float* out) {
+inline bool unpack_row_vector(bool avx2, const int16_t* in, int64_t hidden, float* out) {
 #if MOETRAIN_X86
-  return simd_level() >= SimdLevel::kAVX2 && unpack_row_f32_avx2(in, hidden, out);
+  return avx2 && unpack_row_f32_avx2(in, hidden, out);
 #else
   return false;
 #endif
 }
-inline bool unpack_row_vector(const int16_t*, int64_t, double*) { return false; }
+inline bool unpack_row_vector(bool, const int16_t*, int64_t, double*) { return false; }
 
 // x [N, D] float/double -> packed [N, D + 1] int16 (fp16 bit patterns, then the exponent).
 torch::Tensor pack_scaled_fp16(const torch::Tensor& x) {
@@ -177,13 +178,14 @@ torch::Tensor pack_scaled_fp16(const torch::Tensor& x) {
               x.scalar_type());
   const int64_t rows = x.size(0), hidden = x.size(1);
   torch::Tensor packed = torch::empty({rows, hidden + 1}, x.options().dtype(at::kShort));
+  const bool avx2 = simd_level() >= SimdLevel::kAVX2;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "pack_scaled_fp16", [&] {
     const scalar_t* src = x.data_ptr<scalar_t>();
     int16_t* dst = packed.data_ptr<int16_t>();
     at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / std::max<int64_t>(hidden, 1)), [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
         const scalar_t* row = src + r * hidden;
-        if (pack_row_vector(row, hidden, dst + r * (hidden + 1))) continue;
+        if (pack_row_vector(avx2, row, hidden, dst + r * (hidden + 1))) continue;
         double amax = 0.0;
         for (int64_t i = 0; i < hidden; ++i) amax = std::max(amax, std::abs(static_cast<double>(row[i])));
         const int exponent = row_exponent(amax);
@@ -207,13 +209,14 @@ torch::Tensor unpack_scaled_fp16(const torch::Tensor& packed, c10::ScalarType dt
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "dtype must be float32 or float64");
   const int64_t rows = packed.size(0), hidden = packed.size(1) - 1;
   torch::Tensor x = torch::empty({rows, hidden}, packed.options().dtype(dtype));
+  const bool avx2 = simd_level() >= SimdLevel::kAVX2;
   AT_DISPATCH_FLOATING_TYPES(dtype, "unpack_scaled_fp16", [&] {
     const int16_t* src = packed.data_ptr<int16_t>();
     scalar_t* dst = x.data_ptr<scalar_t>();
     at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / std::max<int64_t>(hidden, 1)), [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
         const int16_t* in = src + r * (hidden + 1);
-        if (unpack_row_vector(in, hidden, dst + r * hidden)) continue;
+        if (unpack_row_vector(avx2, in, hidden, dst + r * hidden)) continue;
         const double scale = std::ldexp(1.0, in[hidden]);
         for (int64_t i = 0; i < hidden; ++i) {
           c10::Half h;

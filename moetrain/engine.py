@@ -209,6 +209,7 @@ class Trainer:
         self.stop_requested = False
         self.recompute_plan = None
         self.balance = None
+        self._proxy_weights = None  # calibration under EP: the proxy FFN's weights, made on first use
         if config.balance.enabled:
             self._balance_batches()
         if config.recompute_budget_mb is not None:
@@ -293,7 +294,7 @@ class Trainer:
     def _timed_proxy(self, sequences: int) -> None:
         model = self.config.model
         d_model, d_ff = model.d_model, model.moe.d_ff
-        if getattr(self, "_proxy_weights", None) is None:
+        if self._proxy_weights is None:
             generator = torch.Generator().manual_seed(0)
             self._proxy_weights = [
                 (torch.randn(*shape, generator=generator) / shape[0] ** 0.5).to(self.device).requires_grad_()
@@ -494,8 +495,11 @@ class Trainer:
         self._report_skipped_records("start")
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         writer = _MetricsWriter(self.out_dir, self.step) if self.is_main else None
-        bar = ProgressBar(config.steps, "train", log_every=config.log_every, initial=self.step)
-        bar = bar if self.is_main else None
+        bar = (
+            ProgressBar(config.steps, "train", log_every=config.log_every, initial=self.step)
+            if self.is_main
+            else None
+        )
         history = []
         try:
             while self.step < last_step:

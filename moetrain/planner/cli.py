@@ -260,8 +260,7 @@ def run_plan(args) -> int:
     precision = args.precision or defaults.get("precision") or default_precision(GPU_PRESETS[args.cluster])
     cluster = cluster_from_args(args, precision)
     settings = settings_from_args(args, {**defaults, "precision": precision})
-    if args.mixed is not None:
-        check_cluster_flags(args)
+    if args.mixed is not None:  # the flags were checked by cluster_from_args
         return run_mixed(args, model, settings)
     if args.global_batch is not None and not args.recommend:
         raise ValueError("--global-batch is only used with --recommend or --mixed")
