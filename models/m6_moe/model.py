@@ -113,7 +113,8 @@ class M6Block(nn.Module):
         x_BSD = x_BSD + self.dropout(self.attn(self.attn_norm(x_BSD), mask_B1SS))
         h_BSD = self.ffn_norm(x_BSD)
         if self.is_moe:  # route only real tokens: padding takes no expert capacity, no aux loss
-            y_BSD = torch.zeros_like(h_BSD).index_put((valid_BS,), self.ffn(h_BSD[valid_BS]))
+            routed_ND = self.ffn(h_BSD[valid_BS])  # the compute dtype under autocast
+            y_BSD = routed_ND.new_zeros(h_BSD.shape).index_put((valid_BS,), routed_ND)
         else:
             y_BSD = self.ffn(h_BSD)
         return x_BSD + self.dropout(y_BSD)
