@@ -262,7 +262,9 @@ class TrainConfig:
     ``device``: ``"cuda"`` (GPU ``LOCAL_RANK``, NCCL), ``"cpu"`` (gloo) or ``"auto"`` (cuda when
     torch sees a GPU); ``param_dtype``: the dtype the model's weights and gradients are stored in,
     ``"fp32"`` (``precision`` then means autocast) or the ``precision`` itself, with the fp32 master
-    weights and Adam moments in the offloaded optimizer (``optim.name: offload``)."""
+    weights and Adam moments in the offloaded optimizer (``optim.name: offload``);
+    ``dist_timeout_s``: how long any collective of any process group may wait for the other ranks
+    before the run fails (seconds; it must cover the longest collective and a checkpoint's save)."""
 
     model: object
     parallel: ParallelConfig = ParallelConfig()
@@ -282,6 +284,7 @@ class TrainConfig:
     threads: int | None = None
     device: str = "auto"
     param_dtype: str = "fp32"
+    dist_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         require_int("steps", self.steps, 1)
@@ -300,6 +303,9 @@ class TrainConfig:
             require_int("threads", self.threads, 1)
         require_choice("device", self.device, DEVICES)
         require_choice("param_dtype", self.param_dtype, PRECISIONS)
+        require_nonneg_float("dist_timeout_s", self.dist_timeout_s)
+        if self.dist_timeout_s < 1:
+            raise ValueError(f"dist_timeout_s must be a number of seconds >= 1, got {self.dist_timeout_s!r}")
         if self.param_dtype != "fp32" and self.param_dtype != self.precision:
             raise ValueError(
                 f"param_dtype = {self.param_dtype!r} needs precision = {self.param_dtype!r} (the weights' "

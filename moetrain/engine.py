@@ -183,8 +183,10 @@ class Trainer:
         self.device = resolve_device(config.device, launch.local_rank, launch.local_world_size)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.launch = init_distributed(backend="nccl" if self.device.type == "cuda" else "gloo")
-        self.parallel = ParallelContext(config.parallel)
+        self.launch = init_distributed(
+            backend="nccl" if self.device.type == "cuda" else "gloo", timeout_s=config.dist_timeout_s
+        )
+        self.parallel = ParallelContext(config.parallel, timeout_s=config.dist_timeout_s)
         self.rank = self.parallel.rank
         self.is_main = self.rank == 0
         torch.manual_seed(config.seed)  # identical on every rank: dense replicas start equal

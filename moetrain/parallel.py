@@ -137,9 +137,10 @@ def node_grid(ranks: list[int], local_world_size: int) -> tuple[int, int] | None
 class ParallelContext:
     """Process groups and topology. ``ParallelContext()`` is the single-process context; with
     ``torch.distributed`` initialised, it builds every group (a collective call: all ranks must
-    construct the same context in the same order)."""
+    construct the same context in the same order). ``timeout_s``: the timeout of every subgroup
+    (None: torch's default); give the one the world group was initialised with."""
 
-    def __init__(self, config: ParallelConfig | None = None, **options):
+    def __init__(self, config: ParallelConfig | None = None, *, timeout_s: float | None = None, **options):
         if config is None:
             config = ParallelConfig(**options)
         elif options:
@@ -147,6 +148,7 @@ class ParallelContext:
                 f"pass either a ParallelConfig or keyword options, not both (got {sorted(options)})"
             )
         self.config = config
+        self.timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
         initialized = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if initialized else 1
         self.rank = dist.get_rank() if initialized else 0
@@ -184,9 +186,9 @@ class ParallelContext:
         self.intra_node_group = self.inter_node_group = None
         if initialized:
             self.dp_group = dist.group.WORLD
-            self.ep_group, _ = dist.new_subgroups_by_enumeration(groups)
+            self.ep_group, _ = dist.new_subgroups_by_enumeration(groups, timeout=self.timeout)
             expert_dp = [[g[i] for g in groups] for i in range(self.ep_size)]
-            self.expert_dp_group, _ = dist.new_subgroups_by_enumeration(expert_dp)
+            self.expert_dp_group, _ = dist.new_subgroups_by_enumeration(expert_dp, timeout=self.timeout)
             if self.all_to_all == "hierarchical":
                 self._build_node_groups(groups)
 
@@ -208,8 +210,8 @@ class ParallelContext:
         nodes, per_node = self.ep_node_grid
         intra = [g[m * per_node : (m + 1) * per_node] for g in groups for m in range(nodes)]
         inter = [[g[m * per_node + l] for m in range(nodes)] for g in groups for l in range(per_node)]
-        self.intra_node_group, _ = dist.new_subgroups_by_enumeration(intra)
-        self.inter_node_group, _ = dist.new_subgroups_by_enumeration(inter)
+        self.intra_node_group, _ = dist.new_subgroups_by_enumeration(intra, timeout=self.timeout)
+        self.inter_node_group, _ = dist.new_subgroups_by_enumeration(inter, timeout=self.timeout)
 
     def local_experts(self, num_experts: int) -> range:
         """Global indices of the experts this rank holds."""
