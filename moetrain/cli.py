@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import sys
 from pathlib import Path
 
 import yaml
 
+from moetrain import __version__
 from moetrain.checkpoint import CheckpointError
 from moetrain.config import TrainConfig, config_from_dict
+from moetrain.logs import LEVELS, attach_rank_log, configure_console
 from moetrain.planner.cli import add_plan_parser
+
+log = logging.getLogger("moetrain.cli")
 
 
 class _Loader(yaml.SafeLoader):
@@ -79,28 +84,54 @@ def build_train_config(config_path: str, overrides: list[str]) -> TrainConfig:
     return config_from_dict(TrainConfig, apply_overrides(load_config_file(config_path), overrides))
 
 
+# Exceptions that mean bad input (a config, a file, a checkpoint, a missing optional package): the
+# command exits with 2; anything else raised while training is a failure of the run: exit code 1.
+INPUT_ERRORS = (ValueError, CheckpointError, OSError, ImportError)
+
+
 def _train(args) -> int:
     import torch.distributed as dist
 
-    from moetrain.engine import Trainer, check_fits, world_size_from_env
+    from moetrain.engine import Trainer, check_fits
+    from moetrain.failures import RunPosition, describe_failure
+    from moetrain.parallel import read_launch_environment
 
     config = build_train_config(args.config, args.set)
-    check_fits(config, world_size_from_env())
+    launch = read_launch_environment()
+    configure_console(args.log_level, launch.rank)
+    check_fits(config, launch.world_size)
+    log_path = attach_rank_log(config.out_dir, launch.rank, args.log_level)
+    position = RunPosition(rank=launch.rank)
+    trainer = None
     try:
-        Trainer(config).train()
+        trainer = Trainer(config, position=position)
+        trainer.train()
+        trainer.close()
+        return 0
+    except Exception as error:  # noqa: BLE001 - every failure becomes one line + the log file
+        line = describe_failure(error, position, position.model, log_path)
+        log.error("moetrain: error: %s", line, exc_info=error)
+        return 2 if isinstance(error, INPUT_ERRORS) else 1
     finally:
+        trainer = position.model = None  # the model and its groups go before the groups are destroyed
         if dist.is_initialized():
             dist.destroy_process_group()
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moetrain", description="Mixture-of-Experts training toolkit")
+    parser.add_argument("--version", action="version", version=f"moetrain {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a model from a config file")
     train.add_argument("--config", required=True, help="YAML or JSON TrainConfig file")
     train.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
+    train.add_argument(
+        "--log-level",
+        choices=LEVELS,
+        default="INFO",
+        help="records shown on rank 0's stderr and written to out_dir/logs/rank_<r>.log (default INFO)",
     )
     train.set_defaults(run=_train)
     add_plan_parser(commands)

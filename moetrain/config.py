@@ -256,9 +256,13 @@ class BalanceConfig:
 class TrainConfig:
     """One training run (``moetrain train --config FILE``). ``model`` is the config of the model
     named by its ``name`` key (``"moe_lm"``: :class:`moetrain.lm.LMConfig`); ``grad_accum``
-    micro-steps per optimizer step; ``checkpoint_every`` steps (0: only at the end and on SIGTERM),
-    ``keep_last`` checkpoints kept; ``recompute_budget_mb``: activation-memory budget for
-    automatic checkpointing (None: off); ``threads``: torch CPU threads per rank (None: torch's);
+    micro-steps per optimizer step; a checkpoint every ``checkpoint_every`` steps and every
+    ``checkpoint_every_minutes`` of wall-clock time, whichever comes first (0 / None: only at the
+    end and on SIGTERM); ``async_checkpoint``: write checkpoints in the background (the step waits
+    only for the copy of the state into host memory); ``keep_last`` checkpoints kept;
+    ``max_consecutive_skips``: steps in a row skipped for non-finite gradients after which the run
+    stops; ``recompute_budget_mb``: activation-memory budget for automatic checkpointing (None:
+    off; 0: recompute as much as possible); ``threads``: torch CPU threads per rank (None: torch's);
     ``device``: ``"cuda"`` (GPU ``LOCAL_RANK``, NCCL), ``"cpu"`` (gloo) or ``"auto"`` (cuda when
     torch sees a GPU); ``param_dtype``: the dtype the model's weights and gradients are stored in,
     ``"fp32"`` (``precision`` then means autocast) or the ``precision`` itself, with the fp32 master
@@ -278,6 +282,8 @@ class TrainConfig:
     out_dir: str = "runs/default"
     log_every: int = 10
     checkpoint_every: int = 0
+    checkpoint_every_minutes: float | None = None
+    async_checkpoint: bool = True
     keep_last: int = 3
     resume: bool = True
     recompute_budget_mb: float | None = None
@@ -285,6 +291,7 @@ class TrainConfig:
     device: str = "auto"
     param_dtype: str = "fp32"
     dist_timeout_s: float = 600.0
+    max_consecutive_skips: int = 10
 
     def __post_init__(self) -> None:
         require_int("steps", self.steps, 1)
@@ -295,6 +302,10 @@ class TrainConfig:
             raise ValueError(f"out_dir must be a directory path, got {self.out_dir!r}")
         require_int("log_every", self.log_every, 1)
         require_int("checkpoint_every", self.checkpoint_every, 0)
+        if self.checkpoint_every_minutes is not None:
+            require_nonneg_float("checkpoint_every_minutes", self.checkpoint_every_minutes)
+        require_bool("async_checkpoint", self.async_checkpoint)
+        require_int("max_consecutive_skips", self.max_consecutive_skips, 1)
         require_int("keep_last", self.keep_last, 1)
         require_bool("resume", self.resume)
         if self.recompute_budget_mb is not None:
@@ -385,8 +396,45 @@ def _model_config_from_dict(data, path: str):
     if not isinstance(data, dict) or data.get("name") not in classes:
         name = data.get("name") if isinstance(data, dict) else data
         raise ValueError(f"{path}.name must be one of {', '.join(map(repr, classes))}, got {name!r}")
-    body = {k: v for k, v in data.items() if k != "name"}
-    return config_from_dict(classes[data["name"]], body, path)
+    cls = classes[data["name"]]
+    body = {k: v for k, v in data.items() if k not in ("name", "preset")}
+    if "preset" in data:
+        body = _merge(preset_as_dict(cls, data["preset"], f"{path}.preset"), body)
+    return config_from_dict(cls, body, path)
+
+
+def preset_names(cls: type) -> tuple[str, ...]:
+    """The presets a model config class offers (``cls.preset_names()``; none when it has none)."""
+    names = getattr(cls, "preset_names", None)
+    return tuple(names()) if callable(names) else ()
+
+
+def preset_as_dict(cls: type, name, where: str = "preset") -> dict:
+    """Preset ``name`` of model config ``cls`` as the nested dict a config file would hold (what a
+    file's own keys are merged over). Derived values (an MoE config's ``d_model``) are left out,
+    so that they follow the file's own ``d_model``."""
+    from dataclasses import asdict
+
+    allowed = preset_names(cls)
+    if name not in allowed:
+        choices = ", ".join(map(repr, allowed)) if allowed else "none (this model has no presets)"
+        raise ValueError(f"{where} must be one of {choices}, got {name!r}")
+    preset = asdict(cls.preset(name))
+    for value in preset.values():
+        if isinstance(value, dict) and "d_model" in value and "d_ff" in value:
+            value.pop("d_model")  # an MoEConfig: inherits the model's d_model
+    return preset
+
+
+def _merge(base: dict, override: dict) -> dict:
+    """``override`` over ``base``, recursing into mappings present in both."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def _field_default(cls: type, name: str):

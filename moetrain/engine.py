@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import random
@@ -41,13 +42,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moetrain.balance import balance_batch, calibrate_speeds
-from moetrain.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
+from moetrain.checkpoint import (
+    CheckpointWriter,
+    checkpoint_path,
+    latest_checkpoint,
+    load_checkpoint,
+    remove_debris,
+)
 from moetrain.comm.grad_sync import ExpertGradReducer, clip_grad_norm_, global_grad_norm, wrap_data_parallel
 from moetrain.config import TrainConfig
-from moetrain.layers import collect_moe_stats, set_aux_loss_scale
+from moetrain.failures import RunPosition
+from moetrain.layers import MoELayer, collect_moe_stats, set_aux_loss_scale
+from moetrain.metrics import MetricsWriter
 from moetrain.offload import GroupwiseApply, OffloadOptimizer
 from moetrain.parallel import ParallelContext, init_distributed, read_launch_environment
 from moetrain.progress import ProgressBar
+
+log = logging.getLogger(__name__)
 
 
 class TextBatches:
@@ -173,26 +184,33 @@ def _model_classes() -> dict:
 
 
 class Trainer:
-    """Builds everything a run needs from a validated :class:`TrainConfig`, then ``train()``."""
+    """Builds everything a run needs from a validated :class:`TrainConfig`, then ``train()``.
 
-    def __init__(self, config: TrainConfig):
+    ``position`` says where the run is (rank, step, phase), for :func:`moetrain.failures.describe_failure`.
+    """
+
+    def __init__(self, config: TrainConfig, position: RunPosition | None = None):
         self.config = config
+        self.position = position if position is not None else RunPosition()
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         launch = read_launch_environment()
         self.device = resolve_device(config.device, launch.local_rank, launch.local_world_size)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self.position.phase = "process-group set-up"
         self.launch = init_distributed(
             backend="nccl" if self.device.type == "cuda" else "gloo", timeout_s=config.dist_timeout_s
         )
         self.parallel = ParallelContext(config.parallel, timeout_s=config.dist_timeout_s)
-        self.rank = self.parallel.rank
+        self.rank = self.position.rank = self.parallel.rank
         self.is_main = self.rank == 0
+        self.position.phase = "model set-up"
         torch.manual_seed(config.seed)  # identical on every rank: dense replicas start equal
         random.seed(config.seed)
         builder = MODEL_BUILDERS[_model_name(config)]
         self.model, self.batches, self.loss_fn = builder(config, self.parallel, self.rank)
+        self.position.model = self.model
         self.model.to(self.device)
         if config.param_dtype != "fp32":  # fp32 masters: built by the OffloadOptimizer below
             self.model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[config.param_dtype])
@@ -207,15 +225,29 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device_type) if config.precision == "fp16" else None
         self.out_dir = Path(config.out_dir)
         self.checkpoint_dir = self.out_dir / "checkpoints"
+        self.writer = CheckpointWriter(
+            self.checkpoint_dir,
+            parallel=self.parallel,
+            keep_last=config.keep_last,
+            asynchronous=config.async_checkpoint,
+            timeout_s=config.dist_timeout_s,
+        )
         self.step = 0
+        self.skipped_steps = 0  # optimizer steps skipped for non-finite gradients, this run
+        self.consecutive_skips = 0
         self.stop_requested = False
         self.recompute_plan = None
         self.balance = None
         self._proxy_weights = None  # calibration under EP: the proxy FFN's weights, made on first use
+        self._window: list[dict] = []  # per-step device values since the last logged step
+        self._last_checkpoint_time = time.monotonic()
         if config.balance.enabled:
+            self.position.phase = "batch balancing"
             self._balance_batches()
         if config.recompute_budget_mb is not None:
+            self.position.phase = "recompute planning"
             self._plan_recompute()
+        self.position.phase = "set-up"
 
     # ------------------------------------------------------------------------------------------
     def _build_optimizer(self) -> torch.optim.Optimizer:
@@ -235,20 +267,34 @@ class Trainer:
         return GroupwiseApply(adamw, optim.num_apply_groups) if optim.name == "groupwise" else adamw
 
     def _plan_recompute(self) -> None:
-        from moetrain.recompute import apply_recompute_plan, auto_checkpoint, remove_recompute
+        """Profiles one micro-batch in the training precision and recomputes the cheapest set of
+        blocks whose activations fit ``recompute_budget_mb`` (0: the least memory reachable)."""
+        from moetrain.recompute import (
+            apply_recompute_plan,
+            plan_recompute,
+            profile_activations,
+            remove_recompute,
+        )
 
         probe = self.batches.probe(self.batches.batch, self.config.seed * 31 + 7 + self.rank)
         inputs, targets = to_device(probe, self.device)
-        budget = int(self.config.recompute_budget_mb * 2**20)
-        plan = auto_checkpoint(
-            self.model, inputs, budget, loss_fn=lambda out: self.loss_fn(out, targets), verbose=self.is_main
-        )
+        with self._autocast():
+            profile = profile_activations(self.model, inputs, loss_fn=lambda out: self.loss_fn(out, targets))
+        budget = self.config.recompute_budget_mb * 2**20 or profile.min_activation_bytes
+        plan = plan_recompute(profile, int(budget), self.model)
         names = [list(plan.recomputed)]
         if self.parallel.world_size > 1:  # every rank recomputes what rank 0 chose
             dist.broadcast_object_list(names, src=0)
-            remove_recompute(self.model)
-            apply_recompute_plan(self.model, names[0])
+        remove_recompute(self.model)
+        apply_recompute_plan(self.model, names[0])
         self.recompute_plan = plan
+        if self.is_main:
+            log.info("%s", plan.summary())
+
+    def _autocast(self):
+        return torch.autocast(
+            self.device_type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
+        )
 
     def _balance_batches(self) -> None:
         """Splits the global micro-batch between the ranks by speed (given or calibrated)."""
@@ -269,11 +315,10 @@ class Trainer:
         self.batches.batch = self.balance.micro_batches[self.rank]
         self.loss_weight = self.balance.loss_weights[self.rank]
         if self.is_main:
-            print(
-                f"balanced micro-batches {list(self.balance.micro_batches)} (speeds {speeds}), "
-                f"predicted speed-up {self.balance.speedup:.2f}x",
-                flush=True,
-            )
+            log.info(
+                "balanced micro-batches %s (speeds %s), predicted speed-up %.2fx",
+                list(self.balance.micro_batches), speeds, self.balance.speedup,
+            )  # fmt: skip
 
     def _timed_pass(self, sequences: int) -> None:
         """One forward+backward on ``sequences`` sequences, for speed calibration (grads dropped).
@@ -304,9 +349,7 @@ class Trainer:
             ]
         w1, w2 = self._proxy_weights
         x = torch.randn(sequences * self.config.data.seq_len, d_model, device=self.device)
-        with torch.autocast(
-            self.device_type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
-        ):
+        with self._autocast():
             y = F.gelu(x @ w1) @ w2
         y.float().square().mean().backward()
         w1.grad = w2.grad = None
@@ -317,21 +360,25 @@ class Trainer:
             "data": self.batches.state_dict(),
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "config": asdict(self.config),
+            "skipped_steps": self.skipped_steps,
         }
 
     def save(self) -> None:
-        save_checkpoint(
-            self.checkpoint_dir,
+        """Checkpoints the current step (in the background when ``async_checkpoint``)."""
+        self.position.phase = "checkpoint save"
+        self.writer.save(
             self.step,
             model=self.model,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             extra_state=self._extra_state(),
-            parallel=self.parallel,
-            keep_last=self.config.keep_last,
         )
+        self._last_checkpoint_time = time.monotonic()
 
     def maybe_resume(self) -> None:
+        if self.is_main and self.config.resume:
+            for path in remove_debris(self.checkpoint_dir):
+                log.info("checkpoint: removed %s (left by an interrupted save or prune)", path)
         if not self.config.resume or latest_checkpoint(self.checkpoint_dir) is None:
             return
         loaded = load_checkpoint(
@@ -350,7 +397,7 @@ class Trainer:
         if self.scaler is not None and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
         if self.is_main:
-            print(f"resumed from step {self.step} ({self.checkpoint_dir})", flush=True)
+            log.info("resumed from step %d (%s)", self.step, self.checkpoint_dir)
 
     def _on_sigterm(self, signum, frame) -> None:
         self.stop_requested = True
@@ -369,8 +416,19 @@ class Trainer:
         dist.all_reduce(total)
         return self.parallel.world_size * mine / max(float(total.item()), 1.0)
 
-    def _micro_step(self, last: bool, loss_scale: float) -> tuple[float, float, float]:
-        """Forward and backward of one micro-batch: (loss, aux loss, this rank's loss weight)."""
+    def _aux_loss_now(self) -> torch.Tensor:
+        """The sum of the MoE layers' aux losses of the last forward, on the device (no sync)."""
+        layers = [m.last_stats.aux_loss for m in self._moe_layers if m.last_stats is not None]
+        return torch.stack(layers).float().sum() if layers else torch.zeros((), device=self.device)
+
+    @property
+    def _moe_layers(self) -> list[MoELayer]:
+        return [m for m in self.model.modules() if isinstance(m, MoELayer)]
+
+    def _micro_step(self, last: bool, loss_scale: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Forward and backward of one micro-batch: (loss, aux loss) as detached device scalars,
+        and this rank's loss weight."""
+        self.position.phase = "data loading"
         inputs, targets = to_device(self.batches.next(), self.device)
         accum = self.config.grad_accum
         share = self._loss_share(targets)
@@ -379,21 +437,139 @@ class Trainer:
         sync = last or self.ddp is self.model
         context = contextlib.nullcontext() if sync else self.ddp.no_sync()
         with context:
-            with torch.autocast(
-                self.device_type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
-            ):
+            self.position.phase = "forward"
+            with self._autocast():
                 output = self.ddp(**inputs) if isinstance(inputs, dict) else self.ddp(inputs)
             loss = self.loss_fn(output, targets)
             scaled = loss * weight
+            self.position.phase = "backward"
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-        return loss.item(), collect_moe_stats(self.model).aux_loss.item(), share
+        return loss.detach().float(), self._aux_loss_now(), share
 
-    def _global_sum(self, values: list[float]) -> list[float]:
-        if self.parallel.world_size == 1:
-            return values
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor)
-        return tensor.tolist()
+    def _is_logging_step(self, step: int) -> bool:
+        return step % self.config.log_every == 0 or step == self.config.steps
+
+    def train_step(self) -> dict | None:
+        """One optimizer step. Returns the step's metrics on a logging step (every ``log_every``
+        steps and the last), None otherwise: metric values stay on the device in between, so that
+        no step but a logging one waits for a metric to reach the host.
+
+        A step whose global gradient norm is not finite (inf / NaN anywhere, known on every rank
+        from the all-reduced norm) is skipped on every rank: weights, optimizer state and LR
+        schedule stay as they were (fp16 also lowers the loss scale). ``max_consecutive_skips``
+        skipped steps in a row stop the run; with fp16, skips while the loss scale is still above
+        1 are the scaler's calibration and do not count toward that limit."""
+        config = self.config
+        start = time.perf_counter()
+        loss_scale = self.scaler.get_scale() if self.scaler is not None else 1.0
+        self.optimizer.zero_grad(set_to_none=True)
+        losses, auxes = [], []
+        for micro in range(config.grad_accum):
+            loss, aux, share = self._micro_step(micro == config.grad_accum - 1, loss_scale)
+            losses.append(loss * share)
+            auxes.append(aux)
+        self.position.phase = "gradient sync"
+        self.reducer.reduce()
+        # With fp16 the gradients are still multiplied by loss_scale: clip at the scaled threshold.
+        if config.optim.grad_clip > 0:
+            scaled_norm = float(
+                clip_grad_norm_(self.model, config.optim.grad_clip * loss_scale, self.parallel)
+            )
+        else:
+            scaled_norm = float(global_grad_norm(self.model, self.parallel))
+        grad_norm = scaled_norm / loss_scale
+        self.position.phase = "optimizer step"
+        skipped = not math.isfinite(scaled_norm)
+        if skipped:
+            self._skip_step(loss_scale)
+        else:
+            self.consecutive_skips = 0
+            if self.scaler is None:
+                self.optimizer.step()
+            else:
+                self.scaler.step(self.optimizer)  # every rank's gradients are finite: none skips
+                self.scaler.update()
+        lr = self.optimizer.param_groups[0]["lr"]
+        if not skipped:  # a skipped step does not advance the schedule (as in Megatron-LM)
+            self.scheduler.step()
+        self.step += 1
+        self._window.append(
+            {
+                "loss": torch.stack(losses).mean(),
+                "aux": torch.stack(auxes).mean(),
+                "tokens": self.batches.tokens_per_batch * config.grad_accum,
+                "seconds": time.perf_counter() - start,
+            }
+        )
+        if not self._is_logging_step(self.step):
+            return None
+        self.position.phase = "metrics"
+        return self._logged_metrics(lr, grad_norm, loss_scale, skipped)
+
+    def _skip_step(self, loss_scale: float) -> None:
+        """Drops the gradients; counts the skip; stops the run after too many in a row."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.skipped_steps += 1
+        calibrating = self.scaler is not None and loss_scale > 1.0
+        if self.scaler is not None:
+            self._back_off_loss_scale()
+        if not calibrating:
+            self.consecutive_skips += 1
+        limit = self.config.max_consecutive_skips
+        if self.consecutive_skips >= limit:
+            raise NonFiniteGradientsError(
+                f"step {self.step + 1}: {self.consecutive_skips} consecutive steps had non-finite gradients "
+                f"(inf or NaN; max_consecutive_skips = {limit}); the weights are those of step "
+                f"{self.step + 1 - self.consecutive_skips}: check the data and the learning rate"
+            )
+        if self.is_main:
+            log.warning(
+                "step %d skipped: non-finite gradient norm%s", self.step + 1,
+                f" (fp16 loss scale {loss_scale:g} lowered)" if self.scaler is not None else "",
+            )  # fmt: skip
+
+    def _back_off_loss_scale(self) -> None:
+        """Lowers the fp16 scale exactly as ``GradScaler.update`` does after an overflow (scale *
+        backoff_factor, growth count reset)."""
+        state = self.scaler.state_dict()
+        state.update(scale=state["scale"] * state["backoff_factor"], _growth_tracker=0)
+        self.scaler.load_state_dict(state)
+
+    def _logged_metrics(self, lr: float, grad_norm: float, loss_scale: float, skipped: bool) -> dict:
+        """The metrics of a logging step: loss, aux loss and tokens/s over the steps since the last
+        logging step (global means, one all-reduce), this step's lr and gradient norm, and this
+        step's expert load."""
+        window, self._window = self._window, []
+        world = self.parallel.world_size
+        local = torch.stack(
+            [torch.stack([w["loss"] for w in window]).mean(), torch.stack([w["aux"] for w in window]).mean()]
+        )
+        tokens = sum(w["tokens"] for w in window)
+        seconds = sum(w["seconds"] for w in window)
+        values = torch.cat(
+            [
+                local.double().to(self.device),
+                torch.tensor([float(tokens)], dtype=torch.float64, device=self.device),
+            ]
+        )
+        if world > 1:
+            dist.all_reduce(values)
+        weighted_loss, aux, tokens = values.tolist()
+        metrics = {
+            "step": self.step,
+            "loss": weighted_loss / world,
+            "aux_loss": aux / world,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens / max(seconds, 1e-9),
+            "skipped_steps": self.skipped_steps,
+        }
+        if self.scaler is not None:
+            metrics.update(loss_scale=loss_scale, skipped=skipped)
+        result = self.writer.last_result
+        if result is not None and result.step > self.step - len(window):
+            metrics["checkpoint_stall_s"] = result.blocking_s
+        return {**metrics, **self._data_metrics(), **self._expert_metrics()}
 
     def _expert_metrics(self) -> dict:
         """Per MoE layer: coefficient of variation of the tokens routed to each expert, summed
@@ -411,60 +587,6 @@ class Trainer:
         dropped = (1 - kept.sum(1) / routed.sum(1).clamp_min(1)).tolist()
         return {"expert_load_cv": cv, "dropped_fraction": dropped}
 
-    def train_step(self) -> dict:
-        config = self.config
-        start = time.perf_counter()
-        loss_scale = self.scaler.get_scale() if self.scaler is not None else 1.0
-        self.optimizer.zero_grad(set_to_none=True)
-        weighted_losses, auxes = [], []
-        for micro in range(config.grad_accum):
-            loss, aux, share = self._micro_step(micro == config.grad_accum - 1, loss_scale)
-            weighted_losses.append(share * loss)
-            auxes.append(aux)
-        self.reducer.reduce()
-        # With fp16 the gradients are still multiplied by loss_scale: clip at the scaled threshold.
-        if config.optim.grad_clip > 0:
-            clip_at = config.optim.grad_clip * loss_scale
-            scaled_norm = float(clip_grad_norm_(self.model, clip_at, self.parallel))
-        else:
-            scaled_norm = float(global_grad_norm(self.model, self.parallel))
-        grad_norm = scaled_norm / loss_scale
-        skipped = False
-        if self.scaler is None:
-            self.optimizer.step()
-        elif math.isfinite(scaled_norm):
-            self.scaler.step(self.optimizer)  # every rank's gradients are finite: none skips
-            self.scaler.update()
-        else:
-            self._skip_overflowed_step()
-            skipped = True
-        lr = self.optimizer.param_groups[0]["lr"]
-        if not skipped:  # a skipped step does not advance the schedule (as in Megatron-LM)
-            self.scheduler.step()
-        self.step += 1
-        # The logged loss is the global-batch mean: each rank's mean weighted by its share w_r.
-        world = self.parallel.world_size
-        weighted_loss, aux, tokens = self._global_sum(
-            [
-                sum(weighted_losses) / len(weighted_losses),
-                sum(auxes) / len(auxes),
-                self.batches.tokens_per_batch * config.grad_accum,
-            ]
-        )
-        loss, aux = weighted_loss / world, aux / world
-        elapsed = time.perf_counter() - start
-        return {
-            "step": self.step,
-            "loss": loss,
-            "aux_loss": aux,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens_per_s": tokens / elapsed,
-            **({} if self.scaler is None else {"loss_scale": loss_scale, "skipped": skipped}),
-            **self._data_metrics(),
-            **self._expert_metrics(),
-        }
-
     def _data_metrics(self) -> dict:
         """Bad records the data pipeline skipped so far on this rank (datasets that count them)."""
         count = getattr(self.batches, "skipped_records", None)
@@ -473,134 +595,97 @@ class Trainer:
     def _report_skipped_records(self, when: str) -> None:
         summary = getattr(self.batches, "skip_summary", None)
         if self.is_main and summary is not None and self.batches.skipped_records:
-            print(f"data ({when}, rank 0): {summary()}", flush=True)
+            log.info("data (%s, rank 0): %s", when, summary())
 
-    def _skip_overflowed_step(self) -> None:
-        """An inf / NaN gradient somewhere (the all-reduced norm says so on every rank): drop the
-        gradients, leave weights and optimizer state alone, and lower the scale exactly as
-        ``GradScaler.update`` does after an overflow (scale * backoff_factor, growth count reset)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        state = self.scaler.state_dict()
-        state.update(scale=state["scale"] * state["backoff_factor"], _growth_tracker=0)
-        self.scaler.load_state_dict(state)
-
+    # ------------------------------------------------------------------------------------------
     def train(self, until: int | None = None) -> list[dict]:
         """Runs to ``config.steps`` (resuming first when a checkpoint exists), or only to step
-        ``until`` (then checkpoints, as if interrupted); returns the metrics of every step run
-        here. Stops early, after a checkpoint, when SIGTERM arrives."""
+        ``until`` (then checkpoints, as if interrupted); returns the metrics of every logging step
+        run here. Checkpoints every ``checkpoint_every`` steps and every ``checkpoint_every_minutes``,
+        at the end, and when SIGTERM arrives (then stops)."""
         config = self.config
         last_step = config.steps if until is None else min(until, config.steps)
+        self.position.phase = "resume"
         self.maybe_resume()
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.json").write_text(json.dumps(asdict(config), indent=2, default=str))
         self._report_skipped_records("start")
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        writer = _MetricsWriter(self.out_dir, self.step) if self.is_main else None
-        bar = (
-            ProgressBar(config.steps, "train", log_every=config.log_every, initial=self.step)
-            if self.is_main
-            else None
-        )
+        metrics_file = MetricsWriter(self.out_dir, self.step) if self.is_main else None
+        bar = ProgressBar(config.steps, "train", log_every=1, initial=self.step) if self.is_main else None
         history = []
+        self._last_checkpoint_time = time.monotonic()
         try:
             while self.step < last_step:
+                self.position.step = self.step + 1
                 metrics = self.train_step()
-                history.append(metrics)
-                if writer is not None:
-                    writer.write(metrics)
-                    load = {"load cv": max(metrics["expert_load_cv"])} if "expert_load_cv" in metrics else {}
-                    bar.update(
-                        self.step,
-                        loss=metrics["loss"],
-                        aux=metrics["aux_loss"],
-                        **{"tok/s": int(metrics["tokens_per_s"])},
-                        **load,
-                    )
-                stop = self._agree(self.stop_requested)
-                if stop or (config.checkpoint_every and self.step % config.checkpoint_every == 0):
+                if metrics is not None:
+                    history.append(metrics)
+                    if metrics_file is not None:
+                        metrics_file.write(metrics)
+                        load = (
+                            {"load cv": max(metrics["expert_load_cv"])} if "expert_load_cv" in metrics else {}
+                        )
+                        bar.update(
+                            self.step,
+                            loss=metrics["loss"],
+                            aux=metrics["aux_loss"],
+                            **{"tok/s": int(metrics["tokens_per_s"])},
+                            **load,
+                        )
+                self.position.phase = "checkpoint"
+                stop, due, failed = self._agree_flags(
+                    self.stop_requested, self._checkpoint_due(), self.writer.failed()
+                )
+                if failed:
+                    self.writer.wait()  # raises the background save's error, on every rank
+                if stop or due:
                     self.save()
                 if stop:
+                    self.writer.wait()
                     if self.is_main:
-                        print(f"\nSIGTERM: checkpoint saved at step {self.step}, stopping", flush=True)
+                        log.info("SIGTERM: checkpoint saved at step %d, stopping", self.step)
                     break
             else:
+                self.writer.wait()
                 if not checkpoint_path(self.checkpoint_dir, self.step).exists():
                     self.save()
+                self.writer.wait()
         finally:
             signal.signal(signal.SIGTERM, previous)
             if bar is not None:
                 bar.close()
-            if writer is not None:
-                writer.close()
+            if metrics_file is not None:
+                metrics_file.close()
+        self.position.phase = "shutdown"
         self._report_skipped_records("end")
         return history
 
-    def _agree(self, flag: bool) -> bool:
-        """True on every rank when any rank's flag is set (all ranks checkpoint together)."""
+    def _checkpoint_due(self) -> bool:
+        """``checkpoint_every`` steps or ``checkpoint_every_minutes`` since the last save."""
+        config = self.config
+        if config.checkpoint_every and self.step % config.checkpoint_every == 0:
+            return True
+        minutes = config.checkpoint_every_minutes
+        return bool(minutes) and time.monotonic() - self._last_checkpoint_time >= 60 * minutes
+
+    def _agree_flags(self, *flags: bool) -> list[bool]:
+        """Each flag True on every rank when it is True on any rank (one small all-reduce), so
+        that all ranks checkpoint and stop together."""
         if self.parallel.world_size == 1:
-            return flag
-        tensor = torch.tensor([1.0 if flag else 0.0], device=self.device)
+            return list(flags)
+        tensor = torch.tensor([1.0 if flag else 0.0 for flag in flags], device=self.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return bool(tensor.item())
-
-
-class _MetricsWriter:
-    """``metrics.jsonl`` (one JSON object per step) and, when installed, TensorBoard events.
-
-    A run resumed at ``resumed_step`` first drops the records of later steps (written before a
-    crash, then redone), so every step appears once."""
-
-    def __init__(self, out_dir: Path, resumed_step: int = 0):
-        out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / "metrics.jsonl"
-        _drop_records_after(path, resumed_step)
-        self.file = open(path, "a")  # noqa: SIM115 - open for the whole run
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step: TensorBoard hides the events of steps >= it from the earlier attempt.
-            self.tensorboard = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resumed_step + 1)
-        except ImportError:
-            self.tensorboard = None
-            print("tensorboard is not installed: metrics go to metrics.jsonl only", flush=True)
-
-    def write(self, metrics: dict) -> None:
-        self.file.write(json.dumps(metrics) + "\n")
-        self.file.flush()
-        if self.tensorboard is not None:
-            step = metrics["step"]
-            for key, value in metrics.items():
-                if isinstance(value, list):
-                    for layer, item in enumerate(value):
-                        self.tensorboard.add_scalar(f"{key}/layer{layer}", item, step)
-                elif key != "step":
-                    self.tensorboard.add_scalar(key, value, step)
+        return [bool(v) for v in tensor.tolist()]
 
     def close(self) -> None:
-        self.file.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        """Waits for a checkpoint still being written and releases its process group."""
+        self.writer.close()
 
 
-def _drop_records_after(path: Path, step: int) -> None:
-    """Rewrites ``path`` (JSON lines with a ``step``) without the records after ``step``, via a
-    temporary file and an atomic rename; a torn last line (a crash mid-write) is dropped too."""
-    if not path.exists():
-        return
-    lines = path.read_text().splitlines()
-    kept = [line for line in lines if _record_step(line) <= step]
-    if len(kept) < len(lines):
-        temporary = path.with_name(path.name + ".tmp")
-        temporary.write_text("".join(line + "\n" for line in kept))
-        os.replace(temporary, path)
-
-
-def _record_step(line: str) -> float:
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return math.inf  # unreadable: dropped
+class NonFiniteGradientsError(RuntimeError):
+    """Too many consecutive optimizer steps had inf / NaN gradients (``max_consecutive_skips``)."""
 
 
 def check_fits(config: TrainConfig, world_size: int) -> None:

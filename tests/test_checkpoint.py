@@ -6,9 +6,16 @@ distributed runs take most of the time (one world-4 save, one world-2 load).
 
 from __future__ import annotations
 
+import errno
 import io
+import os
 import random
 import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,7 +97,8 @@ def _setup(seed, make_optimizer, dtype):
     [(_adamw, torch.float32), (_offload, torch.float32), (_offload, torch.bfloat16)],
     ids=["adamw", "offload-fp32", "offload-bf16-master"],
 )
-def test_round_trip_continues_training_identically(tmp_path, capsys, make_optimizer, dtype):
+def test_round_trip_continues_training_identically(tmp_path, caplog, make_optimizer, dtype):
+    caplog.set_level("INFO", logger="moetrain.checkpoint")
     model, optimizer, scheduler = _setup(0, make_optimizer, dtype)
     _train(model, optimizer, scheduler, 3)
     save_checkpoint(
@@ -110,7 +118,7 @@ def test_round_trip_continues_training_identically(tmp_path, capsys, make_optimi
     assert _train(model2, optimizer2, scheduler2, 3) == expected
     for p, q in zip(model2.parameters(), expected_params, strict=True):
         assert torch.equal(p.detach(), q)
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("checkpoint:")]
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("moetrain.checkpoint")]
     assert len(lines) == 4 and " s" in lines[1] and "iB" in lines[1] and "iB" in lines[3]
 
 
@@ -327,7 +335,7 @@ def test_damaged_checkpoint_raises_naming_the_file(tmp_path, damage):
 
 
 def test_large_checkpoints_show_hashing_progress(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(ckpt, "_PROGRESS_MIN_BYTES", 1)  # every checkpoint counts as large
+    monkeypatch.setattr(ckpt.integrity, "PROGRESS_MIN_BYTES", 1)  # every checkpoint counts as large
     path, model = _small_checkpoint(tmp_path)
     load_checkpoint(tmp_path, model=model)
     err = capsys.readouterr().err
@@ -335,24 +343,28 @@ def test_large_checkpoints_show_hashing_progress(tmp_path, monkeypatch, capsys):
     assert "checkpoint: verifying (rank 0's share, MiB)" in err
 
 
-@pytest.mark.parametrize("crash_in", ["_write_manifest", "_publish"])
-def test_crash_mid_save_leaves_the_previous_checkpoint_latest(tmp_path, monkeypatch, crash_in):
+@pytest.mark.parametrize("fail_in", ["write_manifest", "publish"])
+def test_failure_mid_save_leaves_the_previous_checkpoint_latest(tmp_path, monkeypatch, fail_in):
     first, model = _small_checkpoint(tmp_path, step=1)
+    written = []
 
-    def crash(*args, **kwargs):
-        raise RuntimeError("simulated crash")
+    def fail(directory, *args, **kwargs):
+        written.append(sorted(p.name for p in Path(directory).iterdir()))
+        raise RuntimeError("simulated failure")
 
-    monkeypatch.setattr(ckpt, crash_in, crash)
-    with pytest.raises(RuntimeError, match="simulated crash"):
+    monkeypatch.setattr(ckpt.save, fail_in, fail)
+    with pytest.raises(CheckpointError, match=r"step 2 could not be written .*simulated failure.* intact"):
         save_checkpoint(tmp_path, 2, model=model)
-    assert (tmp_path / "step_00000002.tmp" / ".metadata").is_file()  # DCP had written
+    assert ".metadata" in written[0]  # DCP had written when it failed
+    assert not (tmp_path / "step_00000002.tmp").exists()  # the partial files were removed
     assert latest_checkpoint(tmp_path) == first
     assert load_checkpoint(tmp_path, model=model)["step"] == 1
     with pytest.raises(FileNotFoundError, match=r"no complete checkpoint for step 2 .* \[1\]"):
         load_checkpoint(tmp_path, model=model, step=2)
 
     monkeypatch.undo()
-    second = save_checkpoint(tmp_path, 2, model=model)  # the debris of the crashed save is replaced
+    (tmp_path / "step_00000002.tmp").mkdir()  # debris of a crashed save (a kill leaves it) is replaced
+    second = save_checkpoint(tmp_path, 2, model=model)
     assert latest_checkpoint(tmp_path) == second
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000002"]
 
@@ -373,3 +385,78 @@ def test_keep_last_deletes_older_checkpoints(tmp_path):
             save_checkpoint(tmp_path, 50, model=model, keep_last=bad)
     with pytest.raises(ValueError, match="step must be an integer >= 0"):
         save_checkpoint(tmp_path, -3, model=model)
+
+
+# ------------------------------------------------------------------------------------------------
+# Asynchronous saves
+
+
+def test_async_save_writes_the_state_of_the_call_while_training_changes_the_weights(tmp_path, monkeypatch):
+    model, optimizer, scheduler = _setup(0, _adamw, torch.float32)
+    _train(model, optimizer, scheduler, 2)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    released = threading.Event()
+    original = ckpt.save._SaveJob._dcp_save
+
+    def held_back(job):  # the background write starts only after the weights changed
+        released.wait(timeout=30)
+        return original(job)
+
+    monkeypatch.setattr(ckpt.save._SaveJob, "_dcp_save", held_back)
+    writer = ckpt.CheckpointWriter(tmp_path, asynchronous=True)
+    path = writer.save(2, model=model, optimizer=optimizer, scheduler=scheduler, extra_state={"pos": 1})
+    assert writer.in_flight and not path.exists()
+    _train(model, optimizer, scheduler, 1)  # the next step updates the weights in place
+    released.set()
+    result = writer.wait()
+    assert result.path == path and path.is_dir() and 0 < result.blocking_s <= result.total_s
+    fresh = Net()
+    load_checkpoint(tmp_path, model=fresh)
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    writer.close()
+
+
+def test_async_save_failure_is_raised_by_wait_and_cleans_up(tmp_path, monkeypatch):
+    first, model = _small_checkpoint(tmp_path, step=1)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "step_00000002.tmp"))
+
+    monkeypatch.setattr(ckpt.save, "write_manifest", disk_full)
+    writer = ckpt.CheckpointWriter(tmp_path, asynchronous=True)
+    writer.save(2, model=model)
+    with pytest.raises(CheckpointError, match=r"step 2 could not be written .*: no space left on device"):
+        writer.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
+    assert latest_checkpoint(tmp_path) == first
+
+
+@pytest.mark.parametrize("phase", ["before-write", "before-manifest", "before-publish"])
+def test_kill_during_an_async_save_never_leaves_a_complete_looking_checkpoint(tmp_path, phase):
+    script = Path(__file__).parent / "scripts" / "killed_async_save.py"
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), phase],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    try:
+        assert child.stdout.readline().strip() == "READY"
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait(timeout=30)
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
+    assert [p.name for p in ckpt.debris(tmp_path)] == ["step_00000002.tmp"]
+    net = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    assert load_checkpoint(tmp_path, model=net)["step"] == 1
+    assert ckpt.remove_debris(tmp_path) and ckpt.debris(tmp_path) == []
+
+
+def test_a_checkpoint_with_non_finite_weights_is_never_written_and_the_last_good_one_stays(tmp_path):
+    first, model = _small_checkpoint(tmp_path, step=1)
+    with torch.no_grad():
+        model.out.weight[0, 0] = float("nan")
+    with pytest.raises(CheckpointError, match=r"step 2 not written: non-finite .* in model/out\.weight"):
+        save_checkpoint(tmp_path, 2, model=model, keep_last=1)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [1] and ckpt.debris(tmp_path) == []

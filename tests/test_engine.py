@@ -300,7 +300,7 @@ def test_progress_bar_logs_every_n_steps_and_times_only_this_run(monkeypatch):
     assert lines[0].endswith("eta   10s")  # 5 steps in 10 s since the resume, 5 to go
 
 
-def test_skipped_bad_records_are_reported_and_logged(tmp_path, capsys):
+def test_skipped_bad_records_are_reported_and_logged(tmp_path, caplog):
     from models.m6_moe import ensure_synthetic_dataset
 
     data = ensure_synthetic_dataset(tmp_path / "data", num_train=16, num_heldout=2, size=32, progress=False)
@@ -314,6 +314,7 @@ def test_skipped_bad_records_are_reported_and_logged(tmp_path, capsys):
             f"data.source={manifest}",
             "model.tasks.skip_bad_records=true",
             "steps=2",
+            "log_every=1",
             "data.micro_batch_size=2",
             "threads=1",
             "device=cpu",
@@ -321,7 +322,7 @@ def test_skipped_bad_records_are_reported_and_logged(tmp_path, capsys):
     )
     history = Trainer(config).train()
     assert [m["skipped_records"] for m in history] == [1, 1]
-    out = capsys.readouterr().out
+    out = "\n".join(r.getMessage() for r in caplog.records)
     assert "data (start, rank 0): 1 bad record skipped:" in out and "invalid JSON" in out
     assert "data (end, rank 0): 1 bad record skipped:" in out
 
@@ -429,3 +430,52 @@ def test_balanced_m6_step_has_the_gradient_of_the_mean_over_all_target_tokens(tm
         want = torch.zeros_like(param) if param.grad is None else param.grad
         torch.testing.assert_close(grads0[name], want, rtol=1e-4, atol=1e-6, msg=name)
         torch.testing.assert_close(grads1[name], want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_runtime_failure_is_one_line_naming_rank_step_and_module_with_the_traceback_in_the_log(
+    tmp_path, monkeypatch, capsys
+):
+    from moetrain.layers import MoELayer
+    from moetrain.logs import detach_handlers
+
+    original = MoELayer.forward
+    calls = []
+
+    def failing_forward(self, x):
+        calls.append(1)
+        if len(calls) == 2:  # the second step's forward
+            raise RuntimeError("injected fault\nsecond line of the message")
+        return original(self, x)
+
+    monkeypatch.setattr(MoELayer, "forward", failing_forward)
+    path = _write(tmp_path, "run.json", json.dumps(tiny(tmp_path / "run", steps=4)))
+    try:
+        code = main(["train", "--config", path])
+    finally:
+        detach_handlers()
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("moetrain: error:")]
+    log_file = tmp_path / "run" / "logs" / "rank_0.log"
+    assert code == 1 and len(lines) == 1, err
+    assert lines[0] == (
+        "moetrain: error: rank 0, step 2, forward of module blocks.0.ffn (MoELayer): RuntimeError: injected "
+        f"fault; full traceback in {log_file}"
+    )
+    assert "Traceback" not in err
+    text = log_file.read_text()
+    assert (
+        "Traceback (most recent call last)" in text and "injected fault" in text and "failing_forward" in text
+    )
+
+
+def test_checkpoints_by_wall_clock_time(tmp_path):
+    """checkpoint_every_minutes: a checkpoint once that much time passed since the last one (here
+    so little that every step qualifies, then so much that only the final one is written)."""
+    often = tiny(tmp_path / "often", steps=4, checkpoint_every_minutes=1e-9, keep_last=10)
+    run(often)
+    assert [p.name for p in sorted((tmp_path / "often" / "checkpoints").iterdir())] == [
+        f"step_0000000{s}" for s in (1, 2, 3, 4)
+    ]
+    rarely = tiny(tmp_path / "rarely", steps=4, checkpoint_every_minutes=60, keep_last=10)
+    run(rarely)
+    assert [p.name for p in (tmp_path / "rarely" / "checkpoints").iterdir()] == ["step_00000004"]

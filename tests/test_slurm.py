@@ -254,6 +254,8 @@ def test_sbatch_trains_a_tiny_model_and_checkpoints(cluster, tmp_path):
         "data.micro_batch_size=4",
         "--set",
         "threads=1",
+        "--set",
+        "log_every=1",
     ]
     job_id, state, output = cluster.run(
         SLURM_DIR / "train_per_task.sbatch",

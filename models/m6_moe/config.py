@@ -225,6 +225,10 @@ class M6Config:
         return replace(config, **overrides) if overrides else config
 
     @classmethod
+    def preset_names(cls) -> tuple[str, ...]:
+        return tuple(PRESETS)
+
+    @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
 

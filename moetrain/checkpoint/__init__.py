@@ -1,0 +1,50 @@
+"""Training checkpoints through ``torch.distributed.checkpoint`` (DCP), experts stored by global index.
+
+A checkpoint saved under one layout (world size, ``ep_size``) loads under any other whose expert
+count matches: every expert parameter ``[E_local, ...]`` is split into one entry per GLOBAL expert,
+and a rank loads exactly the experts it holds now. Works with or without an initialised process
+group (one process: ``torch.distributed`` not initialised).
+
+The modules, one job each:
+
+- :mod:`~moetrain.checkpoint.directory`: names, completeness, publishing, pruning, debris;
+- :mod:`~moetrain.checkpoint.integrity`: the manifest and the checksums of the files;
+- :mod:`~moetrain.checkpoint.entries` / :mod:`~moetrain.checkpoint.restore`: what a rank saves
+  and reads (the flat DCP state dict, experts split per global index);
+- :mod:`~moetrain.checkpoint.objects` / :mod:`~moetrain.checkpoint.safe_dcp`: objects as JSON and
+  reading without unpickling anything but DCP's own metadata classes (trust model:
+  docs/checkpoint.md);
+- :mod:`~moetrain.checkpoint.save` / :mod:`~moetrain.checkpoint.load`: the two collectives,
+  saving atomically (optionally in the background) and loading all-or-nothing.
+
+Under another world size, rank r restores the RNG saved by rank r where that rank existed (and
+nothing where it did not), and gets rank r's ``extra_state``, or rank 0's where rank r did not
+exist; :func:`load_checkpoint` reports both (``rng_restored``, ``extra_state_rank``).
+"""
+
+from moetrain.checkpoint.directory import (
+    MANIFEST,
+    checkpoint_path,
+    debris,
+    latest_checkpoint,
+    list_checkpoints,
+    remove_debris,
+)
+from moetrain.checkpoint.load import load_checkpoint, verify_checkpoint
+from moetrain.checkpoint.ranks import CheckpointError
+from moetrain.checkpoint.save import CheckpointWriter, SaveResult, save_checkpoint
+
+__all__ = [
+    "MANIFEST",
+    "CheckpointError",
+    "CheckpointWriter",
+    "SaveResult",
+    "checkpoint_path",
+    "debris",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "remove_debris",
+    "save_checkpoint",
+    "verify_checkpoint",
+]

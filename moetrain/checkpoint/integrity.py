@@ -1,0 +1,145 @@
+"""The manifest of a checkpoint and the checks of its files against it.
+
+``manifest.json`` (UTF-8 JSON): ``format`` ("moetrain.checkpoint"), ``version``, ``step``,
+``world_size``, ``ep_size``, ``experts`` (``{parameter name: global expert count}``),
+``optimizer`` / ``scheduler`` (whether saved), ``total_bytes``, ``files``
+(``{file name: {"bytes": int, "sha256": hex}}``), ``torch_version``, ``created`` (UTC ISO 8601)
+and ``manifest_sha256``: the sha256 of the manifest's canonical JSON (sorted keys, no spaces)
+without that field. The checksums detect damage (truncation, bit flips, a torn write), not
+tampering: anyone who can write the files can rewrite the manifest too (see docs/checkpoint.md).
+
+The ranks share the hashing: rank r hashes the sorted file names ``[r::world]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from moetrain.checkpoint.directory import MANIFEST, TMP_SUFFIX, fsync_dir
+from moetrain.checkpoint.ranks import CheckpointError, RankLayout, all_gather
+from moetrain.progress import ProgressBar
+
+FORMAT = "moetrain.checkpoint"
+VERSION = 2  # 2: no pickled objects (objects are JSON, see moetrain.checkpoint.objects)
+HASH_CHUNK_BYTES = 8 * 2**20
+PROGRESS_MIN_BYTES = 4 * 2**30  # hashing less than this on rank 0 takes a few seconds: no bar
+
+
+def sha256_file(path: Path, progress: HashProgress | None = None) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        while chunk := stream.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+            if progress is not None:
+                progress.advance(len(chunk))
+    return digest.hexdigest()
+
+
+class HashProgress:
+    """A progress bar (MiB) over the bytes rank 0 hashes, shown only when they reach
+    ``PROGRESS_MIN_BYTES`` (a large checkpoint: each rank hashes ~1 / world of it)."""
+
+    def __init__(self, files: list[Path], what: str, layout: RankLayout):
+        total = sum(f.stat().st_size for f in files if f.is_file())
+        self.bar = None
+        self.done = 0
+        if layout.is_coordinator and total >= PROGRESS_MIN_BYTES:
+            mib = max(1, total >> 20)
+            self.bar = ProgressBar(
+                mib, f"checkpoint: {what} (rank 0's share, MiB)", log_every=max(1, mib // 10)
+            )
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.bar is not None:
+            self.bar.update(self.done >> 20)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    """Writes ``manifest.json`` atomically (temp file, fsync, rename, fsync of the directory)."""
+    manifest = {**manifest, "manifest_sha256": manifest_digest(manifest)}
+    tmp = directory / (MANIFEST + TMP_SUFFIX)
+    with open(tmp, "w", encoding="utf-8") as stream:
+        json.dump(manifest, stream, indent=1, sort_keys=True)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(tmp, directory / MANIFEST)
+    fsync_dir(directory)
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of checkpoint ``path``, checked (format, version, its own checksum)."""
+    file = path / MANIFEST
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: missing; {path} is not a complete checkpoint") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{file}: corrupt manifest ({error})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{file}: not a {FORMAT} manifest")
+    if manifest.get("manifest_sha256") != manifest_digest(manifest):
+        raise CheckpointError(f"{file}: corrupt manifest (its checksum does not match its content)")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(
+            f"{file}: format version {manifest.get('version')!r}, this moetrain reads {VERSION}"
+            + (
+                " (version 1 stored pickled objects, which are not loaded)"
+                if manifest.get("version") == 1
+                else ""
+            )
+        )
+    files = manifest.get("files")
+    if not isinstance(files, dict) or any(
+        not isinstance(name, str) or "/" in name or name.startswith(".") and name != ".metadata"
+        for name in files
+    ):
+        raise CheckpointError(f"{file}: corrupt manifest (bad file list)")
+    return manifest
+
+
+def checksum_share(directory: Path, names: list[str], layout: RankLayout) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of ``names`` (sorted), rank r hashing names[r::world]; every rank gets all."""
+    mine = {}
+    share = names[layout.rank :: layout.world_size]
+    progress = HashProgress([directory / name for name in share], "hashing", layout)
+    for name in share:
+        file = directory / name
+        mine[name] = {"bytes": file.stat().st_size, "sha256": sha256_file(file, progress)}
+    progress.close()
+    return {name: info for part in all_gather(mine, layout) for name, info in part.items()}
+
+
+def verify_share(path: Path, files: dict[str, dict[str, Any]], layout: RankLayout) -> CheckpointError | None:
+    """Checks this rank's share of the files (size first, then sha256); the first problem found."""
+    share = sorted(files)[layout.rank :: layout.world_size]
+    progress = HashProgress([path / name for name in share], "verifying", layout)
+    try:
+        for name in share:
+            expected = files[name]
+            file = path / name
+            if not file.is_file():
+                return CheckpointError(f"{file}: missing (listed in the manifest)")
+            size = file.stat().st_size
+            if size != expected["bytes"]:
+                return CheckpointError(
+                    f"{file}: truncated or altered: {size} bytes, the manifest says {expected['bytes']}"
+                )
+            if sha256_file(file, progress) != expected["sha256"]:
+                return CheckpointError(f"{file}: corrupt: its sha256 does not match the manifest")
+        return None
+    finally:
+        progress.close()

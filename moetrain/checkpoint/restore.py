@@ -1,0 +1,240 @@
+"""What one rank reads: the DCP requests for a model and optimizer, checked before anything is read,
+and the optimizer state dict put together afterwards.
+
+Every entry the current model and optimizer need is checked first (missing expert -> ``ValueError``
+naming the key; shape mismatch -> ``ValueError`` naming the parameter); only then is anything read.
+Experts are read into views of one stacked buffer per parameter, so that a rank reads exactly the
+experts it holds now, under any world size or ``ep_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from moetrain.checkpoint.entries import expert_key
+from moetrain.checkpoint.objects import decode_object, is_object_part, json_key, leaf_keys
+
+
+class Request:
+    """The DCP state dict one rank reads (``entries``: tensor targets) and the stacked expert
+    buffers that per-expert targets are views of (``assembled``). Objects are requested as their
+    JSON tensor and tensor leaves and decoded by :meth:`value`."""
+
+    def __init__(self, saved: dict[str, Any], path: Path):
+        self.saved = saved  # DCP key -> TensorStorageMetadata
+        self.path = path
+        self.entries: dict[str, Any] = {}
+        self.assembled: dict[str, torch.Tensor] = {}
+        self.objects: set[str] = set()
+
+    def tensor(self, key: str, shape, what: str, out: torch.Tensor | None = None) -> None:
+        """Requests tensor entry ``key`` of ``shape`` into ``out`` (default: a new CPU tensor of the
+        saved dtype); ValueError naming ``what`` when it is missing or has another shape."""
+        md = self.saved.get(key)
+        if md is None:
+            raise ValueError(f"{what}: checkpoint {self.path} has no entry {key!r}")
+        if not isinstance(md, TensorStorageMetadata):
+            raise ValueError(f"{what}: entry {key!r} of checkpoint {self.path} is not a tensor")
+        if tuple(md.size) != tuple(shape):
+            raise ValueError(
+                f"{what}: shape {tuple(shape)} here, {tuple(md.size)} in checkpoint {self.path} "
+                f"(entry {key!r})"
+            )
+        self.entries[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype) if out is None else out
+
+    def as_saved(self, key: str, what: str) -> None:
+        """Requests ``key`` whatever it holds: a tensor (new, of the saved shape) or an object."""
+        if key in self.saved:
+            self.tensor(key, self.saved[key].size, what)
+            return
+        if json_key(key) not in self.saved:
+            raise ValueError(f"{what}: checkpoint {self.path} has no entry {key!r}")
+        self.objects.add(key)
+        for part in (json_key(key), *leaf_keys(key, self.saved)):
+            self.tensor(part, self.saved[part].size, what)
+
+    def value(self, key: str) -> Any:
+        """A requested entry after the read: the tensor, or the decoded object."""
+        if key in self.objects:
+            try:
+                return decode_object(key, self.entries)
+            except ValueError as error:
+                raise ValueError(f"checkpoint {self.path}: {error}") from None
+        return self.entries[key]
+
+    def has(self, key: str) -> bool:
+        return key in self.saved or json_key(key) in self.saved
+
+
+def request_model(request: Request, model: nn.Module, experts, manifest, ep_size: int) -> None:
+    """Checks and requests every entry of ``model.state_dict()``: dense ones into new tensors of
+    the model's dtype, experts into views of one stacked buffer per parameter."""
+    for name, (first, count) in experts.items():
+        saved_count = manifest["experts"].get(name, 0)
+        for local in range(count):
+            key = "model/" + expert_key(name, first + local)
+            if key not in request.saved:
+                raise ValueError(
+                    f"checkpoint {request.path} has no entry {key!r} (expert {first + local} of parameter "
+                    f"{name!r}; the checkpoint holds {saved_count} experts of it, this model "
+                    f"{count * ep_size})"
+                )
+        if saved_count != count * ep_size:
+            raise ValueError(
+                f"expert parameter {name!r}: the checkpoint {request.path} holds {saved_count} experts, this "
+                f"model has {count * ep_size} ({count} per rank x ep_size {ep_size})"
+            )
+    expected = set()
+    for name, value in model.state_dict().items():
+        what = f"parameter {name!r}"
+        if name in experts:
+            first, count = experts[name]
+            buffer = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+            for local in range(count):
+                key = "model/" + expert_key(name, first + local)
+                request.tensor(key, value.shape[1:], f"{what} (expert {first + local})", out=buffer[local])
+            request.assembled[name] = buffer
+            continue
+        key = "model/" + name
+        expected.add(key)
+        if isinstance(value, torch.Tensor):
+            request.tensor(key, value.shape, what, out=torch.empty_like(value))
+        else:
+            request.as_saved(key, what)
+    lacking = sorted(set(manifest["experts"]) - set(experts))
+    if lacking:
+        raise ValueError(f"checkpoint {request.path} has expert parameters this model lacks: {lacking[:5]}")
+    expert_prefixes = tuple("model/" + expert_key(name, "") for name in experts)
+    unexpected = sorted(
+        k
+        for k in request.saved
+        if k.startswith("model/")
+        and not is_object_part(k)
+        and k not in expected
+        and not k.startswith(expert_prefixes)
+    )
+    if unexpected:
+        raise ValueError(
+            f"checkpoint {request.path} has model entries this model lacks: {unexpected[:5]}"
+            + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
+        )
+
+
+@dataclass
+class StatePlan:
+    """How one parameter's optimizer state is put together after the read."""
+
+    name: str
+    entries: list[str]  # "optim/<entry>": one (dense parameter) or one per local expert
+    keys: list[str]  # state keys saved for it (empty: no state)
+    stacked: dict[str, torch.Tensor]  # state key -> stacked buffer (split expert state)
+
+
+def _state_keys_index(saved) -> dict[str, list[str]]:
+    """``{"optim/<entry>": sorted state keys}`` of every optimizer entry saved (tensors and objects
+    alike): keys are ``optim/<entry>/<key>`` and parameter names hold no ``/``. One pass."""
+    index: dict[str, set[str]] = {}
+    for key in saved:
+        parts = key.split("/")
+        if len(parts) >= 3 and parts[0] == "optim":
+            index.setdefault(f"optim/{parts[1]}", set()).add(parts[2])
+    return {entry: sorted(keys) for entry, keys in index.items()}
+
+
+def request_optimizer(request: Request, optimizer, names: dict[int, str], experts) -> list[StatePlan]:
+    """Requests the state of every optimizer parameter, in param-group order."""
+    if not request.has("optim/param_groups"):
+        raise ValueError(f"optimizer: checkpoint {request.path} has no entry 'optim/param_groups'")
+    request.as_saved("optim/param_groups", "optimizer param groups")
+    state_keys = _state_keys_index(request.saved)
+    plans = []
+    for g, group in enumerate(optimizer.param_groups):
+        for i, param in enumerate(group["params"]):
+            if id(param) not in names:
+                raise ValueError(f"optimizer param group {g}: param {i} is not a parameter of the model")
+            name = names[id(param)]
+            if name in experts:
+                first, count = experts[name]
+                entries = [f"optim/{expert_key(name, first + local)}" for local in range(count)]
+            else:
+                entries = [f"optim/{name}"]
+            key_sets = [state_keys.get(e, []) for e in entries]
+            for entry, keys in zip(entries, key_sets, strict=True):
+                if keys != key_sets[0]:
+                    raise ValueError(
+                        f"optimizer state of parameter {name!r}: {entry!r} has entries {keys}, "
+                        f"{entries[0]!r} has {key_sets[0]} in checkpoint {request.path}"
+                    )
+            plan = StatePlan(name, entries, key_sets[0], {})
+            for key in plan.keys:
+                what = f"optimizer state {key!r} of parameter {name!r}"
+                md = request.saved.get(f"{entries[0]}/{key}")
+                per_expert = (
+                    name in experts
+                    and isinstance(md, TensorStorageMetadata)
+                    and tuple(md.size) == tuple(param.shape[1:])
+                )
+                if per_expert:
+                    buffer = torch.empty(tuple(param.shape), dtype=md.properties.dtype)
+                    for local, entry in enumerate(entries):
+                        request.tensor(f"{entry}/{key}", param.shape[1:], what, out=buffer[local])
+                    plan.stacked[key] = buffer
+                else:
+                    for entry in entries:
+                        request.as_saved(f"{entry}/{key}", what)
+            plans.append(plan)
+    return plans
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    return type(a) is type(b) and a == b
+
+
+def optimizer_state_dict(request: Request, plans: list[StatePlan], optimizer, path: Path) -> dict[str, Any]:
+    """A torch-style optimizer state dict (params numbered in this optimizer's order)."""
+    state = {}
+    for index, plan in enumerate(plans):
+        if not plan.keys:
+            continue
+        values = {}
+        for key in plan.keys:
+            if key in plan.stacked:
+                values[key] = plan.stacked[key]
+                continue
+            candidates = [request.value(f"{entry}/{key}") for entry in plan.entries]
+            if any(not _same(c, candidates[0]) for c in candidates):
+                raise ValueError(
+                    f"optimizer state {key!r} of parameter {plan.name!r}: the experts stacked into it on "
+                    f"this rank have different values in checkpoint {path}"
+                )
+            values[key] = candidates[0]
+        state[index] = values
+    saved_groups = request.value("optim/param_groups")
+    if not isinstance(saved_groups, list) or len(saved_groups) != len(optimizer.param_groups):
+        count = len(saved_groups) if isinstance(saved_groups, list) else "no"
+        raise ValueError(
+            f"optimizer: {len(optimizer.param_groups)} param groups here, {count} in checkpoint {path}"
+        )
+    groups, index = [], 0
+    names_in_order = [plan.name for plan in plans]
+    for g, (saved, group) in enumerate(zip(saved_groups, optimizer.param_groups, strict=True)):
+        here = names_in_order[index : index + len(group["params"])]
+        if sorted(here) != sorted(saved["params"]):
+            missing = sorted(set(here) - set(saved["params"]))
+            extra = sorted(set(saved["params"]) - set(here))
+            raise ValueError(
+                f"optimizer param group {g}: parameters differ from checkpoint {path}: "
+                f"not in the checkpoint's group: {missing[:5]}, only in the checkpoint's group: {extra[:5]}"
+            )
+        options = {k: v for k, v in saved.items() if k != "params"}
+        groups.append({**options, "params": list(range(index, index + len(here)))})
+        index += len(here)
+    return {"state": state, "param_groups": groups}

@@ -1,0 +1,58 @@
+"""Saying where a run failed, in one line: rank, step, phase and the module that raised.
+
+The module is found from the exception's traceback, not from hooks: the innermost frame whose
+``self`` is a module of the model names it (``blocks.2.ffn (MoELayer)``), so nothing runs on the
+hot path. Errors raised inside autograd's backward have no such frame; the phase says "backward".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import TracebackType
+
+from torch import nn
+
+
+@dataclass
+class RunPosition:
+    """Where a run is: updated by the engine as it goes (``step`` is the step being run: the
+    number of completed optimizer steps + 1 inside a step, None before training starts)."""
+
+    rank: int = 0
+    step: int | None = None
+    phase: str = "set-up"
+    model: nn.Module | None = None  # the model once built (to name the module that raised)
+
+
+def module_in_traceback(traceback: TracebackType | None, model: nn.Module | None) -> str | None:
+    """``"name (Class)"`` of the innermost module of ``model`` whose method is on the traceback."""
+    if traceback is None or model is None:
+        return None
+    names = {id(module): name for name, module in model.named_modules()}
+    found = None
+    while traceback is not None:
+        owner = traceback.tb_frame.f_locals.get("self")
+        if owner is not None and id(owner) in names:
+            found = f"{names[id(owner)] or '<model>'} ({type(owner).__name__})"
+        traceback = traceback.tb_next
+    return found
+
+
+def first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def describe_failure(
+    error: BaseException, position: RunPosition, model: nn.Module | None = None, log_path=None
+) -> str:
+    """``rank R, step S, <phase> of module M: <Error>: <first line>; full traceback in <log>``."""
+    where = [f"rank {position.rank}"]
+    if position.step is not None:
+        where.append(f"step {position.step}")
+    module = module_in_traceback(error.__traceback__, model)
+    where.append(f"{position.phase} of module {module}" if module else position.phase)
+    text = f"{', '.join(where)}: {first_line(error)}"
+    if log_path is not None:
+        text += f"; full traceback in {log_path}"
+    return text
