@@ -74,6 +74,8 @@ def main() -> None:
     batch = torch.randint(0, 256, (args.batch, 65))
     weight_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="ckpt-stall-"))
+    for stale in (root / "sync", root / "async"):
+        shutil.rmtree(stale, ignore_errors=True)
     sync_writer = CheckpointWriter(root / "sync", keep_last=1, asynchronous=False)
     async_writer = CheckpointWriter(root / "async", keep_last=1, asynchronous=True)
 

@@ -23,6 +23,7 @@ interleave with the training step's collectives; at most one save is in flight
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import logging
@@ -289,6 +290,7 @@ class CheckpointWriter:
 
         def background() -> None:
             try:
+                _yield_cpu_to_training()
                 self._outcome = job.run()
             except BaseException as caught:  # noqa: BLE001 - handed to wait()
                 self._outcome = caught
@@ -296,6 +298,13 @@ class CheckpointWriter:
         self._thread = threading.Thread(target=background, name=f"moetrain-checkpoint-{step}", daemon=True)
         self._thread.start()
         return final_dir
+
+
+def _yield_cpu_to_training() -> None:
+    """Lowers this thread's scheduling priority (Linux: niceness is per thread), so that the
+    background write takes the CPU time the training step leaves over."""
+    with contextlib.suppress(AttributeError, OSError):  # not Linux / not allowed: it just competes
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
 def _stage(entries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
