@@ -51,6 +51,8 @@ def load_config_file(path: str) -> dict:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as error:
         raise ValueError(f"cannot read config {path}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"config {path} is not UTF-8 text (byte {error.start} is not valid UTF-8)") from None
     try:
         data = json.loads(text) if path.endswith(".json") else parse_yaml(text)
     except (json.JSONDecodeError, yaml.YAMLError) as error:
@@ -76,7 +78,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"--set {key}: '{part}' is not a section")
-        node[leaf] = parse_yaml(raw)
+        try:
+            node[leaf] = parse_yaml(raw)
+        except yaml.YAMLError as error:
+            reason = " ".join(str(error).split())
+            raise ValueError(f"--set {key}: the value {raw!r} is not valid YAML ({reason})") from None
     return data
 
 
@@ -96,23 +102,31 @@ def _train(args) -> int:
     from moetrain.failures import RunPosition, describe_failure
     from moetrain.parallel import read_launch_environment
 
-    config = build_train_config(args.config, args.set)
+    overrides = list(args.set) + ([f"resume_from={args.resume_from}"] if args.resume_from else [])
+    config = build_train_config(args.config, overrides)
     launch = read_launch_environment()
     configure_console(args.log_level, launch.rank)
     check_fits(config, launch.world_size)
-    log_path = attach_rank_log(config.out_dir, launch.rank, args.log_level)
     position = RunPosition(rank=launch.rank)
+    log_path = None
+
+    def start_log_file(rank: int) -> None:  # once this run owns out_dir
+        nonlocal log_path
+        log_path = attach_rank_log(config.out_dir, rank, args.log_level)
+
     trainer = None
     try:
-        trainer = Trainer(config, position=position)
+        trainer = Trainer(config, position=position, on_out_dir_locked=start_log_file)
         trainer.train()
         trainer.close()
         return 0
     except Exception as error:  # noqa: BLE001 - every failure becomes one line + the log file
         line = describe_failure(error, position, position.model, log_path)
-        log.error("moetrain: error: %s", line, exc_info=error)
+        log.error("moetrain: error: %s", line, exc_info=error if log_path is not None else None)
         return 2 if isinstance(error, INPUT_ERRORS) else 1
     finally:
+        if trainer is not None:
+            trainer.release()
         trainer = position.model = None  # the model and its groups go before the groups are destroyed
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -126,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--config", required=True, help="YAML or JSON TrainConfig file")
     train.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
+    train.add_argument(
+        "--resume-from",
+        metavar="STEP",
+        help="resume from this step's checkpoint, 'latest' (the default) or 'latest-valid' (the newest "
+        "that verifies); same as --set resume_from=...",
     )
     train.add_argument(
         "--log-level",

@@ -159,6 +159,13 @@ class ParallelConfig:
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+RESUME_CHOICES = ("latest", "latest-valid")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("adamw", "groupwise", "offload")
 
@@ -286,6 +293,7 @@ class TrainConfig:
     async_checkpoint: bool = True
     keep_last: int = 3
     resume: bool = True
+    resume_from: str | int = "latest"
     recompute_budget_mb: float | None = None
     threads: int | None = None
     device: str = "auto"
@@ -308,6 +316,11 @@ class TrainConfig:
         require_int("max_consecutive_skips", self.max_consecutive_skips, 1)
         require_int("keep_last", self.keep_last, 1)
         require_bool("resume", self.resume)
+        if not (self.resume_from in RESUME_CHOICES or _is_int(self.resume_from) and self.resume_from >= 0):
+            raise ValueError(
+                f"resume_from must be one of {', '.join(map(repr, RESUME_CHOICES))} or a step >= 0, got "
+                f"{self.resume_from!r}"
+            )
         if self.recompute_budget_mb is not None:
             require_nonneg_float("recompute_budget_mb", self.recompute_budget_mb)
         if self.threads is not None:

@@ -41,13 +41,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from moetrain.agreement import check_same_start
 from moetrain.balance import balance_batch, calibrate_speeds
 from moetrain.checkpoint import (
+    CheckpointError,
     CheckpointWriter,
     checkpoint_path,
-    latest_checkpoint,
+    list_checkpoints,
     load_checkpoint,
     remove_debris,
+    verify_checkpoint,
 )
 from moetrain.comm.grad_sync import ExpertGradReducer, clip_grad_norm_, global_grad_norm, wrap_data_parallel
 from moetrain.config import TrainConfig
@@ -57,6 +60,8 @@ from moetrain.metrics import MetricsWriter
 from moetrain.offload import GroupwiseApply, OffloadOptimizer
 from moetrain.parallel import ParallelContext, init_distributed, read_launch_environment
 from moetrain.progress import ProgressBar
+from moetrain.run_dir import RunLock, check_out_dir, config_changes, record_config
+from moetrain.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -189,9 +194,12 @@ class Trainer:
     ``position`` says where the run is (rank, step, phase), for :func:`moetrain.failures.describe_failure`.
     """
 
-    def __init__(self, config: TrainConfig, position: RunPosition | None = None):
+    def __init__(self, config: TrainConfig, position: RunPosition | None = None, on_out_dir_locked=None):
+        """``on_out_dir_locked(rank)``: called once this run owns ``out_dir`` (the command line
+        then starts the rank's log file there)."""
         self.config = config
         self.position = position if position is not None else RunPosition()
+        check_out_dir(config.out_dir, config.resume)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         launch = read_launch_environment()
@@ -202,9 +210,23 @@ class Trainer:
         self.launch = init_distributed(
             backend="nccl" if self.device.type == "cuda" else "gloo", timeout_s=config.dist_timeout_s
         )
+        self.position.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.position.phase = "start-up checks"
+        check_same_start(asdict(config), dist.get_world_size() if dist.is_initialized() else 1)
         self.parallel = ParallelContext(config.parallel, timeout_s=config.dist_timeout_s)
-        self.rank = self.position.rank = self.parallel.rank
+        self.rank = self.parallel.rank
         self.is_main = self.rank == 0
+        self.out_dir = Path(config.out_dir)
+        self.lock = self._lock_out_dir()
+        if on_out_dir_locked is not None:
+            on_out_dir_locked(self.rank)
+        self.watchdog = None
+        if self.launch.store is not None:
+            stall_s = max(2.0, config.dist_timeout_s / 2)
+            self.watchdog = Watchdog(
+                self.launch.store, self.rank, self.parallel.world_size, self.position,
+                interval_s=min(10.0, stall_s / 4), stall_s=stall_s,
+            ).start()  # fmt: skip
         self.position.phase = "model set-up"
         torch.manual_seed(config.seed)  # identical on every rank: dense replicas start equal
         random.seed(config.seed)
@@ -223,7 +245,6 @@ class Trainer:
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
         self.device_type = self.device.type
         self.scaler = torch.amp.GradScaler(self.device_type) if config.precision == "fp16" else None
-        self.out_dir = Path(config.out_dir)
         self.checkpoint_dir = self.out_dir / "checkpoints"
         self.writer = CheckpointWriter(
             self.checkpoint_dir,
@@ -248,6 +269,28 @@ class Trainer:
             self.position.phase = "recompute planning"
             self._plan_recompute()
         self.position.phase = "set-up"
+
+    def _lock_out_dir(self) -> RunLock | None:
+        """Rank 0 takes ``out_dir``'s lock; every rank raises when it could not."""
+        lock, error = None, None
+        if self.is_main:
+            try:
+                lock = RunLock(self.out_dir)
+                lock.acquire()
+            except (ValueError, OSError) as caught:
+                error = (
+                    caught
+                    if isinstance(caught, ValueError)
+                    else ValueError(f"out_dir {self.out_dir}: {caught}")
+                )
+        if self.parallel.world_size > 1:
+            errors = [None] * self.parallel.world_size
+            dist.all_gather_object(errors, None if error is None else str(error))
+            if error is None and errors[0] is not None:
+                raise ValueError(errors[0])
+        if error is not None:
+            raise error
+        return lock
 
     # ------------------------------------------------------------------------------------------
     def _build_optimizer(self) -> torch.optim.Optimizer:
@@ -375,19 +418,31 @@ class Trainer:
         )
         self._last_checkpoint_time = time.monotonic()
 
-    def maybe_resume(self) -> None:
-        if self.is_main and self.config.resume:
+    def maybe_resume(self) -> dict | None:
+        """Loads the checkpoint ``resume_from`` names (``latest``, ``latest-valid`` or a step) when
+        ``resume`` is on and one exists; returns the config changes since that checkpoint (None
+        for a fresh start). The config given now takes effect: optimizer hyperparameters and the
+        LR schedule follow it, not the checkpoint's (``config_history.jsonl`` keeps both)."""
+        if not self.config.resume:
+            return None
+        self.position.phase = "resume"
+        if self.is_main:
             for path in remove_debris(self.checkpoint_dir):
                 log.info("checkpoint: removed %s (left by an interrupted save or prune)", path)
-        if not self.config.resume or latest_checkpoint(self.checkpoint_dir) is None:
-            return
-        loaded = load_checkpoint(
-            self.checkpoint_dir,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            parallel=self.parallel,
-        )
+        step = self._resume_step()
+        if step is None:
+            return None
+        try:
+            loaded = load_checkpoint(
+                self.checkpoint_dir,
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                parallel=self.parallel,
+                step=step,
+            )
+        except CheckpointError as error:
+            raise CheckpointError(f"{error}{self._intact_hint(step)}") from None
         self.step = loaded["step"]
         extra = loaded["extra_state"]
         if loaded["extra_state_rank"] == self.rank:
@@ -396,8 +451,67 @@ class Trainer:
             self.batches.reseed(self.config.seed, self.rank, self.step)
         if self.scaler is not None and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
+        self.skipped_steps = int(extra.get("skipped_steps", 0))
+        changes = config_changes(extra.get("config") or {}, json.loads(json.dumps(asdict(self.config))))
+        changes.pop("resume_from", None)
+        self._apply_optimizer_config()
         if self.is_main:
-            log.info("resumed from step %d (%s)", self.step, self.checkpoint_dir)
+            log.info("resumed from step %d (%s)", self.step, loaded["path"])
+            if changes:
+                listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
+                log.info("config changed since step %d, the new values apply: %s", self.step, listed)
+        return changes
+
+    def _resume_step(self) -> int | None:
+        """The step to resume from (None: start fresh), by ``resume_from``."""
+        choice = self.config.resume_from
+        steps = [s for s, _ in list_checkpoints(self.checkpoint_dir)]
+        if choice == "latest":
+            return steps[-1] if steps else None
+        if choice == "latest-valid":
+            for step in reversed(steps):
+                try:
+                    verify_checkpoint(checkpoint_path(self.checkpoint_dir, step), parallel=self.parallel)
+                    return step
+                except CheckpointError as error:
+                    if self.is_main:
+                        log.warning("checkpoint step %d is damaged, trying an older one: %s", step, error)
+            if steps:
+                raise CheckpointError(
+                    f"no intact checkpoint in {self.checkpoint_dir} (steps {steps} are damaged)"
+                )
+            return None
+        if choice not in steps:
+            raise ValueError(
+                f"resume_from = {choice}: no complete checkpoint of that step in {self.checkpoint_dir} "
+                f"(complete: {steps})"
+            )
+        return choice
+
+    def _intact_hint(self, failed_step: int) -> str:
+        """``"; step S is intact: ..."`` naming the newest older checkpoint that verifies."""
+        for step in reversed([s for s, _ in list_checkpoints(self.checkpoint_dir) if s < failed_step]):
+            try:
+                verify_checkpoint(checkpoint_path(self.checkpoint_dir, step), parallel=self.parallel)
+            except CheckpointError:
+                continue
+            return (
+                f"; step {step} is intact: resume from it with --resume-from {step} "
+                "(or --resume-from latest-valid)"
+            )
+        return "; no older checkpoint is intact"
+
+    def _apply_optimizer_config(self) -> None:
+        """After a resume: the configured lr, betas, eps and weight decay replace the checkpoint's,
+        and the LR schedule restarts from the configured lr at the resumed step."""
+        optim = self.config.optim
+        decays = (optim.weight_decay, 0.0)  # the two groups of _build_optimizer
+        for group, weight_decay in zip(self.optimizer.param_groups, decays, strict=True):
+            group.update(betas=optim.betas, eps=optim.eps, weight_decay=weight_decay, initial_lr=optim.lr)
+        self.scheduler.base_lrs = [optim.lr] * len(self.optimizer.param_groups)
+        factor = lr_at(self.scheduler.last_epoch, self.config)
+        for group in self.optimizer.param_groups:
+            group["lr"] = optim.lr * factor
 
     def _on_sigterm(self, signum, frame) -> None:
         self.stop_requested = True
@@ -605,11 +719,9 @@ class Trainer:
         at the end, and when SIGTERM arrives (then stops)."""
         config = self.config
         last_step = config.steps if until is None else min(until, config.steps)
-        self.position.phase = "resume"
-        self.maybe_resume()
+        changes = self.maybe_resume()
         if self.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "config.json").write_text(json.dumps(asdict(config), indent=2, default=str))
+            record_config(self.out_dir, json.loads(json.dumps(asdict(config))), self.step, changes)
         self._report_skipped_records("start")
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         metrics_file = MetricsWriter(self.out_dir, self.step) if self.is_main else None
@@ -680,8 +792,26 @@ class Trainer:
         return [bool(v) for v in tensor.tolist()]
 
     def close(self) -> None:
-        """Waits for a checkpoint still being written and releases its process group."""
-        self.writer.close()
+        """Waits for a checkpoint still being written, then :meth:`release`."""
+        try:
+            self.writer.close()
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """After a failure: lets a checkpoint still being written finish (it holds a good state; its
+        collectives end within ``dist_timeout_s`` if another rank is gone), stops the watchdog and
+        releases ``out_dir``. The process groups can then be destroyed safely."""
+        try:
+            self.writer.close()
+        except Exception as error:  # noqa: BLE001 - the run has already failed; this is secondary
+            log.error("checkpoint in flight when the run failed: %s", error)
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
 
 class NonFiniteGradientsError(RuntimeError):

@@ -106,6 +106,13 @@ def load_text_corpus(source: str, min_bytes: int) -> torch.Tensor:
             data = Path(source).read_bytes()
         except OSError as error:
             raise ValueError(f"data.source: cannot read {source}: {error.strerror}") from None
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(
+                f"data.source {source} is not UTF-8 text (byte {error.start} is not valid UTF-8): the "
+                "language model trains on text files"
+            ) from None
         corpus = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
     if corpus.numel() < min_bytes:
         raise ValueError(f"data.source {source} holds {corpus.numel()} bytes; a sequence needs {min_bytes}")

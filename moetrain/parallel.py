@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -58,6 +59,9 @@ class LaunchEnvironment:
     master_addr: str
     master_port: int
     launcher: str  # "torchrun", "slurm" or "single"
+    agent_store: bool = False  # torchrun's agent serves the rendezvous store (workers are its clients)
+    restart_count: int = 0  # torchrun's restart of the workers (keys of earlier attempts are kept apart)
+    store: object = None  # the rendezvous store once init_distributed made it (heartbeats use it)
 
 
 def read_launch_environment(env: Mapping[str, str] | None = None) -> LaunchEnvironment:
@@ -76,6 +80,8 @@ def read_launch_environment(env: Mapping[str, str] | None = None) -> LaunchEnvir
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT)),
             launcher="torchrun",
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         world = int(env["SLURM_NTASKS"])
@@ -92,22 +98,93 @@ def read_launch_environment(env: Mapping[str, str] | None = None) -> LaunchEnvir
     return LaunchEnvironment(0, 1, 0, 1, "127.0.0.1", DEFAULT_MASTER_PORT, "single")
 
 
+def _with_deadline(connect, seconds: float, failure: str):
+    """``connect()`` on a helper thread, given ``seconds``: a TCP store client that reached a port
+    held by something other than a store waits forever inside the handshake, and only a deadline
+    of our own turns that into an error."""
+    box: dict = {}
+
+    def attempt() -> None:
+        try:
+            box["value"] = connect()
+        except Exception as error:  # noqa: BLE001 - re-raised below on the calling thread
+            box["error"] = error
+
+    thread = threading.Thread(target=attempt, name="moetrain-rendezvous", daemon=True)
+    thread.start()
+    thread.join(seconds + 5)
+    if "value" in box:
+        return box["value"]
+    cause = f" ({' '.join(str(box['error']).split())[:200]})" if "error" in box else ""
+    raise RendezvousError(failure + cause)
+
+
+class RendezvousError(RuntimeError):
+    """The ranks could not meet: a port in use, an unreachable rank 0, ranks missing."""
+
+
+def rendezvous_store(launch: LaunchEnvironment, timeout_s: float):
+    """The TCP store all ranks meet through, at ``MASTER_ADDR:MASTER_PORT``: rank 0 serves it (or
+    torchrun's agent does), the others connect. Failures are one-line :class:`RendezvousError`s:
+    a port in use on rank 0, rank 0 unreachable within ``timeout_s``."""
+    address = f"{launch.master_addr}:{launch.master_port}"
+    timeout = timedelta(seconds=timeout_s)
+    serve = launch.rank == 0 and not launch.agent_store
+    if serve:
+        try:
+            store = dist.TCPStore(
+                launch.master_addr, launch.master_port, launch.world_size, True, timeout=timeout,
+                wait_for_workers=False,
+            )  # fmt: skip
+        except (RuntimeError, dist.DistError) as error:
+            in_use = "EADDRINUSE" in str(error) or "address already in use" in str(error).lower()
+            reason = (
+                "the port is already in use (another job?): choose a free MASTER_PORT"
+                if in_use
+                else str(error)
+            )
+            raise RendezvousError(
+                f"rank 0 cannot serve the rendezvous on port {launch.master_port}: {reason}"
+            ) from None
+    else:
+        store = _with_deadline(
+            lambda: dist.TCPStore(
+                launch.master_addr, launch.master_port, launch.world_size, False, timeout=timeout
+            ),
+            timeout_s,
+            f"rank {launch.rank} could not reach the rendezvous at {address} within {timeout_s:.0f} s: is "
+            "rank 0 running, and are MASTER_ADDR / MASTER_PORT right (is the port held by something else)?",
+        )
+    return dist.PrefixStore(f"moetrain/{launch.restart_count}", store)
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> LaunchEnvironment:
     """Initialises ``torch.distributed`` from the launcher's environment (see
     :func:`read_launch_environment`) unless it already is, or there is a single process.
-    ``backend``: None picks nccl when CUDA is available, else gloo."""
+    ``backend``: None picks nccl when CUDA is available, else gloo. ``timeout_s``: of the
+    rendezvous and of every collective of the default group. Returns the launch environment, with
+    the rendezvous store when this call made it."""
     launch = read_launch_environment()
     if launch.world_size > 1 and not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(launch.local_rank)
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
-            rank=launch.rank,
-            world_size=launch.world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        store = rendezvous_store(launch, timeout_s)
+        try:
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore("default_pg", store),
+                rank=launch.rank,
+                world_size=launch.world_size,
+                timeout=timedelta(seconds=timeout_s),
+            )
+        except (RuntimeError, dist.DistError) as error:
+            raise RendezvousError(
+                f"rank {launch.rank}: the {launch.world_size} ranks did not all meet within "
+                f"{timeout_s:.0f} s ({' '.join(str(error).split())[:160]}); a rank that did not start, or "
+                "ranks started with different WORLD_SIZE?"
+            ) from None
+        launch = replace(launch, store=store)
     return launch
 
 

@@ -63,6 +63,7 @@ def build_m6(config, parallel, rank: int):
         model_config.image_size,
         model_config.image_channels,
         skip_bad_records=model_config.tasks.skip_bad_records,
+        max_image_pixels=model_config.tasks.max_image_pixels,
         cache_images=data.source == "embedded",
     )
     sampler = TaskSampler(dataset, tokenizer, model_config.tasks, data.seq_len)

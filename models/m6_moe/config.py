@@ -71,6 +71,9 @@ class M6TaskConfig:
       and spelled out after its sentinel in the target;
     - ``image_text_weight``: image + the first part of the caption -> the rest.
 
+    ``max_image_pixels``: an image with more pixels (width x height, read from its header before
+    decoding) is a bad record.
+
     ``skip_bad_records``: a missing or unreadable image or a record without text is skipped and
     counted instead of stopping the run with a ``ValueError`` naming the file and line.
     """
@@ -81,6 +84,7 @@ class M6TaskConfig:
     noise_density: float = 0.15
     mean_span_length: float = 3.0
     skip_bad_records: bool = False
+    max_image_pixels: int = 50_000_000
 
     def __post_init__(self) -> None:
         for name in ("caption_weight", "denoise_weight", "image_text_weight"):
@@ -99,6 +103,7 @@ class M6TaskConfig:
             raise ValueError(f"tasks.mean_span_length must be a number >= 1, got {length!r}")
         if not isinstance(self.skip_bad_records, bool):
             raise ValueError(f"tasks.skip_bad_records must be True or False, got {self.skip_bad_records!r}")
+        require_int("tasks.max_image_pixels", self.max_image_pixels, 1)
 
     @property
     def weights(self) -> dict[str, float]:

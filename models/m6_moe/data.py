@@ -26,6 +26,11 @@ from PIL import Image
 
 from moetrain.progress import ProgressBar
 
+# Larger images are bad records: decoding one costs width * height * 4 bytes and is redone on every
+# draw (a 169-megapixel photo took 1.2 GB). 50 megapixels is above any camera image a captioning
+# corpus resizes to a few hundred pixels.
+DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
+
 
 @dataclass(frozen=True)
 class Record:
@@ -64,10 +69,12 @@ class ManifestDataset:
         image_channels: int = 3,
         skip_bad_records: bool = False,
         cache_images: bool = False,
+        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     ):
         self.manifest = Path(manifest)
         self.image_size = image_size
         self.image_channels = image_channels
+        self.max_image_pixels = max_image_pixels
         self.skip_bad_records = skip_bad_records
         self.cache_images = cache_images
         self.skip_reasons: list[str] = []
@@ -92,11 +99,16 @@ class ManifestDataset:
 
     def _read(self) -> list[Record]:
         try:
-            lines = self.manifest.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as error:
+            raw_lines = self.manifest.read_bytes().split(b"\n")
+        except OSError as error:
             raise ValueError(f"manifest {self.manifest} cannot be read: {_one_line(error)}") from None
         records = []
-        for number, line in enumerate(lines, start=1):
+        for number, raw in enumerate(raw_lines, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                self._reject(number, f"line is not UTF-8 text (byte {error.start} of the line)")
+                continue
             if not line.strip():
                 continue
             record = self._parse(number, line)
@@ -147,7 +159,7 @@ class ManifestDataset:
         cached = self._cache.get(index)
         if cached is not None:
             return cached
-        pixels, reason = _decode(record.image, self.image_size, self.image_channels)
+        pixels, reason = _decode(record.image, self.image_size, self.image_channels, self.max_image_pixels)
         if pixels is None:
             self._mark_bad(index, reason)
             return None
@@ -173,7 +185,7 @@ class ManifestDataset:
             bar = ProgressBar(len(indices), description, log_every=max(1, len(indices) // 10))
         bad = 0
         for done, index in enumerate(indices, start=1):
-            reason = _check_header(self.records[index].image)
+            reason = _check_header(self.records[index].image, self.max_image_pixels)
             if reason is not None:
                 bad += 1
                 self._mark_bad(index, reason)
@@ -196,22 +208,34 @@ class ManifestDataset:
         return f"{count} bad record{'s' if count != 1 else ''} skipped: {shown}{more}"
 
 
-def _check_header(path: Path) -> str | None:
-    """None when ``path`` exists and Pillow identifies its header (only the header is read), else
-    the one-line reason."""
+def _too_large(path: Path, image, max_pixels: int) -> str | None:
+    width, height = image.size
+    if width * height > max_pixels:
+        return (
+            f"image {path} has {width} x {height} = {width * height:,} pixels, more than "
+            f"tasks.max_image_pixels = {max_pixels:,}"
+        )
+    return None
+
+
+def _check_header(path: Path, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> str | None:
+    """None when ``path`` exists, Pillow identifies its header (only the header is read) and it
+    has at most ``max_pixels`` pixels, else the one-line reason."""
     if not path.is_file():
         return f"image {path} does not exist"
     try:
         with Image.open(path) as opened:
-            opened.size  # noqa: B018 - identifying the format is the check
+            return _too_large(path, opened, max_pixels)
     except Exception as error:  # Pillow raises many types for bad files
         return f"image {path} cannot be read ({_one_line(error)})"
-    return None
 
 
-def _decode(path: Path, size: int, channels: int) -> tuple[torch.Tensor | None, str]:
+def _decode(
+    path: Path, size: int, channels: int, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+) -> tuple[torch.Tensor | None, str]:
     """``(uint8 [channels, size, size], "")`` or ``(None, one-line reason)``: a missing file, an
-    unidentifiable header ("cannot be read") or truncated / corrupt pixel data ("cannot be
+    unidentifiable header ("cannot be read"), more than ``max_pixels`` pixels (checked on the
+    header, before any pixel is decoded) or truncated / corrupt pixel data ("cannot be
     decoded")."""
     try:
         opened = Image.open(path)
@@ -221,6 +245,9 @@ def _decode(path: Path, size: int, channels: int) -> tuple[torch.Tensor | None, 
         return None, f"image {path} cannot be read ({_one_line(error)})"
     try:
         with opened:
+            too_large = _too_large(path, opened, max_pixels)
+            if too_large is not None:
+                return None, too_large
             return image_to_tensor(opened, size, channels), ""
     except Exception as error:  # Pillow raises many types for truncated / corrupt data
         return None, f"image {path} cannot be decoded ({_one_line(error)})"

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moetrain.checkpoint.entries import expert_key
 from moetrain.checkpoint.objects import decode_object, is_object_part, json_key, leaf_keys
+from moetrain.checkpoint.ranks import CheckpointError
 
 
 class Request:
@@ -51,6 +52,11 @@ class Request:
     def as_saved(self, key: str, what: str) -> None:
         """Requests ``key`` whatever it holds: a tensor (new, of the saved shape) or an object."""
         if key in self.saved:
+            if not isinstance(self.saved[key], TensorStorageMetadata):
+                raise CheckpointError(
+                    f"{self.path}: entry {key!r} is a pickled object; moetrain checkpoints hold only tensors "
+                    "and pickled objects are never loaded"
+                )
             self.tensor(key, self.saved[key].size, what)
             return
         if json_key(key) not in self.saved:

@@ -1,0 +1,171 @@
+"""The output directory of a run (``out_dir``): checks before anything is written, one run at a time,
+and every config the run was trained with.
+
+- :func:`check_out_dir` (every rank, before anything is written): ``out_dir`` must not be a file;
+  with ``resume: false`` it must hold no checkpoint (a new run would overwrite the old run's
+  metrics and config, and its checkpoints would be mixed with the old ones).
+- :class:`RunLock` (rank 0): ``out_dir/.lock`` created exclusively, holding the host, pid and start
+  time of the run that owns the directory; refreshed every ``REFRESH_S`` seconds while it runs. A
+  second run is refused naming the owner. A lock is stale, and taken over with a warning, when its
+  process is gone (same host) or it was not refreshed for ``STALE_S`` seconds (any host).
+- :func:`record_config` (rank 0): ``config.json`` is the config now in use; ``config_history.jsonl``
+  gets one line per start: the step it starts at, what changed from the config saved in the
+  checkpoint it resumes from, and the whole config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = ".lock"
+REFRESH_S = 60.0
+STALE_S = 600.0
+
+
+def check_out_dir(out_dir: str | os.PathLike, resume: bool) -> None:
+    """Raises ``ValueError`` (one line naming the path) when ``out_dir`` cannot take this run."""
+    from moetrain.checkpoint import list_checkpoints
+
+    path = Path(out_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"out_dir {path} is a file, not a directory: give a directory path")
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise ValueError(f"out_dir {path}: {parent} is a file, not a directory")
+    if not resume:
+        found = list_checkpoints(path / "checkpoints")
+        if found:
+            raise ValueError(
+                f"out_dir {path} already holds checkpoints (latest: step {found[-1][0]}) and resume is "
+                "false: use another out_dir, set resume: true to continue that run, or delete its checkpoints"
+            )
+
+
+class RunLock:
+    """``out_dir/.lock``: one run per output directory (see the module docstring)."""
+
+    def __init__(self, out_dir: str | os.PathLike):
+        self.path = Path(out_dir) / LOCK_NAME
+        self.owner = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def acquire(self) -> None:
+        """Takes the lock or raises ``ValueError`` naming the run that holds it."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._read_holder()
+                stale = self._stale_reason(holder)
+                if stale is None:
+                    raise ValueError(
+                        f"out_dir {self.path.parent} is in use by another run (host {holder.get('host')}, "
+                        f"pid {holder.get('pid')}, lock {self.path}); use another out_dir, or delete the "
+                        "lock if that run is gone"
+                    ) from None
+                log.log(
+                    logging.DEBUG if "this process" in stale else logging.WARNING,
+                    "taking over the stale lock %s (%s)", self.path, stale,
+                )  # fmt: skip
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+                continue
+            with os.fdopen(fd, "w", encoding="utf-8") as stream:
+                json.dump(self.owner, stream)
+            self._thread = threading.Thread(target=self._refresh, name="moetrain-lock", daemon=True)
+            self._thread.start()
+            return
+        raise ValueError(f"out_dir {self.path.parent}: could not take the lock {self.path}")
+
+    def _read_holder(self) -> dict[str, Any]:
+        try:
+            holder = json.loads(self.path.read_text(encoding="utf-8"))
+            return holder if isinstance(holder, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def _stale_reason(self, holder: dict[str, Any]) -> str | None:
+        """Why the lock held by ``holder`` is stale, or None when its run may be alive."""
+        try:
+            age = time.time() - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return "it was just released"
+        if age > STALE_S:
+            return f"not refreshed for {age:.0f} s"
+        if holder.get("host") == self.owner["host"] and holder.get("pid") == self.owner["pid"]:
+            return "held by this process (an earlier run in it that was not closed)"
+        if holder.get("host") == self.owner["host"] and isinstance(holder.get("pid"), int):
+            try:
+                os.kill(holder["pid"], 0)
+            except ProcessLookupError:
+                return f"process {holder['pid']} on this host is gone"
+            except PermissionError:
+                return None
+        if not holder and age > 5:
+            return "unreadable"
+        return None
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(REFRESH_S):
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+            if self._read_holder().get("pid") == self.owner["pid"]:
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"optim.lr": 0.001, ...}`` of nested dicts (lists and tuples are leaves)."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def config_changes(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]:
+    """``{dotted key: (saved value, current value)}`` of the keys that differ."""
+    old, new = flatten(saved), flatten(current)
+    normalise = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731 - JSON has no tuples
+    return {
+        key: (old.get(key), new.get(key))
+        for key in sorted(set(old) | set(new))
+        if normalise(old.get(key)) != normalise(new.get(key))
+    }
+
+
+def record_config(out_dir: str | os.PathLike, config: dict, step: int, changes: dict | None) -> None:
+    """Writes ``config.json`` (the config in use) and appends this start to ``config_history.jsonl``
+    (``changes``: None for a new run, else the differences from the resumed checkpoint's config)."""
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    temporary = path / "config.json.tmp"
+    temporary.write_text(json.dumps(config, indent=2, default=str), encoding="utf-8")
+    os.replace(temporary, path / "config.json")
+    record = {
+        "step": step,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "changes": None if changes is None else {k: {"was": a, "now": b} for k, (a, b) in changes.items()},
+        "config": config,
+    }
+    with open(path / "config_history.jsonl", "a", encoding="utf-8") as stream:
+        stream.write(json.dumps(record, default=str) + "\n")

@@ -1,0 +1,109 @@
+"""Heartbeats: every rank says where it is; a rank that waits too long says who stopped.
+
+When one rank stops (a hung data loader, a killed or stopped process, a deadlock), the others wait
+in their next collective until ``dist_timeout_s`` and then fail with a transport error that names
+no one. Here each rank's :class:`Watchdog` thread writes ``(step, phase, time)`` into the rendezvous
+store every ``interval_s`` seconds. When its own rank has been in the same step and phase for
+``stall_s`` seconds, it reads every rank's heartbeat (one ``multi_get``) and logs one error line
+naming the ranks that are silent (no heartbeat for ``stall_s``: stopped or gone) or behind (an
+earlier step or phase); when every rank is in the same place it only logs that they all wait there
+(a long phase, not a fault). Nothing is read while training makes progress.
+
+Store traffic: one small ``set`` per rank every ``interval_s``; one ``multi_get`` of ``world`` keys
+per rank and stall.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+
+def _key(rank: int) -> str:
+    return f"heartbeat/{rank}"
+
+
+class Watchdog:
+    """Publishes ``position`` (a :class:`moetrain.failures.RunPosition`) and reports stalls."""
+
+    def __init__(self, store, rank: int, world_size: int, position, interval_s: float, stall_s: float):
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.position = position
+        self.interval_s, self.stall_s = interval_s, stall_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="moetrain-watchdog", daemon=True)
+        self.reports: list[str] = []
+
+    def start(self) -> Watchdog:
+        self._publish()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.interval_s + 5)
+
+    def _where(self) -> tuple:
+        return (self.position.step, self.position.phase)
+
+    def _publish(self) -> None:
+        step, phase = self._where()
+        self.store.set(_key(self.rank), json.dumps({"step": step, "phase": phase, "time": time.time()}))
+
+    def _run(self) -> None:
+        where, since, reported = self._where(), time.monotonic(), False
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._publish()
+                now_where = self._where()
+                if now_where != where:
+                    where, since, reported = now_where, time.monotonic(), False
+                elif not reported and time.monotonic() - since >= self.stall_s:
+                    self._report(where, time.monotonic() - since)
+                    reported = True
+            except Exception as error:  # noqa: BLE001 - the store may be gone at shutdown
+                log.debug("watchdog: %s", error)
+                if self._stop.is_set():
+                    return
+
+    def _report(self, where: tuple, waited_s: float) -> None:
+        keys = [_key(r) for r in range(self.world_size)]
+        beats = self.store.multi_get(keys)
+        now = time.time()
+        silent, behind = [], []
+        for rank, raw in enumerate(beats):
+            if rank == self.rank:
+                continue
+            try:
+                beat = json.loads(bytes(raw).decode("utf-8"))
+            except (ValueError, UnicodeDecodeError):
+                silent.append(f"rank {rank} (no heartbeat)")
+                continue
+            age = now - beat["time"]
+            place = f"step {beat['step']}, {beat['phase']}"
+            if age >= self.stall_s:
+                silent.append(f"rank {rank} (last heard {age:.0f} s ago at {place})")
+            elif (beat["step"], beat["phase"]) != where and (beat["step"] or 0) <= (where[0] or 0):
+                behind.append(f"rank {rank} ({place})")
+        here = f"step {where[0]}, {where[1]}"
+        if silent or behind:
+            parts = [f"rank {self.rank} has waited {waited_s:.0f} s at {here}"]
+            if silent:
+                parts.append(f"stopped or gone: {_first(silent)}")
+            if behind:
+                parts.append(f"behind: {_first(behind)}")
+            line = "; ".join(parts)
+            log.error("%s", line)
+        else:
+            line = f"rank {self.rank}: every rank has been at {here} for {waited_s:.0f} s (a long phase)"
+            log.info("%s", line)
+        self.reports.append(line)
+
+
+def _first(items: list[str], shown: int = 8) -> str:
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more

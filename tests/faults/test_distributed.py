@@ -1,0 +1,84 @@
+"""Faults between ranks end within a bounded time, with one line on every surviving rank naming the
+cause: a stopped rank (the watchdog names it, the collective times out after ``dist_timeout_s``),
+ranks started with different ``ep_size`` or ``steps`` (the start-up check names the key before any
+group is built), an occupied rendezvous port under a per-task (srun-style) launch."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+
+import pytest
+
+from tests.dist_utils import free_port
+from tests.faults.launch import error_lines, finish, start_ranks, tiny_config, write_config
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_rank_is_named_and_the_others_end_within_the_timeout(tmp_path):
+    out_dir = tmp_path / "run"
+    config = write_config(tmp_path, tiny_config(out_dir, steps=100000, dist_timeout_s=6))
+    procs = start_ranks([config, config])
+    metrics = out_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.1)
+    procs[1].send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        code, err = finish(procs[:1], timeout=30)[0]
+        elapsed = time.monotonic() - stopped_at
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    lines = error_lines(err)
+    assert code == 1 and len(lines) == 1, err
+    assert lines[0].startswith("moetrain: error: rank 0, step "), lines
+    assert "stopped or gone: rank 1 (last heard" in err, err  # the watchdog's line
+    assert elapsed < 6 + 10, elapsed  # the timeout, plus start-up slack
+
+
+@pytest.mark.parametrize("key,values", [("parallel.ep_size", (2, 1)), ("steps", (4, 5))])
+@pytest.mark.timeout(60)
+def test_ranks_started_differently_fail_fast_naming_the_key(tmp_path, key, values):
+    configs = [
+        write_config(tmp_path, tiny_config(tmp_path / "run", **{key: value}), f"rank{rank}.json")
+        for rank, value in enumerate(values)
+    ]
+    start = time.monotonic()
+    results = finish(start_ranks(configs), timeout=40)
+    assert time.monotonic() - start < 30
+    for rank, (code, err) in enumerate(results):
+        lines = error_lines(err)
+        assert code == 2 and len(lines) == 1, err
+        assert (
+            f"the ranks were started with different settings: {key} = {values[1]!r} on rank 1, " in lines[0]
+        )
+        assert f"{values[0]!r} on rank 0" in lines[0]
+        assert lines[0].startswith(f"moetrain: error: rank {rank}, start-up checks:"), lines
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.timeout(60)
+def test_an_occupied_rendezvous_port_is_named_on_every_rank(tmp_path):
+    port = free_port()
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    squatter.bind(("0.0.0.0", port))
+    squatter.listen()
+    try:
+        config = write_config(tmp_path, tiny_config(tmp_path / "run", dist_timeout_s=4))
+        start = time.monotonic()
+        results = finish(start_ranks([config, config], port=port), timeout=40)
+        elapsed = time.monotonic() - start
+    finally:
+        squatter.close()
+    (code0, err0), (code1, err1) = results
+    assert code0 == 1 and error_lines(err0) == [
+        "moetrain: error: rank 0, process-group set-up: RendezvousError: rank 0 cannot serve the rendezvous "
+        f"on port {port}: the port is already in use (another job?): choose a free MASTER_PORT"
+    ], err0
+    assert code1 == 1 and len(error_lines(err1)) == 1, err1
+    assert f"rank 1 could not reach the rendezvous at 127.0.0.1:{port} within 4 s" in err1
+    assert elapsed < 25

@@ -1,0 +1,71 @@
+"""Fault: non-finite gradients in fp32 / bf16 (fp16's overflows are tested in test_engine.py).
+
+One rank's loss is inf at one step: every rank skips that step together (their weights stay equal),
+it is counted in the metrics, training goes on and ends with exit code 0, every checkpoint is
+finite. A loss that stays NaN stops the run after ``max_consecutive_skips`` steps with one line
+naming the step, and the last finite checkpoint survives ``keep_last``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moetrain.checkpoint import list_checkpoints, load_checkpoint
+from moetrain.lm import LMConfig, MoETransformerLM
+from tests.faults.launch import error_lines, finish, start_ranks, tiny_config, write_config
+
+
+def _lm_config(cfg: dict) -> LMConfig:
+    from moetrain.config import MoEConfig
+
+    return LMConfig(
+        d_model=cfg["d_model"], num_layers=cfg["num_layers"], num_heads=cfg["num_heads"],
+        max_seq_len=cfg["max_seq_len"], moe=MoEConfig(d_model=cfg["d_model"], **cfg["moe"]),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_an_inf_loss_on_one_rank_skips_that_step_on_every_rank(tmp_path, precision):
+    out_dir = tmp_path / "run"
+    config = write_config(
+        tmp_path, tiny_config(out_dir, precision=precision, checkpoint_every=1, keep_last=10, steps=5)
+    )
+    results = finish(start_ranks([config, config], faults={1: "inf-loss@3"}), timeout=90)
+    assert [code for code, _ in results] == [0, 0], results
+    metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["skipped_steps"] for m in metrics] == [0, 0, 1, 1, 1]
+    assert not torch.isfinite(torch.tensor(metrics[2]["grad_norm"])) and metrics[3]["lr"] == metrics[2]["lr"]
+    steps = [step for step, _ in list_checkpoints(out_dir / "checkpoints")]
+    assert steps == [1, 2, 3, 4, 5]
+    model = MoETransformerLM(_lm_config(tiny_config(out_dir)["model"]))
+    for step in (2, 3):  # the skipped step changed nothing
+        load_checkpoint(out_dir / "checkpoints", model=model, step=step)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        if step == 2:
+            before = state
+    assert all(torch.equal(before[k], state[k]) for k in state)
+    for step in steps:
+        load_checkpoint(out_dir / "checkpoints", model=model, step=step)
+        assert all(torch.isfinite(v).all() for v in model.state_dict().values() if v.is_floating_point())
+
+
+def test_a_loss_that_stays_nan_stops_the_run_naming_the_step_and_keeps_the_finite_checkpoints(tmp_path):
+    out_dir = tmp_path / "run"
+    config = write_config(
+        tmp_path,
+        tiny_config(out_dir, checkpoint_every=1, keep_last=2, steps=20, max_consecutive_skips=3),
+    )
+    results = finish(start_ranks([config, config], faults={0: "nan-loss-from@4"}), timeout=90)
+    for code, err in results:
+        lines = error_lines(err)
+        assert code == 1 and len(lines) == 1, err
+        assert "step 6: 3 consecutive steps had non-finite gradients" in lines[0], lines
+        assert "the weights are those of step 3" in lines[0]
+    steps = [step for step, _ in list_checkpoints(out_dir / "checkpoints")]
+    assert steps == [4, 5]  # written after skipped steps: the weights of step 3, finite
+    model = MoETransformerLM(_lm_config(tiny_config(out_dir)["model"]))
+    load_checkpoint(out_dir / "checkpoints", model=model)
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values() if v.is_floating_point())

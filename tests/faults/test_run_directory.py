@@ -1,0 +1,150 @@
+"""Faults of the run directory: a full disk during a save, a kill while pruning, ``resume: false``
+over an existing run, two runs in one ``out_dir``, a corrupt newest checkpoint, changed settings on
+resume. Each through ``moetrain train`` as users run it (in-process, one rank)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from moetrain.checkpoint import list_checkpoints
+from moetrain.cli import main
+from moetrain.logs import detach_handlers
+from moetrain.run_dir import LOCK_NAME
+from tests.faults.launch import error_lines, tiny_config, write_config
+
+
+def train(tmp_path: Path, out_dir: Path, *args: str, **overrides) -> int:
+    name = f"config-{len(list(tmp_path.glob('config-*')))}.json"
+    config = write_config(tmp_path, tiny_config(out_dir, **overrides), name)
+    try:
+        return main(["train", "--config", str(config), *args])
+    finally:
+        detach_handlers()
+
+
+def one_error(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = error_lines(err)
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MiB tmpfs (root only): room for a few tiny checkpoints, not for a big one."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs to fill needs root")
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_earlier_checkpoints_survive(tmp_path, small_disk, capsys):
+    out_dir = small_disk / "run"
+    assert train(tmp_path, out_dir, steps=2, checkpoint_every=1, keep_last=5) == 0
+    before = [step for step, _ in list_checkpoints(out_dir / "checkpoints")]
+    free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+    (small_disk / "ballast").write_bytes(b"\0" * (free - 200_000))  # less room than one checkpoint
+    capsys.readouterr()
+    assert train(tmp_path, out_dir, steps=4, checkpoint_every=1, keep_last=5) == 2
+    line = one_error(capsys)
+    assert "checkpoint step 3 could not be written to" in line and "no space left on device" in line, line
+    assert [step for step, _ in list_checkpoints(out_dir / "checkpoints")] == before == [1, 2]
+    assert not list((out_dir / "checkpoints").glob("*.tmp"))
+    (small_disk / "ballast").unlink()
+    assert train(tmp_path, out_dir, steps=4, checkpoint_every=1, keep_last=5) == 0  # space again: resumes
+
+
+def test_a_kill_while_pruning_is_finished_off_at_the_next_start(tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    assert train(tmp_path, out_dir, steps=3, checkpoint_every=1, keep_last=5) == 0
+    checkpoints = out_dir / "checkpoints"
+    os.replace(checkpoints / "step_00000001", checkpoints / "step_00000001.deleting")  # killed mid-prune
+    (checkpoints / "step_00000002" / "manifest.json").unlink()  # an older half-deleted one
+    assert [s for s, _ in list_checkpoints(checkpoints)] == [3]
+    assert train(tmp_path, out_dir, steps=4, checkpoint_every=1, keep_last=5) == 0
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000003", "step_00000004"]
+
+
+def test_resume_false_over_an_existing_run_fails_before_touching_anything(tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    assert train(tmp_path, out_dir, steps=2) == 0
+    snapshot = {p: p.read_bytes() for p in out_dir.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert train(tmp_path, out_dir, steps=4, resume=False) == 2
+    line = one_error(capsys)
+    assert f"out_dir {out_dir} already holds checkpoints (latest: step 2) and resume is false" in line
+    assert {p: p.read_bytes() for p in out_dir.rglob("*") if p.is_file()} == snapshot
+
+
+def test_a_second_run_in_the_same_out_dir_is_refused_and_a_stale_lock_is_taken_over(tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    other = subprocess.Popen(["sleep", "60"])  # a live process on this host holds the lock
+    try:
+        lock = {"host": socket.gethostname(), "pid": other.pid, "started": 0}
+        (out_dir / LOCK_NAME).write_text(json.dumps(lock))
+        assert train(tmp_path, out_dir, steps=2) == 2
+        line = one_error(capsys)
+        assert (
+            f"out_dir {out_dir} is in use by another run (host {socket.gethostname()}, pid {other.pid}"
+            in line
+        )
+        assert not (out_dir / "metrics.jsonl").exists() and not (out_dir / "checkpoints").exists()
+    finally:
+        other.kill()
+        other.wait()
+    assert train(tmp_path, out_dir, steps=2) == 0  # its process is gone: a stale lock, taken over
+    assert "taking over the stale lock" in capsys.readouterr().err
+    assert not (out_dir / LOCK_NAME).exists()  # released at the end
+
+
+def test_a_corrupt_newest_checkpoint_names_the_intact_one_and_resume_from_picks_it(tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    assert train(tmp_path, out_dir, steps=3, checkpoint_every=1, keep_last=5) == 0
+    newest = out_dir / "checkpoints" / "step_00000003"
+    data = next(newest.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:-10])
+    capsys.readouterr()
+    assert train(tmp_path, out_dir, steps=5, keep_last=5) == 2
+    line = one_error(capsys)
+    assert data.name in line and "truncated" in line, line
+    assert "step 2 is intact: resume from it with --resume-from 2 (or --resume-from latest-valid)" in line
+    assert train(tmp_path, out_dir, "--resume-from", "latest-valid", steps=4, keep_last=5) == 0
+    metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]  # step 3 redone from step 2
+    shutil.rmtree(newest)
+    assert train(tmp_path, out_dir, "--resume-from", "1", steps=2, keep_last=5) == 0
+    assert train(tmp_path, out_dir, "--resume-from", "7", steps=9, keep_last=5) == 2
+    assert "resume_from = 7: no complete checkpoint of that step" in one_error(capsys)
+
+
+def test_changed_settings_on_resume_take_effect_and_every_config_is_kept(tmp_path, caplog):
+    out_dir = tmp_path / "run"
+    assert train(tmp_path, out_dir, steps=2, **{"optim.lr": 1e-3, "optim.warmup_steps": 0}) == 0
+    caplog.set_level("INFO", logger="moetrain")
+    assert train(tmp_path, out_dir, steps=4, **{"optim.lr": 0.5, "optim.warmup_steps": 0}) == 0
+    metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[1]["lr"] <= 1e-3
+    assert metrics[2]["lr"] == pytest.approx(0.5 * 0.55)  # the new lr, at step 3 of the new 4-step cosine
+    changed = [r.getMessage() for r in caplog.records if "config changed since step 2" in r.getMessage()]
+    assert len(changed) == 1 and "optim.lr 0.001 -> 0.5" in changed[0] and "steps 2 -> 4" in changed[0]
+    history = [json.loads(line) for line in (out_dir / "config_history.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [0, 2] and history[0]["changes"] is None
+    assert history[1]["changes"]["optim.lr"] == {"was": 0.001, "now": 0.5}
+    assert json.loads((out_dir / "config.json").read_text())["optim"]["lr"] == 0.5
