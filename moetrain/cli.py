@@ -155,6 +155,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     train.set_defaults(run=_train)
     add_plan_parser(commands)
+    launch = commands.add_parser(
+        "launch",
+        help="torchrun with a one-line end on SIGTERM (arguments: torchrun's)",
+        add_help=False,
+    )
+    launch.set_defaults(run=None)
+    arguments = sys.argv[1:] if argv is None else argv
+    if arguments[:1] == ["launch"]:
+        from moetrain.launch import main as launch_main
+
+        return launch_main(arguments[1:])
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -71,7 +71,7 @@ def manifest_dir(tmp_path) -> Path:
 
 
 def test_a_non_utf8_manifest_line_is_a_bad_record_named_by_its_line(manifest_dir):
-    with pytest.raises(ValueError, match=r"train\.jsonl:2: line is not UTF-8 text \(byte 31 of the line\)"):
+    with pytest.raises(ValueError, match=r"train\.jsonl:2: line is not UTF-8 text \(byte 32 of the line\)"):
         ManifestDataset(manifest_dir / "train.jsonl", image_size=8)
     dataset = ManifestDataset(manifest_dir / "train.jsonl", image_size=8, skip_bad_records=True)
     assert len(dataset) == 3 and dataset.skipped_records == 1
