@@ -102,13 +102,19 @@ def main() -> None:
         name="moetrain",
         version="0.1.0",
         description="Mixture-of-Experts training toolkit for PyTorch",
-        packages=find_packages(include=["moetrain", "moetrain.*", "models", "models.*"]),
-        package_data={"moetrain": ["data/*.txt"]},
+        # The M6 example model lives in models/m6_moe/ and installs as the package `m6_moe` (never as a
+        # top-level `models`, which would shadow a user's own `models` package).
+        packages=[*find_packages(include=["moetrain", "moetrain.*"]), "m6_moe"],
+        package_dir={"m6_moe": "models/m6_moe"},
+        package_data={"moetrain": ["data/*.txt"], "m6_moe": ["*.yaml"]},
         python_requires=">=3.10",
         install_requires=["torch>=2.4", "pyyaml"],
         ext_modules=ext_modules,
         cmdclass={"build_ext": _build_ext_class(cpp_extension)},
-        entry_points={"console_scripts": ["moetrain=moetrain.cli:main"]},
+        entry_points={
+            "console_scripts": ["moetrain=moetrain.cli:main"],
+            "moetrain.models": ["m6_moe = m6_moe:register"],
+        },
     )
 
 

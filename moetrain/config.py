@@ -344,11 +344,11 @@ class TrainConfig:
 
 
 def model_config_classes() -> dict[str, type]:
-    """Model name (the ``model.name`` key of a training config) -> its config dataclass."""
-    from models.m6_moe.config import M6Config
-    from moetrain.lm import LMConfig
+    """Model name (the ``model.name`` key of a training config) -> its config dataclass, for every
+    model in the registry (:mod:`moetrain.registry`)."""
+    from moetrain.registry import registered_models
 
-    return {"moe_lm": LMConfig, "m6_moe": M6Config}
+    return {name: spec.config_class for name, spec in registered_models().items()}
 
 
 def config_from_dict(cls: type, data, path: str = ""):

@@ -60,80 +60,11 @@ from moetrain.metrics import MetricsWriter
 from moetrain.offload import GroupwiseApply, OffloadOptimizer
 from moetrain.parallel import ParallelContext, init_distributed, read_launch_environment
 from moetrain.progress import ProgressBar
+from moetrain.registry import spec_for_config
 from moetrain.run_dir import RunLock, check_out_dir, config_changes, record_config
 from moetrain.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
-
-
-class TextBatches:
-    """Random windows of a byte corpus for next-token prediction; the generator is seeded per
-    rank (``seed * 1000003 + rank``) and its state is the data position saved in checkpoints."""
-
-    def __init__(self, corpus: torch.Tensor, batch: int, seq: int, seed: int, rank: int):
-        self.corpus, self.batch, self.seq = corpus, batch, seq
-        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
-        self.batches_drawn = 0
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(0, self.corpus.numel() - self.seq - 1, (self.batch,), generator=self.generator)
-        offsets = torch.arange(self.seq + 1)
-        windows = self.corpus[starts.unsqueeze(1) + offsets]
-        self.batches_drawn += 1
-        return windows[:, :-1], windows[:, 1:]
-
-    @property
-    def tokens_per_batch(self) -> int:
-        return self.batch * self.seq
-
-    def probe(self, sequences: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch of ``sequences`` from a separate stream (profiling, calibration): the data
-        position is not moved."""
-        return TextBatches(self.corpus, sequences, self.seq, seed, 0).next()
-
-    def reseed(self, seed: int, rank: int, step: int) -> None:
-        """A new stream for ``rank`` resuming at ``step`` when no saved position exists for it
-        (the run was saved with fewer ranks)."""
-        self.generator.manual_seed((seed * 1_000_003 + rank) * 1_000_033 + step)
-
-    def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state(), "batches_drawn": self.batches_drawn}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
-        self.batches_drawn = state["batches_drawn"]
-
-
-def build_moe_lm(config: TrainConfig, parallel: ParallelContext, rank: int):
-    """The foundation's MoE language model on a byte corpus: (model, batches, loss function)."""
-    from moetrain.lm import MoETransformerLM, load_text_corpus
-
-    if config.data.seq_len > config.model.max_seq_len:
-        raise ValueError(
-            f"data.seq_len = {config.data.seq_len} exceeds model.max_seq_len = {config.model.max_seq_len}"
-        )
-    corpus = load_text_corpus(config.data.source, config.data.seq_len + 2)
-    model = MoETransformerLM(config.model, parallel)
-    batches = TextBatches(corpus, config.data.micro_batch_size, config.data.seq_len, config.seed, rank)
-
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
-
-    return model, batches, loss_fn
-
-
-def build_m6_moe(config: TrainConfig, parallel: ParallelContext, rank: int):
-    """The M6-style multimodal MoE model and its pretraining tasks (``models/m6_moe``)."""
-    from models.m6_moe import build_m6
-
-    return build_m6(config, parallel, rank)
-
-
-# name -> builder(config, parallel, rank) -> (model, batches, loss_fn). ``loss_fn(output, targets)``
-# is a mean; when it averages over a number of units that varies between batches (tokens that
-# count), it may carry ``loss_fn.loss_units(targets) -> int`` so that balanced ranks are weighted
-# by units rather than by sequences (``Trainer._loss_share``).
-MODEL_BUILDERS = {"moe_lm": build_moe_lm, "m6_moe": build_m6_moe}
 
 
 def resolve_device(name: str, local_rank: int, local_world_size: int) -> torch.device:
@@ -173,19 +104,6 @@ def lr_at(step: int, config: TrainConfig) -> float:
     span = max(1, config.steps - optim.warmup_steps)
     progress = min(1.0, (step - optim.warmup_steps) / span)
     return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def _model_name(config: TrainConfig) -> str:
-    for name, cls in _model_classes().items():
-        if isinstance(config.model, cls):
-            return name
-    raise ValueError(f"model config {type(config.model).__name__} has no registered model builder")
-
-
-def _model_classes() -> dict:
-    from moetrain.config import model_config_classes
-
-    return model_config_classes()
 
 
 class Trainer:
@@ -230,7 +148,7 @@ class Trainer:
         self.position.phase = "model set-up"
         torch.manual_seed(config.seed)  # identical on every rank: dense replicas start equal
         random.seed(config.seed)
-        builder = MODEL_BUILDERS[_model_name(config)]
+        builder = spec_for_config(config.model).builder
         self.model, self.batches, self.loss_fn = builder(config, self.parallel, self.rank)
         self.position.model = self.model
         self.model.to(self.device)

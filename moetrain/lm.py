@@ -1,6 +1,6 @@
-"""A small decoder-only transformer language model whose FFNs are MoELayers.
+"""A small decoder-only transformer language model whose FFNs are MoELayers, and its byte corpus.
 
-Used by ``make demo`` and as the engine's default model. Legend: B batch, S sequence, D model dim,
+Registered as ``moe_lm`` (:func:`register`), like any user model. Legend: B batch, S sequence, D model dim,
 V vocabulary. Pre-norm blocks: ``x + attn(norm(x))`` then ``x + moe(norm(x))``.
 """
 
@@ -124,3 +124,65 @@ def sample_batch(corpus: torch.Tensor, batch: int, seq: int, generator: torch.Ge
     starts = torch.randint(0, corpus.numel() - seq - 1, (batch,), generator=generator)
     windows = torch.stack([corpus[s : s + seq + 1] for s in starts.tolist()])
     return windows[:, :-1], windows[:, 1:]
+
+
+class TextBatches:
+    """Random windows of a byte corpus for next-token prediction; the generator is seeded per
+    rank (``seed * 1000003 + rank``) and its state is the data position saved in checkpoints."""
+
+    def __init__(self, corpus: torch.Tensor, batch: int, seq: int, seed: int, rank: int):
+        self.corpus, self.batch, self.seq = corpus, batch, seq
+        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+        self.batches_drawn = 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(0, self.corpus.numel() - self.seq - 1, (self.batch,), generator=self.generator)
+        offsets = torch.arange(self.seq + 1)
+        windows = self.corpus[starts.unsqueeze(1) + offsets]
+        self.batches_drawn += 1
+        return windows[:, :-1], windows[:, 1:]
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.batch * self.seq
+
+    def probe(self, sequences: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch of ``sequences`` from a separate stream (profiling, calibration): the data
+        position is not moved."""
+        return TextBatches(self.corpus, sequences, self.seq, seed, 0).next()
+
+    def reseed(self, seed: int, rank: int, step: int) -> None:
+        """A new stream for ``rank`` resuming at ``step`` when no saved position exists for it
+        (the run was saved with fewer ranks)."""
+        self.generator.manual_seed((seed * 1_000_003 + rank) * 1_000_033 + step)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state(), "batches_drawn": self.batches_drawn}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.batches_drawn = state["batches_drawn"]
+
+
+def build_moe_lm(config, parallel, rank: int):
+    """The registry builder of ``moe_lm``: (model, batches, loss function) for a ``TrainConfig``
+    whose ``model`` is an :class:`LMConfig` (``data.source``: ``embedded`` or a UTF-8 text file)."""
+    if config.data.seq_len > config.model.max_seq_len:
+        raise ValueError(
+            f"data.seq_len = {config.data.seq_len} exceeds model.max_seq_len = {config.model.max_seq_len}"
+        )
+    corpus = load_text_corpus(config.data.source, config.data.seq_len + 2)
+    model = MoETransformerLM(config.model, parallel)
+    batches = TextBatches(corpus, config.data.micro_batch_size, config.data.seq_len, config.seed, rank)
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    return model, batches, loss_fn
+
+
+def register() -> None:
+    """Registers ``moe_lm`` (the registry calls it; see :mod:`moetrain.registry`)."""
+    from moetrain.registry import register_model
+
+    register_model("moe_lm", LMConfig, build_moe_lm)

@@ -62,8 +62,8 @@ def train(out_dir: Path, steps: int | None, ranks: int) -> None:
 
 
 def evaluate(out_dir: Path) -> None:
-    from models.m6_moe import M6Model, load_tokenizer
-    from models.m6_moe.evaluate import evaluate_captioning
+    from m6_moe import M6Model, load_tokenizer
+    from m6_moe.evaluate import evaluate_captioning
     from moetrain.checkpoint import load_checkpoint
     from moetrain.cli import build_train_config
 

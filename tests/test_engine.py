@@ -301,7 +301,7 @@ def test_progress_bar_logs_every_n_steps_and_times_only_this_run(monkeypatch):
 
 
 def test_skipped_bad_records_are_reported_and_logged(tmp_path, caplog):
-    from models.m6_moe import ensure_synthetic_dataset
+    from m6_moe import ensure_synthetic_dataset
 
     data = ensure_synthetic_dataset(tmp_path / "data", num_train=16, num_heldout=2, size=32, progress=False)
     manifest = data / "train.jsonl"
@@ -368,7 +368,7 @@ def balanced_gradient_worker(rank, world, out_dir):
 def test_balanced_step_has_the_gradient_of_the_global_batch(tmp_path):
     """Through the engine: 2 data-parallel ranks with micro-batches 6 and 2 (speeds 3:1) give the
     gradient of one process on the same 8 sequences (the loss weights w_r = W * n_r / N)."""
-    from moetrain.engine import TextBatches
+    from moetrain.lm import TextBatches
 
     (n0, grads0), (n1, grads1) = run_distributed(balanced_gradient_worker, 2, str(tmp_path / "ranks"))
     assert (n0, n1) == (6, 2)
@@ -408,8 +408,8 @@ def test_balanced_m6_step_has_the_gradient_of_the_mean_over_all_target_tokens(tm
     """M6 averages its loss over target tokens, whose number varies between samples: balanced
     ranks are weighted by their share of the target tokens, so micro-batches 6 + 2 give one
     process's gradient of the mean over every target token of the same 8 samples."""
-    from models.m6_moe import build_m6
-    from models.m6_moe.tasks import count_target_tokens, m6_loss
+    from m6_moe import build_m6
+    from m6_moe.tasks import count_target_tokens, m6_loss
 
     (n0, grads0), (n1, grads1) = run_distributed(m6_balanced_worker, 2, str(tmp_path / "ranks"))
     assert (n0, n1) == (6, 2)

@@ -12,9 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
-from models.m6_moe.config import M6TaskConfig
-from models.m6_moe.data import ManifestDataset
-from models.m6_moe.synthetic import (
+from m6_moe.config import M6TaskConfig
+from m6_moe.data import ManifestDataset
+from m6_moe.synthetic import (
     attribute_accuracy,
     caption_accuracy,
     captions_by_image,
@@ -25,8 +25,8 @@ from models.m6_moe.synthetic import (
     parse_caption,
     write_synthetic_dataset,
 )
-from models.m6_moe.tasks import IGNORE_INDEX, M6Batches, TaskSampler, collate, span_corruption
-from models.m6_moe.tokenizer import ByteTokenizer, JSONTokenizer, load_tokenizer
+from m6_moe.tasks import IGNORE_INDEX, M6Batches, TaskSampler, collate, span_corruption
+from m6_moe.tokenizer import ByteTokenizer, JSONTokenizer, load_tokenizer
 
 TOKENIZER = ByteTokenizer()
 

@@ -8,16 +8,16 @@ import pytest
 import torch
 from torch import nn
 
-from models.m6_moe import build_m6
-from models.m6_moe.config import (
+from m6_moe import build_m6
+from m6_moe.config import (
     PRESET_PARAMETER_TARGETS,
     PRESET_PARAMETER_TOLERANCE,
     PRESETS,
     M6Config,
     M6TaskConfig,
 )
-from models.m6_moe.evaluate import evaluate_captioning
-from models.m6_moe.generate import (
+from m6_moe.evaluate import evaluate_captioning
+from m6_moe.generate import (
     beam_search,
     build_context,
     filter_logits,
@@ -26,10 +26,10 @@ from models.m6_moe.generate import (
     sample,
     sampling_probs,
 )
-from models.m6_moe.model import M6Model, count_active_parameters, count_parameters, prefix_lm_mask
-from models.m6_moe.synthetic import write_synthetic_dataset
-from models.m6_moe.tasks import m6_loss
-from models.m6_moe.tokenizer import ByteTokenizer
+from m6_moe.model import M6Model, count_active_parameters, count_parameters, prefix_lm_mask
+from m6_moe.synthetic import write_synthetic_dataset
+from m6_moe.tasks import m6_loss
+from m6_moe.tokenizer import ByteTokenizer
 from moetrain.config import DataConfig, TrainConfig, config_from_dict
 from moetrain.layers import MoELayer
 

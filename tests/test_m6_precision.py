@@ -80,7 +80,7 @@ def _check(result: dict, recompute: bool) -> None:
 
 @pytest.fixture(scope="module")
 def manifest(tmp_path_factory) -> Path:
-    from models.m6_moe import ensure_synthetic_dataset
+    from m6_moe import ensure_synthetic_dataset
 
     directory = tmp_path_factory.mktemp("m6_precision")
     data = ensure_synthetic_dataset(directory / "data", num_train=64, num_heldout=2, size=32, progress=False)

@@ -159,7 +159,7 @@ _DATA = dict(_sources())
 
 @pytest.fixture(scope="session")
 def manifest(tmp_path_factory) -> Path:
-    from models.m6_moe import ensure_synthetic_dataset
+    from m6_moe import ensure_synthetic_dataset
 
     directory = tmp_path_factory.mktemp("shipped_data")
     data = ensure_synthetic_dataset(directory / "data", num_train=24, num_heldout=2, size=16, progress=False)

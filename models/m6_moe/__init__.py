@@ -1,18 +1,20 @@
 """M6-style multimodal MoE model: config and presets, model, data, pretraining tasks, generation.
 
-Engine entry point: :func:`build_m6` (the ``MODEL_BUILDERS`` protocol of ``moetrain.engine``).
+Installed as the top-level package ``m6_moe`` (from the folder ``models/m6_moe`` of the repository).
+It registers itself with moetrain's model registry as ``m6_moe`` through the entry point
+``moetrain.models`` (:func:`register`); the engine then builds it with :func:`build_m6`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from models.m6_moe.config import PRESET_PARAMETER_TARGETS, PRESETS, M6Config, M6TaskConfig
-from models.m6_moe.data import ManifestDataset
-from models.m6_moe.model import M6Model, count_active_parameters, count_parameters, prefix_lm_mask
-from models.m6_moe.synthetic import ensure_synthetic_dataset
-from models.m6_moe.tasks import M6Batches, TaskSampler, m6_loss
-from models.m6_moe.tokenizer import ByteTokenizer, JSONTokenizer, load_tokenizer
+from m6_moe.config import PRESET_PARAMETER_TARGETS, PRESETS, M6Config, M6TaskConfig
+from m6_moe.data import ManifestDataset
+from m6_moe.model import M6Model, count_active_parameters, count_parameters, prefix_lm_mask
+from m6_moe.synthetic import ensure_synthetic_dataset
+from m6_moe.tasks import M6Batches, TaskSampler, m6_loss
+from m6_moe.tokenizer import ByteTokenizer, JSONTokenizer, load_tokenizer
 
 # The embedded dataset: fixed, so every run that says ``data.source: embedded`` sees the same data.
 EMBEDDED_DATASET = {"seed": 0, "num_train": 2000, "num_heldout": 200, "size": 64}
@@ -72,6 +74,13 @@ def build_m6(config, parallel, rank: int):
     return model, batches, m6_loss
 
 
+def register() -> None:
+    """Registers ``m6_moe`` with :mod:`moetrain.registry` (called through the entry point)."""
+    from moetrain.registry import register_model
+
+    register_model("m6_moe", M6Config, build_m6)
+
+
 __all__ = [
     "EMBEDDED_DATASET",
     "PRESETS",
@@ -91,4 +100,5 @@ __all__ = [
     "m6_loss",
     "prefix_lm_mask",
     "prepare_embedded_dataset",
+    "register",
 ]

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
-from models.m6_moe.tokenizer import ByteTokenizer
+from m6_moe.tokenizer import ByteTokenizer
 from moetrain.config import MoEConfig, require_int
 
 BYTE_VOCAB_SIZE = ByteTokenizer().vocab_size

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from models.m6_moe.data import ManifestDataset
-from models.m6_moe.generate import build_context, greedy_search
-from models.m6_moe.synthetic import (
+from m6_moe.data import ManifestDataset
+from m6_moe.generate import build_context, greedy_search
+from m6_moe.synthetic import (
     attribute_accuracy,
     caption_accuracy,
     captions_by_image,

@@ -18,7 +18,7 @@ import contextlib
 
 import torch
 
-from models.m6_moe.data import normalize_pixels
+from m6_moe.data import normalize_pixels
 
 STRATEGIES = ("greedy", "sample", "beam")
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.m6_moe.config import M6Config
+from m6_moe.config import M6Config
 from moetrain.layers import MoELayer
 from moetrain.layers.experts import DenseFFN
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from models.m6_moe.config import M6TaskConfig
-from models.m6_moe.data import ManifestDataset, normalize_pixels
+from m6_moe.config import M6TaskConfig
+from m6_moe.data import ManifestDataset, normalize_pixels
 
 IGNORE_INDEX = -100
 TASKS = ("caption", "denoise", "image_text")

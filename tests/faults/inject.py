@@ -6,13 +6,14 @@ loss from step S on is NaN). Only this process is affected (the tests pass it to
 import math
 import sys
 
-import moetrain.engine as engine
+from moetrain.registry import get_model, register_model
 
 fault, args = sys.argv[1], sys.argv[2:]
 if fault != "none":
     kind, _, step_text = fault.partition("@")
     start = int(step_text)
-    original_builder = engine.MODEL_BUILDERS["moe_lm"]
+    spec = get_model("moe_lm")
+    original_builder = spec.builder
 
     def faulty_builder(config, parallel, rank):
         model, batches, loss_fn = original_builder(config, parallel, rank)
@@ -27,7 +28,7 @@ if fault != "none":
 
         return model, batches, faulty_loss
 
-    engine.MODEL_BUILDERS["moe_lm"] = faulty_builder
+    register_model("moe_lm", spec.config_class, faulty_builder)
 
 from moetrain.cli import main  # noqa: E402
 

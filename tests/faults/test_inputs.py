@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from models.m6_moe import ManifestDataset
+from m6_moe import ManifestDataset
 from moetrain.cli import main
 from moetrain.logs import detach_handlers
 from tests.faults.launch import error_lines, tiny_config, write_config

@@ -1,1 +1,0 @@
-"""Models built on moetrain (each a sub-package with its config, data, training and generation)."""

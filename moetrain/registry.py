@@ -1,0 +1,106 @@
+"""The model registry: how the engine, the config parser, the planner, the checkpoint tools and the
+``eval`` / ``generate`` commands find a model, by the ``name`` of a config's ``model`` section.
+
+A model is registered with :func:`register_model`: a name, its config dataclass (validated in
+``__post_init__``; presets through ``preset_names()`` / ``preset(name)`` if it has any) and a
+builder ``builder(train_config, parallel, rank) -> (model, batches, loss_fn)``:
+
+- ``model``: an ``nn.Module`` called as ``model(inputs)`` or ``model(**inputs)``;
+- ``batches``: ``next() -> (inputs, targets)``, ``probe(sequences, seed)``, ``state_dict()`` /
+  ``load_state_dict()`` (the data position in checkpoints), ``reseed(seed, rank, step)``,
+  ``tokens_per_batch``, a settable ``batch`` (sequences per micro-batch);
+- ``loss_fn(output, targets) -> scalar`` (a mean), optionally with ``loss_units(targets)``.
+
+Optional hooks: ``describe`` (the planner's model description, see ``moetrain.planner``),
+``evaluate`` and ``generate`` (the ``moetrain eval`` / ``moetrain generate`` commands: each gets
+the parsed command-line arguments and the training config and returns an exit code).
+
+The core registers its own byte-level language model (``moe_lm``) like any user model. Installed
+packages register through the entry-point group ``moetrain.models`` (each entry point is a
+callable taking no argument that calls :func:`register_model`); the repository's M6 model does
+so. The core never imports a model package.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "moetrain.models"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    config_class: type
+    builder: Callable
+    describe: Callable | None = None
+    evaluate: Callable | None = None
+    generate: Callable | None = None
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+_LOADED = {"entry_points": False}
+
+
+def register_model(
+    name: str,
+    config_class: type,
+    builder: Callable,
+    *,
+    describe: Callable | None = None,
+    evaluate: Callable | None = None,
+    generate: Callable | None = None,
+) -> ModelSpec:
+    """Registers (or replaces) model ``name``. Returns its :class:`ModelSpec`."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"model name must be an identifier like 'my_model', got {name!r}")
+    if not isinstance(config_class, type):
+        raise ValueError(f"config_class of model {name!r} must be a class, got {config_class!r}")
+    if not callable(builder):
+        raise ValueError(f"builder of model {name!r} must be callable, got {builder!r}")
+    spec = ModelSpec(name, config_class, builder, describe, evaluate, generate)
+    _REGISTRY[name] = spec
+    return spec
+
+
+def _load_registrations() -> None:
+    """The core's own model, then every installed package's entry point (once per process)."""
+    if "moe_lm" not in _REGISTRY:
+        from moetrain.lm import register as register_lm
+
+        register_lm()
+    if _LOADED["entry_points"]:
+        return
+    _LOADED["entry_points"] = True
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            entry.load()()
+        except Exception as error:  # noqa: BLE001 - one broken plugin must not hide the others
+            log.warning("model entry point %r (%s) failed to register: %s", entry.name, entry.value, error)
+
+
+def registered_models() -> dict[str, ModelSpec]:
+    """Every registered model by name."""
+    _load_registrations()
+    return dict(_REGISTRY)
+
+
+def get_model(name: str) -> ModelSpec:
+    """The spec of model ``name``; ``ValueError`` listing the registered names otherwise."""
+    models = registered_models()
+    if name not in models:
+        raise ValueError(f"model.name must be one of {', '.join(map(repr, sorted(models)))}, got {name!r}")
+    return models[name]
+
+
+def spec_for_config(model_config) -> ModelSpec:
+    """The spec whose config class ``model_config`` is an instance of."""
+    for spec in registered_models().values():
+        if isinstance(model_config, spec.config_class):
+            return spec
+    raise ValueError(f"model config {type(model_config).__name__} belongs to no registered model")
