@@ -60,6 +60,8 @@ shift
     echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-}"
     echo "CPUS=$(grep Cpus_allowed_list /proc/self/status | cut -f 2)"
     echo "OMP_NUM_THREADS=${OMP_NUM_THREADS:-}"
+    echo "NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-}"
+    echo "TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-}"
     echo "PWD=$PWD"
     echo "ARGS=$*"
 } > "$out.env"
@@ -586,6 +588,9 @@ def test_m6_template_cpu_only_binds_each_rank(cluster, tmp_path, stub):
             "--set",
             "dist_timeout_s=1800",
         ]
+        # the script's NCCL settings reach the ranks; flight-recorder dumps go to the shared OUT_DIR
+        assert env["NCCL_IB_TIMEOUT"] == "22"
+        assert env["TORCH_FR_DUMP_TEMP_FILE"] == f"{run_dir}/flight_recorder/rank_"
 
 
 @pytest.mark.parametrize(
