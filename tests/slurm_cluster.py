@@ -8,7 +8,7 @@
    under the temp dir; a system munged, if any, is neither used nor touched),
 3. writes ``slurm.conf`` (+ ``gres.conf``) under the temp dir: this host as the only node, two free
    loopback ports, every state / spool / log path under the temp dir, no cgroups
-   (``proctrack/linuxproc``, ``task/none``), partition ``debug`` as the default,
+   (``proctrack/linuxproc``, ``task/none``), one partition (``debug`` unless named) as the default,
 4. starts ``slurmctld -D`` and ``slurmd -D`` as child processes and waits until the node is idle,
 5. yields a ``LocalSlurmCluster`` whose ``submit`` / ``wait`` / ``run`` drive jobs, and
 6. on exit cancels its jobs and stops exactly the processes it started (the daemons, and any job
@@ -169,13 +169,15 @@ def _tail(path: Path, chars: int = 3000) -> str:
 class LocalSlurmCluster:
     """Handle on a running local cluster: build with ``local_slurm_cluster``, not directly."""
 
-    def __init__(self, root: Path, *, cpus: int, gpus_per_node: int, real_memory_mib: int):
+    def __init__(
+        self, root: Path, *, cpus: int, gpus_per_node: int, real_memory_mib: int, partition: str = "debug"
+    ):
         self.root = root
         self.node_name = socket.gethostname().split(".")[0]
         self.cpus = cpus
         self.gpus_per_node = gpus_per_node
         self.real_memory_mib = real_memory_mib
-        self.partition = "debug"
+        self.partition = partition
         self.conf_dir = root / "etc"
         self.conf_path = self.conf_dir / "slurm.conf"
         self.state_dir = root / "state"
@@ -412,6 +414,8 @@ class LocalSlurmCluster:
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_Core",
             "SchedulerType=sched/builtin",
+            # Start a batch job as soon as the node is free (SLURM may delay it by up to 3 s).
+            "SchedulerParameters=batch_sched_delay=0",
             "MpiDefault=none",
             "MailProg=/bin/true",
             "ReturnToService=2",
@@ -546,11 +550,13 @@ def local_slurm_cluster(
     cpus: int | None = None,
     gpus_per_node: int = 2,
     real_memory_mib: int | None = None,
+    partition: str = "debug",
 ) -> Iterator[LocalSlurmCluster]:
     """A running single-node cluster under ``tmp_path`` (see the module docstring).
 
     ``cpus`` defaults to ``os.cpu_count()``; ``gpus_per_node`` fake GPUs (gres without device
-    files) let jobs ask ``--gpus-per-node`` like the templates do. Raises ``SlurmUnavailable``
+    files) let jobs ask ``--gpus-per-node`` like the templates do (0: a CPU-only cluster, where
+    such a request is refused); ``partition`` names the one partition. Raises ``SlurmUnavailable``
     when SLURM cannot be installed, ``SlurmClusterError`` when it does not come up."""
     ensure_slurm_installed()
     cluster = LocalSlurmCluster(
@@ -558,6 +564,7 @@ def local_slurm_cluster(
         cpus=cpus or os.cpu_count() or 1,
         gpus_per_node=gpus_per_node,
         real_memory_mib=real_memory_mib or _real_memory_mib(),
+        partition=partition,
     )
     try:
         cluster._start()

@@ -1,37 +1,68 @@
 """M6 model and pretraining-task configuration, validated on construction, and the presets.
 
-Presets (``M6Config.preset(name)``). Source of each number: P = paper (model-size tables of the
-papers below), D = derived from the paper's parameter count, A = assumed, O = our choice.
+Presets (``M6Config.preset(name)``) and where each number comes from: A = stated in a paper's
+abstract, D = derived from an A number (how: below), O = our choice (why: below). The abstracts
+are all we could read of the papers below (their full texts were not available to us), and they
+give totals only: no layer count, width, head count, expert count or FFN size of any M6 model is
+cited here, and none is labelled published. Numbers an earlier version of this table attributed
+to the papers' model-size tables are kept, marked O, with that history noted: they still size the
+presets to the published totals.
 
-======  =======  ======  =====  =======  ============  ==========  =========  =======  =============
-preset  d_model  layers  heads  d_ff     experts       MoE layers  routing    vocab    params target
-======  =======  ======  =====  =======  ============  ==========  =========  =======  =============
-tiny    128 O    4 O     4 O    256 O    4 O           all O       2 top-1 O  275 O    none (demo)
-base    1024 P   24 P    16 P   4096 P   - (dense P)   none        -          21128 A  327M P [M6]
-10B     4096 P   50 P    32 O   16384 P  - (dense P)   none        -          21128 A  10B P [M6]
-100B    1024 P   24 P    16 P   4096 P   1024 P        every 2 D   top-2 O    21128 A  100B P [M6]
-1T      1024 P   24 P    16 P   21248 P  960 P         all D       2 top-1 O  21128 A  1T P [M6-T]
-======  =======  ======  =====  =======  ============  ==========  =========  =======  =============
+======  =======  ======  =====  =======  ==========  ==========  =========  =======  ==============
+preset  d_model  layers  heads  d_ff     experts     MoE layers  routing    vocab    params target
+======  =======  ======  =====  =======  ==========  ==========  =========  =======  ==============
+tiny    128 O    4 O     4 O    256 O    4 O         all O       2 top-1 O  275 O    none (demo)
+base    1024 O   24 O    16 O   4096 O   - (dense)   none        -          21128 O  327M (unverif.)
+10B     4096 O   50 D    32 O   16384 O  - (dense)   none        -          21128 O  10B A [M6]
+100B    1024 O   24 O    16 O   4096 O   1024 O      every 2 D   top-2 O    21128 O  100B A [M6]
+1T      1024 O   24 O    16 O   21248 D  960 D       all O       2 top-1 O  21128 O  1T A [M6-T]
+======  =======  ======  =====  =======  ==========  ==========  =========  =======  ==============
 
-- [M6] Lin et al. 2021, "M6: A Chinese Multimodal Pretrainer" (arXiv:2103.00823): M6-base
-  (327M) and M6-10B are dense, M6-100B is a Mixture-of-Experts model with 1024 experts. MoE on
-  every other layer is derived: with all 24 layers MoE the count would be ~206B, with every
-  other layer it is ~103B. Vocabulary: M6 uses a BERT-style Chinese WordPiece vocabulary; we
-  assume the 21,128-token Chinese BERT one.
+Sources (abstracts; arXiv listing and ar5iv pages):
+
+- [M6] Lin et al. 2021, "M6: A Chinese Multimodal Pretrainer" (arXiv:2103.00823): the model is
+  scaled "up to 10 billion and 100 billion parameters", pretrained on 1.9 TB of images and 292 GB
+  of text. The abstract does not say which model is dense or MoE, nor give any width.
 - [M6-T] Yang et al. 2021, "M6-T: Exploring Sparse Expert Models and Beyond" (arXiv:2105.15082):
-  ~1T parameters on 480 V100-32GB GPUs, 960 experts (2 per GPU) with FFN size 21248, expert
-  prototyping ("k top-1"). MoE in all 24 layers is derived from the total; k = 2 is ours.
+  "over 1 trillion parameters" on "480 NVIDIA V100-32GB GPUs"; expert prototyping splits the
+  experts into prototypes and routes "k top-1". The abstract gives neither k nor the capacity.
 - [M6-10T] Lin et al. 2021, "M6-10T: A Sharing-Delinking Paradigm for Efficient Multi-Trillion
-  Parameter Pretraining" (arXiv:2110.03888): 10T parameters on 512 GPUs; not a preset here.
-- Ours for every preset: pre-norm blocks; tied input/output embeddings (which is what lands
-  M6-base at ~327M); bias-free attention and FFN projections; 224x224 images in 16x16 patches
-  through a small conv stem (M6 encodes patches with a trained ResNet-50, not counted in its
-  totals); 512 text positions; dropout 0.1; capacity factor 1.25 in training and dropless
-  evaluation (``eval_capacity_factor`` None: under a capacity cut a later token could push an
-  earlier one out of its expert, which breaks the causal mask during generation).
-- ``PRESET_PARAMETER_TARGETS`` holds the published totals; ``tests/test_m6_model.py`` checks the
-  parameters counted on the ``meta`` device against them within ``PRESET_PARAMETER_TOLERANCE``
-  (5%; measured: base +1.8%, 10B +1.9%, 100B +3.3%, 1T +0.3%).
+  Parameter Pretraining" (arXiv:2110.03888): 10T parameters on 512 GPUs within 10 days
+  ("Pseudo-to-Real", granular CPU offloading). Not a preset here.
+- [Whale] Jia et al., "Whale: Efficient Giant Model Training over Heterogeneous GPUs"
+  (arXiv:2011.09208, USENIX ATC 2022): trains M6 with over ten trillion parameters on a 512-GPU
+  production cluster. No per-layer numbers.
+
+How each preset is built:
+
+- tiny: ours throughout, sized for the CPU demo (minutes on 2 cores).
+- base: a BERT-large-like shape, 24 layers of width 1024, 16 heads of 64, FFN 4 x 1024 (ours).
+  Target 327M: an earlier version of this file cited "M6-base 327M" from the M6 paper's
+  model-size table; it is not in the abstract and we could not check the table, so it is
+  unverified. It is what this shape counts with our other choices (332.8M).
+- 10B: dense and FFN 4 x d_model (ours, the abstract says neither), d_model 4096 (ours), 32 heads
+  of 128 (ours); 50 layers derived from the 10B total: a dense layer holds ~12 d_model^2
+  parameters, 10e9 / (12 x 4096^2) = 49.7.
+- 100B: the base shape (ours) with 1024 experts per MoE layer (ours; an earlier version of this
+  file attributed 1024 to the paper, unverified); MoE on every other layer derived from the 100B
+  total: 12 MoE layers count 103.3B, all 24 would count ~206B.
+- 1T: the base shape (ours) with MoE in every layer (ours; the dense d_ff 4096 goes unused).
+  960 experts derived: the 480 GPUs of M6-T's abstract, 2 experts per GPU (ours: ep_size 480
+  holds 2 per rank). Expert d_ff 21248 derived from the 1T total: 960 experts x 24 layers x
+  2 x 1024 x d_ff reaches 1e12 at d_ff ~ 21,193; 21,248 = 83 x 256 is the next multiple of 256
+  (ours, for GEMM tiles). k = 2 prototypes of 480 experts, top-1 in each (ours: M6-T's method,
+  its k unstated).
+- Ours, for every preset: vocabulary 21,128, the size of bert-base-chinese's WordPiece vocabulary
+  (its config.json: vocab_size 21128; no M6 abstract names a tokenizer); 512 text positions;
+  224x224 images in 16x16 patches (196) through a one-layer conv stem (M6 reads image features
+  of a trained ResNet-50, per an earlier version of this file, unverified; any such encoder is
+  outside these counts); pre-norm blocks; tied input/output embeddings; bias-free attention and
+  FFN projections; dropout 0.1; capacity factor 1.25 in training (a common choice, not from M6)
+  and dropless evaluation (``eval_capacity_factor`` None: under a capacity cut a later token
+  could push an earlier one out of its expert, which breaks the causal mask during generation).
+- ``PRESET_PARAMETER_TARGETS`` holds the totals the presets are sized to, each with its source;
+  ``tests/test_m6_model.py`` checks the parameters counted on the ``meta`` device against them
+  within ``PRESET_PARAMETER_TOLERANCE`` (5%; measured: base +1.8%, 10B +1.9%, 100B +3.3%, 1T +0.3%).
 """
 
 from __future__ import annotations
@@ -44,12 +75,13 @@ from moetrain.config import MoEConfig, require_int
 
 BYTE_VOCAB_SIZE = ByteTokenizer().vocab_size
 
-# Published total parameter counts and where they come from; relative tolerance of the check.
+# Total parameter counts the presets are sized to and where they come from (see the module
+# docstring); relative tolerance of the check.
 PRESET_PARAMETER_TARGETS: dict[str, tuple[float, str]] = {
-    "base": (327e6, "M6 (arXiv:2103.00823), model-size table: M6-base 327M"),
-    "10B": (10e9, "M6 (arXiv:2103.00823), model-size table: M6-10B"),
-    "100B": (100e9, "M6 (arXiv:2103.00823), model-size table: M6-100B"),
-    "1T": (1e12, "M6-T (arXiv:2105.15082): ~1 trillion parameters on 480 V100-32GB"),
+    "base": (327e6, "unverified: M6-base 327M (an earlier version of this file; not in M6's abstract)"),
+    "10B": (10e9, "M6 (arXiv:2103.00823), abstract: 10 billion parameters"),
+    "100B": (100e9, "M6 (arXiv:2103.00823), abstract: 100 billion parameters"),
+    "1T": (1e12, "M6-T (arXiv:2105.15082), abstract: over 1 trillion parameters on 480 V100-32GB"),
 }
 PRESET_PARAMETER_TOLERANCE = 0.05
 
@@ -238,7 +270,7 @@ class M6Config:
         return tuple(f.name for f in fields(cls))
 
 
-_M6_VOCAB = 21128  # assumed: the Chinese BERT WordPiece vocabulary (see the module docstring)
+_M6_VOCAB = 21128  # ours: bert-base-chinese's vocabulary size (see the module docstring)
 _LARGE_IMAGE = {"image_size": 224, "patch_size": 16, "stem_channels": (32,), "max_text_len": 512}
 
 
