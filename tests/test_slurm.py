@@ -440,8 +440,12 @@ def test_sigterm_reaches_every_rank(cluster, tmp_path, stub, config, fake_gpu_co
     for log in logs:
         lines = log.read_text().splitlines()
         assert "checkpointed" in lines and "finished" not in lines, (log.name, lines, output)
-    # torchrun exits 1 after shutting its ranks down on SIGTERM; the per-task ranks exit 0.
+    # The torchrun launcher exits 128 + 15 after its ranks shut down on SIGTERM, with one line and no
+    # SignalException traceback; the per-task ranks exit 0.
     assert state == ("COMPLETED" if template == "train_per_task" else "FAILED"), output
+    if template == "train_torchrun":
+        assert "Traceback" not in output and "SignalException" not in output, output
+        assert "moetrain: the launcher got signal 15 and stopped after its ranks" in output, output
 
 
 @cluster_test
@@ -528,6 +532,7 @@ def test_m6_template_on_gpus_asks_torchrun_for_numa_binding(cluster, tmp_path, f
             "PATH": f"{fakebin}:{SEARCH_PATH}",
             "GPU_COUNT_CMD": f"bash {fake_gpu_count}",
             "OUT_DIR": str(run_dir),
+            "LAUNCH_CMD": "torchrun",
         },
         cwd=REPO_ROOT,
         timeout=120,
@@ -696,7 +701,6 @@ def test_readme_cpu_only_torchrun_example_trains_and_checkpoints(cpu_cluster, tm
         "checkpoint_every=3",
         "data.micro_batch_size=4",
         "threads=1",
-        "--set",
         "log_every=1",
     ]
     job_id, state, output = cpu_cluster.run(

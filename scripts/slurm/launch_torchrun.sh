@@ -17,6 +17,8 @@
 #   GPU_COUNT_CMD   how the preflight counts a node's GPUs (default: torch's count)
 #   PORT            rendezvous port on the first node: 20000 + job id % 20000
 #   OMP_NUM_THREADS CPU threads per rank: the node's CPUs / RANKS_PER_NODE (torchrun would set 1)
+#   LAUNCH_CMD      the launcher, given torchrun's arguments: python -m moetrain.launch (torchrun
+#                   with a one-line end on SIGTERM instead of a traceback)
 
 fail() {
     echo "moetrain: $*" >&2
@@ -109,12 +111,16 @@ if [[ -n $OUT_DIR_MARKER ]]; then
 fi
 [[ $status -eq 0 ]] || fail "preflight failed on the node(s) named above; no rank was started"
 
-# One torchrun per node; --cpus-per-task hands that task all of the node's CPUs (srun does not
-# inherit the job's CPU count, and a step confined to 1 core would starve the ranks).
-# --no-python: torchrun runs TRAIN_CMD as given (split on spaces) instead of prefixing `python`.
+# One torchrun per node, through `python -m moetrain.launch` (torchrun itself, ending a SIGTERM with
+# one line instead of a SignalException traceback); --cpus-per-task hands that task all of the
+# node's CPUs (srun does not inherit the job's CPU count, and a step confined to 1 core would
+# starve the ranks). --no-python: torchrun runs TRAIN_CMD as given (split on spaces) instead of
+# prefixing `python`.
 read -r -a train_cmd <<<"$TRAIN_CMD"
+LAUNCH_CMD=${LAUNCH_CMD:-python -m moetrain.launch}  # torchrun's arguments follow; split on spaces
+read -r -a launch_cmd <<<"$LAUNCH_CMD"
 launch=(
-    torchrun
+    "${launch_cmd[@]}"
     --nnodes="$SLURM_NNODES"
     --nproc-per-node="$RANKS_PER_NODE"
     --rdzv-backend=c10d
