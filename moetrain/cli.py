@@ -132,6 +132,48 @@ def _train(args) -> int:
             dist.destroy_process_group()
 
 
+MODEL_COMMANDS = {
+    "eval": "score a trained checkpoint on data (options depend on the model: add --config to see them)",
+    "generate": "generate from a trained checkpoint (options depend on the model: add --config to see them)",
+}
+
+
+def _model_command(kind: str, argv: list[str]) -> int:
+    """``moetrain eval`` / ``moetrain generate``: generic options (``--config``, ``--set``,
+    ``--checkpoint``), then the options of the config's model, whose registry entry provides the
+    command (an object with ``add_arguments(parser)`` and ``run(args, config) -> exit code``)."""
+    from moetrain.registry import spec_for_config
+
+    generic = argparse.ArgumentParser(prog=f"moetrain {kind}", add_help=False)
+    generic.add_argument("--config")
+    generic.add_argument("--set", action="append", default=[])
+    known, _ = generic.parse_known_args(argv)
+    parser = argparse.ArgumentParser(prog=f"moetrain {kind}", description=MODEL_COMMANDS[kind])
+    parser.add_argument(
+        "--config", required=True, help="the YAML or JSON TrainConfig the model was trained with"
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a run's checkpoint directory (its newest checkpoint is used) or one step_XXXXXXXX directory",
+    )
+    if known.config is None:
+        parser.parse_args(argv)  # --help, or the error naming --config
+        return 2
+    config = build_train_config(known.config, known.set)
+    spec = spec_for_config(config.model)
+    command = getattr(spec, "evaluate" if kind == "eval" else "generate")
+    if command is None:
+        raise ValueError(f"model {spec.name!r} offers no `moetrain {kind}` command")
+    command.add_arguments(parser)
+    args = parser.parse_args(argv)
+    configure_console(getattr(args, "log_level", "INFO"), 0)
+    return command.run(args, config)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moetrain", description="Mixture-of-Experts training toolkit")
     parser.add_argument("--version", action="version", version=f"moetrain {__version__}")
@@ -161,11 +203,19 @@ def main(argv: list[str] | None = None) -> int:
         add_help=False,
     )
     launch.set_defaults(run=None)
+    for kind, summary in MODEL_COMMANDS.items():
+        commands.add_parser(kind, help=summary, add_help=False)
     arguments = sys.argv[1:] if argv is None else argv
     if arguments[:1] == ["launch"]:
         from moetrain.launch import main as launch_main
 
         return launch_main(arguments[1:])
+    if arguments[:1] and arguments[0] in MODEL_COMMANDS:
+        try:
+            return _model_command(arguments[0], arguments[1:])
+        except INPUT_ERRORS as error:
+            print(f"moetrain: error: {error}", file=sys.stderr)
+            return 2
     args = parser.parse_args(argv)
     try:
         return args.run(args)
