@@ -46,6 +46,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moetrain.validation import require_int
+
 
 def _require_positive_numbers(name: str, values: Sequence[float], allow_zero: bool = False) -> list[float]:
     out = []
@@ -126,8 +128,7 @@ def balance_batch(
         if len(limits) != world:
             raise ValueError(f"memory_limits must have one entry per rank ({world}), got {len(limits)}")
         for i, limit in enumerate(limits):
-            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-                raise ValueError(f"memory_limits[{i}] must be an integer >= 1 (sequences), got {limit!r}")
+            require_int(f"memory_limits[{i}]", limit, 1, note="(sequences)")
         if sum(limits) < global_batch:
             raise ValueError(
                 f"global_batch = {global_batch} exceeds the sum of memory_limits = {sum(limits)} "
@@ -181,10 +182,12 @@ def calibrate(
     ``step_fn`` must synchronise its device (e.g. ``torch.cuda.synchronize()``) before returning.
     With a single size, the overhead is taken as 0."""
     sizes = sorted(set(sizes))
-    if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
-        raise ValueError(f"sizes must be integers >= 1 (sequences), got {sizes!r}")
-    if not isinstance(repeats, int) or repeats < 1 or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats!r}, warmup={warmup!r}")
+    if not sizes:
+        raise ValueError("sizes must be a non-empty list of integers >= 1 (sequences), got []")
+    for i, n in enumerate(sizes):
+        require_int(f"sizes[{i}]", n, 1, note="(sequences)")
+    require_int("repeats", repeats, 1)
+    require_int("warmup", warmup, 0)
     timings = {}
     for n in sizes:
         for _ in range(warmup):

@@ -5,39 +5,20 @@ Every invalid value raises ``ValueError`` naming the field, the value and what i
 
 from __future__ import annotations
 
-import math
 from dataclasses import MISSING, dataclass, fields
+
+from moetrain.validation import (  # noqa: F401 - re-exported: models validate with the same helpers
+    is_int,
+    require_bool,
+    require_choice,
+    require_fraction,
+    require_int,
+    require_nonneg_float,
+    require_positive_float,
+)
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ACTIVATIONS = ("relu", "gelu", "swiglu")
-
-
-def require_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def require_choice(name: str, value, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
-
-
-def require_nonneg_float(name: str, value, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-    ):
-        allowed = "a finite number >= 0" + (" or None" if allow_none else "")
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
-
-
-def require_bool(name: str, value, allow_none: bool = False) -> None:
-    if not (isinstance(value, bool) or (allow_none and value is None)):
-        raise ValueError(f"{name} must be True or False{' or None' if allow_none else ''}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -162,10 +143,6 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 RESUME_CHOICES = ("latest", "latest-valid")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("adamw", "groupwise", "offload")
 
@@ -246,8 +223,7 @@ class BalanceConfig:
                     raise ValueError(f"balance.{name} must be a list with one entry per rank, got {value!r}")
                 object.__setattr__(self, name, tuple(value))
         for index, speed in enumerate(self.speeds or ()):
-            if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0 < speed < math.inf:
-                raise ValueError(f"balance.speeds[{index}] must be a finite number > 0, got {speed!r}")
+            require_positive_float(f"balance.speeds[{index}]", speed)
         for index, limit in enumerate(self.memory_limits or ()):
             require_int(f"balance.memory_limits[{index}]", limit, 1)
         require_bool("balance.calibrate", self.calibrate)
@@ -316,7 +292,7 @@ class TrainConfig:
         require_int("max_consecutive_skips", self.max_consecutive_skips, 1)
         require_int("keep_last", self.keep_last, 1)
         require_bool("resume", self.resume)
-        if not (self.resume_from in RESUME_CHOICES or _is_int(self.resume_from) and self.resume_from >= 0):
+        if not (self.resume_from in RESUME_CHOICES or is_int(self.resume_from) and self.resume_from >= 0):
             raise ValueError(
                 f"resume_from must be one of {', '.join(map(repr, RESUME_CHOICES))} or a step >= 0, got "
                 f"{self.resume_from!r}"

@@ -15,6 +15,7 @@ from torch import nn
 
 from moetrain.config import MoEConfig
 from moetrain.layers import MoELayer
+from moetrain.validation import require_int
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,7 @@ class LMConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            require_int(name, getattr(self, name), 1)
         if self.d_model % self.num_heads:
             raise ValueError(f"num_heads must divide d_model = {self.d_model}, got {self.num_heads}")
         if self.moe.d_model != self.d_model:

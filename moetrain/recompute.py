@@ -55,6 +55,7 @@ from torch.utils.checkpoint import checkpoint
 
 from moetrain.layers import MoELayer
 from moetrain.layers.dispatch import AllToAllTokenDispatcher
+from moetrain.validation import require_int
 
 StorageKey = tuple[str, int, int]  # (device type, device index, data pointer)
 
@@ -544,8 +545,7 @@ def profile_activations(
     _check_batch(example_batch)
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"loss_fn must be callable (output -> scalar tensor) or None, got {loss_fn!r}")
-    if isinstance(timing_repeats, bool) or not isinstance(timing_repeats, int) or timing_repeats < 1:
-        raise ValueError(f"timing_repeats must be an integer >= 1, got {timing_repeats!r}")
+    require_int("timing_repeats", timing_repeats, 1)
     wrapped = recomputed_modules(model)
     if wrapped:
         raise ValueError(f"model already recomputes {wrapped}; call remove_recompute(model) before profiling")

@@ -23,7 +23,7 @@ from torch._C._profiler import _EventType
 from moetrain.config import MoEConfig
 from moetrain.lm import LMConfig, MoETransformerLM
 from moetrain.offload import CPUAdam, GroupwiseApply, OffloadOptimizer
-from moetrain.offload.optimizer import plan_apply_groups
+from moetrain.offload.apply_groups import plan_apply_groups
 
 VOCAB = 64
 TINY = LMConfig(

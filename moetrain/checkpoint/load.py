@@ -32,13 +32,13 @@ from moetrain.checkpoint.ranks import CheckpointError, RankLayout, agree, barrie
 from moetrain.checkpoint.restore import Request, optimizer_state_dict, request_model, request_optimizer
 from moetrain.checkpoint.safe_dcp import SafeFileSystemReader, TensorOnlyLoadPlanner, read_metadata
 from moetrain.checkpoint.save import NO_DIST_WARNING, format_bytes
+from moetrain.validation import require_int
 
 log = logging.getLogger(__name__)
 
 
 def _require_step(step: Any) -> None:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be an integer >= 0, got {step!r}")
+    require_int("step", step, 0)
 
 
 def _resolve(directory: Path, step: int | None) -> Path:

@@ -58,6 +58,7 @@ from moetrain.checkpoint.entries import (
 )
 from moetrain.checkpoint.integrity import FORMAT, VERSION, checksum_share, write_manifest
 from moetrain.checkpoint.ranks import CheckpointError, RankLayout, agree, broadcast, rank_layout
+from moetrain.validation import require_int
 
 log = logging.getLogger(__name__)
 
@@ -74,15 +75,11 @@ def format_bytes(count: float) -> str:
 
 
 def _require_step(step: Any) -> None:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be an integer >= 0, got {step!r}")
+    require_int("step", step, 0)
 
 
 def _require_keep_last(keep_last: Any) -> None:
-    if keep_last is not None and (
-        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
-    ):
-        raise ValueError(f"keep_last must be an integer >= 1 or None (keep all), got {keep_last!r}")
+    require_int("keep_last", keep_last, 1, allow_none=True)
 
 
 def _os_error_in(error: BaseException) -> OSError | None:

@@ -2,6 +2,7 @@
 group-wise stepping of ordinary torch optimizers."""
 
 from moetrain.offload.cpu_adam import CPUAdam
-from moetrain.offload.optimizer import GroupwiseApply, OffloadOptimizer
+from moetrain.offload.groupwise import GroupwiseApply
+from moetrain.offload.optimizer import OffloadOptimizer
 
 __all__ = ["CPUAdam", "GroupwiseApply", "OffloadOptimizer"]

@@ -1,8 +1,7 @@
-"""Optimizer-state offloading and group-wise optimizer steps.
-
-``OffloadOptimizer`` is Adam / AdamW whose fp32 master weights and moments live in host memory while
+"""``OffloadOptimizer``: Adam / AdamW whose fp32 master weights and moments live in host memory while
 the model keeps its weights, in their training dtype (fp32, bf16 or fp16), on its device (CPU or
-one CUDA GPU). ``GroupwiseApply`` runs any per-parameter torch optimizer a few parameters at a time.
+one CUDA GPU). Apply groups: :mod:`moetrain.offload.apply_groups`; the device <-> host copies of a
+step: :mod:`moetrain.offload.transfers`; ``GroupwiseApply``: :mod:`moetrain.offload.groupwise`.
 
 Legend: N elements of one flat slice of a parameter (a *segment*); P parameters; G apply groups.
 
@@ -28,20 +27,19 @@ is pinned: masters and moments never cross PCIe during a step, so they stay in p
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from moetrain.offload.apply_groups import MASTER_BYTES_PER_ELEMENT, check_apply_groups, plan_apply_groups
 from moetrain.offload.cpu_adam import GRAD_DTYPES, adam_step_multi_, group_hyperparameters
+from moetrain.offload.transfers import Segment, Transfers
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PARAM_DEVICE_TYPES = ("cpu", "cuda")
-MASTER_BYTES_PER_ELEMENT = 4  # the unit of ``group_bytes``
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "master")
 # Keys a param group given to OffloadOptimizer may have (``initial_lr``: added by LR schedulers;
 # ``amsgrad`` / ``maximize``: accepted only as False, for state dicts of torch's Adam).
@@ -57,29 +55,10 @@ PARAM_GROUP_KEYS = (
     "amsgrad",
     "maximize",
 )
-_STAGING_ALIGN = 64  # bytes; every staged slice starts on a cache line
 
 
 # ------------------------------------------------------------------------------------------------
 # Validation
-
-
-def _require_positive_int(name: str, value: Any, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def _check_apply_groups(num_apply_groups: int | None, group_bytes: int | None) -> None:
-    """At most one of the two; ``num_apply_groups`` >= 1; ``group_bytes`` >= 4 (one fp32 element)."""
-    if num_apply_groups is not None and group_bytes is not None:
-        raise ValueError(
-            "num_apply_groups and group_bytes: give at most one of them, got "
-            f"num_apply_groups={num_apply_groups!r} and group_bytes={group_bytes!r}"
-        )
-    if num_apply_groups is not None:
-        _require_positive_int("num_apply_groups", num_apply_groups)
-    if group_bytes is not None:
-        _require_positive_int("group_bytes", group_bytes, MASTER_BYTES_PER_ELEMENT)
 
 
 def _check_group_options(where: str, group: dict[str, Any]) -> None:
@@ -109,164 +88,6 @@ def _check_group_options(where: str, group: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------------------------------------
 # Apply groups
-
-
-def plan_apply_groups(
-    numels: Sequence[int], *, num_apply_groups: int | None = None, group_numel: int | None = None
-) -> list[list[tuple[int, int, int]]]:
-    """Cuts the concatenation of P flat tensors of ``numels`` elements into contiguous ranges.
-
-    Returns one list per non-empty group of ``(tensor index, start, end)`` segments (element range
-    ``[start, end)`` of that tensor), in order. With ``num_apply_groups = G`` group k covers the
-    concatenation's elements ``[k * total // G, (k + 1) * total // G)`` (fewer than G groups when
-    ``total < G``); with ``group_numel = n`` every group but the last has n elements; with neither,
-    one group holds everything.
-    """
-    total = sum(numels)
-    if num_apply_groups is not None:
-        bounds = [k * total // num_apply_groups for k in range(num_apply_groups + 1)]
-    elif group_numel is not None:
-        bounds = [*range(0, total, group_numel), total]
-    else:
-        bounds = [0, total]
-    starts = [0]
-    for numel in numels:
-        starts.append(starts[-1] + numel)
-    groups: list[list[tuple[int, int, int]]] = []
-    index = 0
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-        segments = []
-        while index < len(numels) and starts[index] < hi:
-            start, end = max(lo, starts[index]) - starts[index], min(hi, starts[index + 1]) - starts[index]
-            if end > start:
-                segments.append((index, start, end))
-            if starts[index + 1] <= hi:
-                index += 1
-            else:
-                break
-        if segments:
-            groups.append(segments)
-    return groups
-
-
-@dataclass(frozen=True)
-class _Segment:
-    """Elements ``[start, end)`` of one parameter's flat view and its gradient's."""
-
-    group_index: int  # param group
-    param: torch.Tensor
-    start: int
-    end: int
-    grad_N: torch.Tensor  # flat gradient slice, on the param's device
-    param_N: torch.Tensor  # flat slice of the model's parameter (written back)
-
-    @property
-    def numel(self) -> int:
-        return self.end - self.start
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _STAGING_ALIGN) * _STAGING_ALIGN
-
-
-class _Transfers:
-    """Moves the gradients of apply group ``i`` to the host and its updated weights back.
-
-    Unstaged (a CPU model): nothing moves; the kernel reads ``grad_N`` where it is and writes its
-    weight copy straight into ``param_N`` (or nothing when the master is the parameter itself).
-
-    Staged: a slot of host memory (pinned for CUDA) per group in flight, two slots in all; group i
-    uses slot ``i % 2``, each segment a gradient slice then a weight slice, 64-byte aligned. CUDA:
-    D2H copies run on ``d2h_stream``, H2D on ``h2d_stream`` (both first wait for the compute stream,
-    whose backward wrote the gradients and read the weights); the host waits, before stepping group
-    i, for its D2H event and for the H2D event of group i - 2 (the last reader of the slot's weight
-    slices). Group i + 1's D2H is issued before group i's step, group i's H2D right after it, so
-    both directions overlap the next step. ``finish`` waits for the last H2D copies and makes the
-    compute stream wait for both side streams. On the CPU the same code copies synchronously.
-    """
-
-    def __init__(self, work: list[list[_Segment]], *, staged: bool, device: torch.device) -> None:
-        self.work = work
-        self.staged = staged
-        self.cuda = staged and device.type == "cuda"
-        self.layouts: list[list[tuple[int, int]]] = []
-        self.slots: list[torch.Tensor] = []
-        if staged and work:
-            slot_bytes = 0
-            for segments in work:
-                layout, size = [], 0
-                for seg in segments:
-                    grad_offset = size
-                    size = _aligned(size + seg.numel * seg.grad_N.element_size())
-                    layout.append((grad_offset, size))
-                    size = _aligned(size + seg.numel * seg.param_N.element_size())
-                self.layouts.append(layout)
-                slot_bytes = max(slot_bytes, size)
-            self.slots = [
-                torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=self.cuda)
-                for _ in range(min(2, len(work)))
-            ]
-        if self.cuda:
-            self.compute_stream = torch.cuda.current_stream(device)
-            self.d2h_stream = torch.cuda.Stream(device)
-            self.h2d_stream = torch.cuda.Stream(device)
-            self.d2h_stream.wait_stream(self.compute_stream)
-            self.h2d_stream.wait_stream(self.compute_stream)
-            self.d2h_done: list[Any] = [None] * len(work)
-            self.h2d_done: list[Any] = [None] * len(work)
-
-    def _on(self, stream: Any) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
-
-    def fetch(self, i: int) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """Starts the D2H copies of group i; returns (host gradient, weight copy target) per segment."""
-        segments = self.work[i]
-        if not self.staged:
-            return [seg.grad_N for seg in segments], [seg.param_N for seg in segments]
-        slot = self.slots[i % 2]
-        grads, copies = [], []
-        with self._on(self.d2h_stream if self.cuda else None):
-            for seg, (grad_offset, copy_offset) in zip(segments, self.layouts[i], strict=True):
-                grad_N = slot[grad_offset : grad_offset + seg.numel * seg.grad_N.element_size()]
-                grad_N = grad_N.view(seg.grad_N.dtype)
-                grad_N.copy_(seg.grad_N, non_blocking=self.cuda)
-                copy_N = slot[copy_offset : copy_offset + seg.numel * seg.param_N.element_size()]
-                grads.append(grad_N)
-                copies.append(copy_N.view(seg.param_N.dtype))
-            if self.cuda:
-                self.d2h_done[i] = self.d2h_stream.record_event()
-        return grads, copies
-
-    def wait(self, i: int) -> None:
-        """Blocks until group i's gradients are on the host and its slot's weight slices are free."""
-        if self.cuda:
-            self.d2h_done[i].synchronize()
-            if i >= 2:
-                self.h2d_done[i - 2].synchronize()
-
-    def write_back(self, i: int, copies: list[torch.Tensor | None]) -> None:
-        """Starts the H2D copies of group i's updated weights into the model's parameters."""
-        if not self.staged:
-            return
-        with self._on(self.h2d_stream if self.cuda else None):
-            for seg, copy_N in zip(self.work[i], copies, strict=True):
-                seg.param_N.copy_(copy_N, non_blocking=self.cuda)
-            if self.cuda:
-                self.h2d_done[i] = self.h2d_stream.record_event()
-
-    def finish(self) -> None:
-        """Waits for every copy still in flight (also after an error) and orders the compute stream
-        after them; the slots may be freed afterwards."""
-        if self.cuda:
-            for event in (*self.d2h_done, *self.h2d_done):
-                if event is not None:
-                    event.synchronize()
-            self.compute_stream.wait_stream(self.d2h_stream)
-            self.compute_stream.wait_stream(self.h2d_stream)
-
-
-# ------------------------------------------------------------------------------------------------
-# OffloadOptimizer
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -317,7 +138,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         num_apply_groups: int | None = None,
         group_bytes: int | None = None,
     ) -> None:
-        _check_apply_groups(num_apply_groups, group_bytes)
+        check_apply_groups(num_apply_groups, group_bytes)
         if not isinstance(adamw_mode, bool):
             raise ValueError(f"OffloadOptimizer: adamw_mode must be True or False, got {adamw_mode!r}")
         defaults = {
@@ -413,7 +234,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         work = self._segments(flat_grads)
         if not work:  # only empty params have gradients
             return loss
-        transfers = _Transfers(work, staged=self._staged, device=self.device)
+        transfers = Transfers(work, staged=self._staged, device=self.device)
         try:
             pending = transfers.fetch(0)
             for i in range(len(work)):
@@ -463,7 +284,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if not _is_same_memory(state["master"], param):
             state["master"].copy_(param.detach())
 
-    def _segments(self, flat_grads: dict[torch.Tensor, torch.Tensor]) -> list[list[_Segment]]:
+    def _segments(self, flat_grads: dict[torch.Tensor, torch.Tensor]) -> list[list[Segment]]:
         """The apply groups of this step: segments of the params that have a gradient."""
         params, group_of = [], []
         for index, group in enumerate(self.param_groups):
@@ -477,7 +298,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         work = []
         for segments in plan:
             group_work = [
-                _Segment(
+                Segment(
                     group_index=group_of[i],
                     param=params[i],
                     start=start,
@@ -494,7 +315,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _adam(
         self,
-        segments: list[_Segment],
+        segments: list[Segment],
         grads: list[torch.Tensor],
         copies: list[torch.Tensor | None],
         steps: dict[torch.Tensor, int],
@@ -618,134 +439,3 @@ def _deep_copy(value: Any) -> Any:
     if isinstance(value, dict):
         return {key: _deep_copy(item) for key, item in value.items()}
     return value
-
-
-# ------------------------------------------------------------------------------------------------
-# GroupwiseApply
-
-
-class GroupwiseApply(torch.optim.Optimizer):
-    """Runs ``optimizer.step()`` once per group of parameters, bounding its temporaries to a group.
-
-    The parameters that have a gradient, in param-group order, are cut into at most ``num_groups``
-    contiguous groups of about equal bytes (a parameter goes to group
-    ``floor(G * (bytes before it + half its bytes) / total bytes)``). For each group, the gradients
-    of all other parameters are hidden (``.grad = None``) while the wrapped optimizer steps, then
-    restored, so a foreach / fused optimizer allocates its intermediate lists (for
-    ``torch.optim.AdamW(foreach=True)`` about one copy of the parameters) for one group at a time.
-    Each parameter is stepped exactly once, so for optimizers whose update of a parameter depends
-    only on that parameter (all of ``torch.optim`` except LBFGS) the result is the same as one
-    ``optimizer.step()``; step hooks of the wrapped optimizer run once per group.
-
-    ``param_groups``, ``state``, ``defaults``, ``state_dict``, ``load_state_dict``, ``zero_grad`` and
-    ``add_param_group`` are the wrapped optimizer's, so LR schedulers and checkpoints work on either.
-    With ``torch.amp.GradScaler`` it behaves as the wrapped optimizer (a fused one receives the
-    scaler's ``grad_scale`` / ``found_inf`` for every group).
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, num_groups: int) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if isinstance(optimizer, (torch.optim.LBFGS, OffloadOptimizer, GroupwiseApply)):
-            raise ValueError(
-                "optimizer must be a per-parameter torch optimizer (not LBFGS, OffloadOptimizer, which "
-                f"has num_apply_groups, or GroupwiseApply), got {type(optimizer).__name__}"
-            )
-        _require_positive_int("num_groups", num_groups)
-        self.optimizer = optimizer
-        self.num_groups = num_groups
-        # torch.optim.Optimizer.__init__ would build its own param_groups and state; __setstate__
-        # (the unpickling path) only creates the hook registries, which is all this wrapper needs.
-        torch.optim.Optimizer.__setstate__(self, {})
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer, "num_groups": self.num_groups}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.optimizer = state["optimizer"]
-        self.num_groups = state["num_groups"]
-        torch.optim.Optimizer.__setstate__(self, {})
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
-
-    @property
-    def _step_supports_amp_scaling(self) -> bool:
-        return getattr(self.optimizer, "_step_supports_amp_scaling", False)
-
-    def __repr__(self) -> str:
-        return f"GroupwiseApply(num_groups={self.num_groups}, optimizer={self.optimizer!r})"
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        self.optimizer.add_param_group(param_group)
-
-    def apply_groups(self) -> list[list[torch.Tensor]]:
-        """The groups the next ``step()`` will use (params with a gradient, about equal bytes)."""
-        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        sizes = [p.numel() * p.element_size() for p in params]
-        total = sum(sizes)
-        groups: list[list[torch.Tensor]] = [[] for _ in range(self.num_groups)]
-        before = 0
-        for param, size in zip(params, sizes, strict=True):
-            k = min(self.num_groups - 1, (2 * before + size) * self.num_groups // (2 * total)) if total else 0
-            groups[k].append(param)
-            before += size
-        return [group for group in groups if group]
-
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Steps the wrapped optimizer group by group; returns ``closure()``'s loss if given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        groups = self.apply_groups()
-        everyone = [p for group in groups for p in group]
-        # GradScaler sets these on this wrapper for a fused optimizer; the wrapped one reads them.
-        scaling = {key: self.__dict__[key] for key in ("grad_scale", "found_inf") if key in self.__dict__}
-        for key, value in scaling.items():
-            setattr(self.optimizer, key, value)
-        try:
-            for group in groups:
-                members = {id(p) for p in group}
-                hidden = [(p, p.grad) for p in everyone if id(p) not in members]
-                for p, _ in hidden:
-                    p.grad = None
-                try:
-                    self.optimizer.step()
-                finally:
-                    for p, grad in hidden:
-                        p.grad = grad
-        finally:
-            for key in scaling:
-                delattr(self.optimizer, key)
-        return loss
