@@ -10,7 +10,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
 CSRC = ROOT / "csrc"
@@ -39,6 +39,28 @@ def _require_torch():
     return cpp_extension
 
 
+def _torch_release() -> str:
+    """The running torch's release, without the local label (``2.13.0+cpu`` -> ``2.13.0``): the
+    requirement ``torch==2.13.0`` then accepts the CPU and every CUDA build of that release."""
+    import torch
+
+    return torch.__version__.split("+", 1)[0]
+
+
+def _refuse_isolated_build() -> None:
+    """pip's build isolation installs a fresh torch into a temporary environment; the extension
+    would then be compiled against it instead of the torch that will run it."""
+    import torch
+
+    location = str(Path(torch.__file__).resolve())
+    if "pip-build-env" in location or "build-env-" in location:
+        sys.exit(
+            f"moetrain: this build would compile against a temporary torch ({torch.__version__}, "
+            f"{location}), not the one you run: install with `pip install --no-build-isolation .` in the "
+            "environment that holds your torch"
+        )
+
+
 def _nvcc_available(cpp_extension) -> bool:
     import torch
 
@@ -60,6 +82,7 @@ def _write_fingerprint_header(with_cuda: bool) -> None:
 
 def _extensions():
     cpp_extension = _require_torch()
+    _refuse_isolated_build()
     with_cuda = _nvcc_available(cpp_extension)
     _write_fingerprint_header(with_cuda)
     sources = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cpp"))
@@ -98,23 +121,12 @@ def _build_ext_class(cpp_extension):
 
 def main() -> None:
     ext_modules, cpp_extension = _extensions()
+    # Metadata, packages and entry points: pyproject.toml. Here: the extension, and the dependencies,
+    # with torch pinned to the version the extension is compiled against (its ABI is that version's).
     setup(
-        name="moetrain",
-        version="0.1.0",
-        description="Mixture-of-Experts training toolkit for PyTorch",
-        # The M6 example model lives in models/m6_moe/ and installs as the package `m6_moe` (never as a
-        # top-level `models`, which would shadow a user's own `models` package).
-        packages=[*find_packages(include=["moetrain", "moetrain.*"]), "m6_moe"],
-        package_dir={"m6_moe": "models/m6_moe"},
-        package_data={"moetrain": ["data/*.txt"], "m6_moe": ["*.yaml"]},
-        python_requires=">=3.10",
-        install_requires=["torch>=2.4", "pyyaml"],
+        install_requires=[f"torch=={_torch_release()}", "pyyaml", "numpy"],
         ext_modules=ext_modules,
         cmdclass={"build_ext": _build_ext_class(cpp_extension)},
-        entry_points={
-            "console_scripts": ["moetrain=moetrain.cli:main"],
-            "moetrain.models": ["m6_moe = m6_moe:register"],
-        },
     )
 
 

@@ -1,10 +1,9 @@
 """moetrain: Mixture-of-Experts training for PyTorch."""
 
+from moetrain._version import __version__
 from moetrain.config import MoEConfig, ParallelConfig
 from moetrain.layers import MoELayer, MoEModelStats, MoEStats, collect_moe_stats, set_aux_loss_scale
 from moetrain.parallel import ParallelContext
-
-__version__ = "0.1.0"
 
 __all__ = [
     "MoEConfig",

@@ -1,0 +1,100 @@
+"""Installing moetrain as a user does, outside this repository's virtual environment.
+
+A fresh virtualenv that already holds torch (and the build tools) builds a wheel from a copy of the
+repository with ``--no-build-isolation`` (compiling the extension against that torch), installs it
+(not editable), and, from a directory that has its own ``models/`` package (as many user projects
+do), trains the LM and the M6 model one step each with the installed ``moetrain`` command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD_TOOLS = ["setuptools>=64", "wheel", "ninja", "pybind11", "numpy", "pyyaml", "pillow"]
+
+
+def _run(command: list[str], cwd: Path, timeout: float, env: dict | None = None) -> str:
+    result = subprocess.run(
+        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert result.returncode == 0, (
+        f"{' '.join(map(str, command))}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
+    return result.stdout + result.stderr
+
+
+def _copy_sources(destination: Path) -> Path:
+    ignore = shutil.ignore_patterns(
+        ".venv", "build", ".git", "*.so", "__pycache__", "*.egg-info", "runs", "dist"
+    )
+    shutil.copytree(ROOT, destination, ignore=ignore)
+    return destination
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_wheel_in_a_fresh_virtualenv_trains_next_to_a_users_models_package(tmp_path):
+    import torch
+
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)], tmp_path, 120)
+    python = venv / "bin" / "python"
+    pip = [str(python), "-m", "pip", "--disable-pip-version-check", "--quiet"]
+    torch_release = torch.__version__.split("+")[0]
+    _run([*pip, "install", f"torch=={torch_release}", *BUILD_TOOLS], tmp_path, 600)
+
+    source = _copy_sources(tmp_path / "src")
+    env = {**os.environ, "MAX_JOBS": "2"}
+    env.pop("PYTHONPATH", None)
+    _run(
+        [*pip, "wheel", "--no-build-isolation", "--no-deps", "-w", str(tmp_path / "dist"), str(source)],
+        tmp_path,
+        900,
+        env,
+    )
+    wheels = list((tmp_path / "dist").glob("moetrain-*.whl"))
+    assert len(wheels) == 1, wheels
+    _run([*pip, "install", "--no-deps", str(wheels[0])], tmp_path, 300, env)
+    metadata = _run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.requires('moetrain'))"],
+        tmp_path,
+        60,
+        env,
+    )
+    assert f"torch=={torch_release}" in metadata  # pip may never swap torch under the compiled extension
+
+    project = tmp_path / "user_project"  # a user's project with its own `models` package
+    (project / "models").mkdir(parents=True)
+    (project / "models" / "__init__.py").write_text("USERS_OWN_MODELS = True\n")
+    moetrain = str(venv / "bin" / "moetrain")
+    lm = {
+        "model": {"name": "moe_lm", "d_model": 32, "num_layers": 1, "num_heads": 2, "max_seq_len": 16,
+                  "moe": {"d_ff": 32, "num_experts": 4, "top_k": 2}},
+        "data": {"micro_batch_size": 2, "seq_len": 16}, "steps": 1, "out_dir": str(project / "runs" / "lm"),
+        "threads": 1, "device": "cpu",
+    }  # fmt: skip
+    (project / "lm.json").write_text(json.dumps(lm))
+    _run([moetrain, "train", "--config", "lm.json"], project, 300, env)
+    m6 = source / "models" / "m6_moe" / "tiny.yaml"
+    overrides = ["steps=1", "data.micro_batch_size=2", "model.num_layers=1", "threads=1", "device=cpu",
+                 f"out_dir={project / 'runs' / 'm6'}"]  # fmt: skip
+    _run(
+        [moetrain, "train", "--config", str(m6), *(x for o in overrides for x in ("--set", o))],
+        project,
+        300,
+        env,
+    )
+    for run in ("lm", "m6"):
+        metrics = (project / "runs" / run / "metrics.jsonl").read_text().splitlines()
+        assert json.loads(metrics[-1])["step"] == 1
+    probe = "import m6_moe, moetrain, models; print(moetrain.__file__, models.USERS_OWN_MODELS)"
+    where = _run([str(python), "-c", probe], project, 60, env)
+    assert "site-packages" in where and "True" in where
