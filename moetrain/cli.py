@@ -87,6 +87,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def build_train_config(config_path: str, overrides: list[str]) -> TrainConfig:
+    """The validated config of a file and ``--set`` overrides. Modules named under ``imports`` are
+    looked up next to the config file first (a user's model beside its config)."""
+    directory = str(Path(config_path).resolve().parent)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
     return config_from_dict(TrainConfig, apply_overrides(load_config_file(config_path), overrides))
 
 

@@ -250,10 +250,13 @@ class TrainConfig:
     torch sees a GPU); ``param_dtype``: the dtype the model's weights and gradients are stored in,
     ``"fp32"`` (``precision`` then means autocast) or the ``precision`` itself, with the fp32 master
     weights and Adam moments in the offloaded optimizer (``optim.name: offload``);
-    ``dist_timeout_s``: how long any collective of any process group may wait for the other ranks
-    before the run fails (seconds; it must cover the longest collective and a checkpoint's save)."""
+    ``imports``: modules imported before the model section is read (a user model registering
+    itself; the config file's directory is searched first); ``dist_timeout_s``: how long any
+    collective of any process group may wait for the other ranks before the run fails (seconds; it
+    must cover the longest collective and a checkpoint's save)."""
 
     model: object
+    imports: tuple[str, ...] = ()
     parallel: ParallelConfig = ParallelConfig()
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
@@ -278,6 +281,7 @@ class TrainConfig:
     max_consecutive_skips: int = 10
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "imports", tuple(self.imports))
         require_int("steps", self.steps, 1)
         require_int("grad_accum", self.grad_accum, 1)
         require_choice("precision", self.precision, PRECISIONS)
@@ -339,6 +343,8 @@ def config_from_dict(cls: type, data, path: str = ""):
     where = path or "config"
     if not isinstance(data, dict):
         raise ValueError(f"{where} must be a mapping of keys to values, got {type(data).__name__}")
+    if cls is TrainConfig:
+        import_model_modules(data.get("imports", ()), _join(path, "imports"))
     names = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
@@ -390,6 +396,25 @@ def _model_config_from_dict(data, path: str):
     if "preset" in data:
         body = _merge(preset_as_dict(cls, data["preset"], f"{path}.preset"), body)
     return config_from_dict(cls, body, path)
+
+
+def import_model_modules(modules, where: str = "imports") -> None:
+    """Imports the modules a config names under ``imports`` (user models that register themselves
+    with :func:`moetrain.registry.register_model` when imported), before its model is parsed."""
+    import importlib
+
+    if isinstance(modules, str) or not isinstance(modules, (list, tuple)):
+        raise ValueError(f"{where} must be a list of module names, got {modules!r}")
+    for name in modules:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where} must be a list of module names, got {modules!r}")
+        try:
+            importlib.import_module(name)
+        except ImportError as error:
+            raise ValueError(
+                f"{where}: cannot import {name!r} ({error}); the module must be installed, on PYTHONPATH, or "
+                "next to the config file"
+            ) from None
 
 
 def preset_names(cls: type) -> tuple[str, ...]:

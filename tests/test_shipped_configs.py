@@ -16,6 +16,7 @@ Cases with ``ep_size > 1`` run in one 2-rank gloo job per session (each case rep
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,11 +72,22 @@ def _shrink_lm(model: dict) -> list[str]:
     ]
 
 
-SHRINK = {"m6_moe": _shrink_m6, "moe_lm": _shrink_lm}
+SHRINK = {
+    "m6_moe": _shrink_m6,
+    "moe_lm": _shrink_lm,
+    "my_moe_classifier": lambda model: ["model.moe.d_ff=16"],  # scripts/examples/own_model: tiny already
+}
+
+
+def _load(path: Path) -> dict:
+    """A config file as users load it: modules under ``imports`` are looked up beside it."""
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    return load_config_file(str(path))
 
 
 def _sources() -> list[tuple[str, dict]]:
-    found = [(path.relative_to(ROOT).as_posix(), load_config_file(str(path))) for path in CONFIG_FILES]
+    found = [(path.relative_to(ROOT).as_posix(), _load(path)) for path in CONFIG_FILES]
     found += [
         (f"preset {name}/{preset}", {"model": {"name": name, "preset": preset}}) for name, preset in PRESETS
     ]
