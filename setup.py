@@ -32,9 +32,9 @@ def _require_torch():
         from torch.utils import cpp_extension
     except ImportError:
         sys.exit(
-            "moetrain needs PyTorch installed before it is built: run `make build` (which installs "
-            "torch==2.13.0 into .venv), or `pip install torch` and then "
-            "`pip install -e . --no-build-isolation` (build isolation would hide the installed torch)."
+            "moetrain: PyTorch must be installed before moetrain is built, and the build must see it: "
+            "`pip install --no-build-isolation .` in the environment that holds your torch (pip's build "
+            "isolation hides it), or `make build` for this repository's .venv."
         )
     return cpp_extension
 
