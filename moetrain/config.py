@@ -288,7 +288,8 @@ class TrainConfig:
     only for the copy of the state into host memory); ``keep_last`` checkpoints kept;
     ``max_consecutive_skips``: steps in a row skipped for non-finite gradients after which the run
     stops; ``recompute_budget_mb``: activation-memory budget for automatic checkpointing (None:
-    off; 0: recompute as much as possible); ``threads``: torch CPU threads per rank (None: torch's);
+    off; 0: recompute as much as possible); ``threads``: torch CPU threads per rank (None: chosen
+    from the CPUs the rank may use and its data-loader workers, see :mod:`moetrain.cpus`);
     ``device``: ``"cuda"`` (GPU ``LOCAL_RANK``, NCCL), ``"cpu"`` (gloo) or ``"auto"`` (cuda when
     torch sees a GPU); ``param_dtype``: the dtype the model's weights and gradients are stored in,
     ``"fp32"`` (``precision`` then means autocast) or the ``precision`` itself, with the fp32 master
