@@ -228,8 +228,9 @@ class ManifestDataset:
         k, local = self.locate(index)
         return f"{self.indexes[k].manifest}:{self.index(k).line_number(local)}"
 
-    def record(self, index: int) -> Record:
-        """Record ``index``, read from its manifest."""
+    def read(self, index: int) -> tuple[str, Path | None]:
+        """Record ``index``'s ``(text, resolved image path or None)``, read from its manifest (its
+        line number, in another array, is not read: see :meth:`record`)."""
         k, local = self.locate(index)
         manifest = self.index(k)
         parsed, reason = parse_manifest_line(manifest.read(local))
@@ -240,9 +241,13 @@ class ManifestDataset:
             )
         text, image = parsed
         if image is None:
-            return Record(text, None, manifest.line_number(local))
-        path = Path(image) if Path(image).is_absolute() else manifest.manifest.parent / image
-        return Record(text, path, manifest.line_number(local))
+            return text, None
+        return text, Path(image) if Path(image).is_absolute() else manifest.manifest.parent / image
+
+    def record(self, index: int) -> Record:
+        """Record ``index`` with its line number."""
+        k, local = self.locate(index)
+        return Record(*self.read(index), self.index(k).line_number(local))
 
     @property
     def records(self) -> RecordView:
@@ -301,10 +306,10 @@ class ManifestDataset:
         cached = self._cache.get(index)
         if cached is not None:
             return cached
-        record = self.record(index)
-        if record.image is None:
+        _, image = self.read(index)
+        if image is None:
             raise ValueError(f"{self.where(index)}: record has no image")
-        pixels, reason = _decode(record.image, self.image_size, self.image_channels, self.max_image_pixels)
+        pixels, reason = _decode(image, self.image_size, self.image_channels, self.max_image_pixels)
         if pixels is None:
             self._reject(index, reason)
             return None
@@ -330,7 +335,7 @@ class ManifestDataset:
         for done in range(1, len(images) + 1):
             index = images[done - 1]
             if index not in self._bad:
-                reason = _check_header(self.record(index).image, self.max_image_pixels)
+                reason = _check_header(self.read(index)[1], self.max_image_pixels)
                 if reason is not None:
                     bad += 1
                     self._reject(index, reason)

@@ -185,11 +185,11 @@ class TaskSampler:
         generator = torch.Generator().manual_seed(derive_seed(self.seed, epoch, index))
         record = self.record_at(epoch, index)
         for attempt in range(1, MAX_REPLACEMENTS + 1):
-            entry = self.dataset.record(record)
-            chosen = task or self._choose_task(entry.text, entry.image is not None, generator)
+            text, image_path = self.dataset.read(record)
+            chosen = task or self._choose_task(text, image_path is not None, generator)
             image = None
             if chosen in IMAGE_TASKS:
-                if entry.image is None:
+                if image_path is None:
                     raise ValueError(
                         f"{self.dataset.where(record)}: task {chosen!r} needs a record with an image"
                     )
@@ -200,7 +200,7 @@ class TaskSampler:
                     pool = self.records if task is None else self.dataset.kind(_TASK_RECORDS[task])
                     record = pool[derive_seed(self.seed, epoch, index, attempt) % len(pool)]
                     continue
-            return self._make(chosen, record, entry.text, image, generator)
+            return self._make(chosen, record, text, image, generator)
         raise ValueError(
             f"sample {index} of epoch {epoch}: {MAX_REPLACEMENTS} records drawn in a row had bad images "
             f"({self.dataset.skipped_records} bad records so far in {self.dataset.manifest})"
