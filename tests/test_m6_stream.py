@@ -309,3 +309,35 @@ def test_bad_images_found_by_workers_reach_the_metrics(tmp_path, caplog):
     )  # fmt: skip
     assert [m["skipped_records"] for m in history] == [1, 1]  # 4 records, every one drawn at step 1
     assert any("data (end, rank 0): 1 bad record skipped:" in r.getMessage() for r in caplog.records)
+
+
+def test_data_source_lists_and_num_workers_in_the_config(tmp_path):
+    from m6_moe import build_m6
+    from moetrain.config import DataConfig, TrainConfig, config_from_dict
+
+    first = write_corpus(tmp_path / "a", 3)
+    write_corpus(tmp_path / "b", 2, name="part-0.jsonl")
+    config = config_from_dict(
+        TrainConfig,
+        {
+            "model": {"name": "m6_moe", "preset": "tiny"},
+            "data": {
+                "source": [str(first), str(tmp_path / "b" / "*.jsonl")],
+                "num_workers": 0,
+                "seq_len": 32,
+            },
+            "out_dir": str(tmp_path / "run"),
+        },
+    )
+    assert config.data.source == (str(first), str(tmp_path / "b" / "*.jsonl"))
+    _, batches, _ = build_m6(config, None, 0)
+    assert len(batches.sampler.dataset) == 5 and batches.num_workers == 0
+    assert DataConfig().num_workers == "auto"
+    for bad, message in [
+        ({"source": []}, "data.source must be 'embedded', a file path or a non-empty list"),
+        ({"source": ["embedded"]}, "data.source must be 'embedded', a file path or a non-empty list"),
+        ({"num_workers": -1}, "data.num_workers must be 'auto' or an integer >= 0, got -1"),
+        ({"num_workers": "many"}, "data.num_workers must be 'auto' or an integer >= 0, got 'many'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            DataConfig(**bad)
