@@ -32,7 +32,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from m6_moe.manifest_index import ManifestIndex, ensure_index, one_line, parse_manifest_line
+from m6_moe.manifest_index import (
+    MAX_STORED_REASONS,
+    ManifestIndex,
+    ensure_index,
+    one_line,
+    parse_manifest_line,
+)
 from moetrain.progress import ProgressBar
 
 # Larger images are bad records: decoding one costs width * height * 4 bytes and is redone on every
@@ -167,7 +173,7 @@ class ManifestDataset:
             f"{index.manifest}:{line}: {reason}"
             for index in self.indexes
             for line, reason in index.bad_reasons
-        ]
+        ][:MAX_STORED_REASONS]
         self._bad: dict[int, str] = {}  # dataset index -> reason, images found bad in this process
         self._bad_log: list[tuple[int, str]] = []  # the same, in the order found (append-only)
         self._cache: dict[int, torch.Tensor] = {}
@@ -264,8 +270,8 @@ class ManifestDataset:
 
     @property
     def skip_reasons(self) -> list[str]:
-        """The reasons, each naming the manifest and line: the manifest's bad lines first (at most
-        1000 stored per manifest), then the bad images in the order they were found."""
+        """The reasons, each naming the manifest and line: the manifests' bad lines first (the first
+        1000), then the bad images in the order they were found."""
         return self._manifest_reasons + list(self._bad.values())
 
     def bad_images_since(self, count: int) -> list[tuple[int, str]]:
