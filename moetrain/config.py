@@ -150,19 +150,38 @@ OPTIMIZERS = ("adamw", "groupwise", "offload")
 @dataclass(frozen=True)
 class DataConfig:
     """``source``: ``"embedded"`` (the model's built-in data: the text corpus in ``moetrain/data``
-    for ``moe_lm``, the generated image-caption dataset for ``m6_moe``) or a path (a UTF-8 text
-    file for ``moe_lm``, a JSON-lines image-text manifest for ``m6_moe``); ``micro_batch_size``
-    sequences of up to ``seq_len`` tokens per rank and micro-step."""
+    for ``moe_lm``, the generated image-caption dataset for ``m6_moe``), a path (a UTF-8 text file
+    for ``moe_lm``, a JSON-lines image-text manifest for ``m6_moe``) or, for ``m6_moe``, a list of
+    manifest paths and glob patterns (kept as a tuple); ``micro_batch_size`` sequences of up to
+    ``seq_len`` tokens per rank and micro-step; ``num_workers``: data-loader worker processes per
+    rank for models that load in workers (``m6_moe``), an integer >= 0 (0: load in the training
+    process) or ``"auto"`` (from the CPUs each rank may use, see :mod:`moetrain.cpus`)."""
 
-    source: str = "embedded"
+    source: str | tuple[str, ...] = "embedded"
     micro_batch_size: int = 8
     seq_len: int = 64
+    num_workers: int | str = "auto"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.source, str) or not self.source:
-            raise ValueError(f"data.source must be 'embedded' or a file path, got {self.source!r}")
+        source = self.source
+        if isinstance(source, (list, tuple)):
+            if not source or not all(isinstance(s, str) and s and s != "embedded" for s in source):
+                raise ValueError(
+                    f"data.source must be 'embedded', a file path or a non-empty list of file paths / glob "
+                    f"patterns, got {source!r}"
+                )
+            object.__setattr__(self, "source", tuple(source))
+        elif not isinstance(source, str) or not source:
+            raise ValueError(f"data.source must be 'embedded' or a file path, got {source!r}")
         require_int("data.micro_batch_size", self.micro_batch_size, 1)
         require_int("data.seq_len", self.seq_len, 1)
+        if self.num_workers != "auto":
+            try:
+                require_int("data.num_workers", self.num_workers, 0)
+            except ValueError:
+                raise ValueError(
+                    f"data.num_workers must be 'auto' or an integer >= 0, got {self.num_workers!r}"
+                ) from None
 
 
 @dataclass(frozen=True)
@@ -245,7 +264,8 @@ class TrainConfig:
     only for the copy of the state into host memory); ``keep_last`` checkpoints kept;
     ``max_consecutive_skips``: steps in a row skipped for non-finite gradients after which the run
     stops; ``recompute_budget_mb``: activation-memory budget for automatic checkpointing (None:
-    off; 0: recompute as much as possible); ``threads``: torch CPU threads per rank (None: torch's);
+    off; 0: recompute as much as possible); ``threads``: torch CPU threads per rank (None: chosen
+    from the CPUs the rank may use and its data-loader workers, see :mod:`moetrain.cpus`);
     ``device``: ``"cuda"`` (GPU ``LOCAL_RANK``, NCCL), ``"cpu"`` (gloo) or ``"auto"`` (cuda when
     torch sees a GPU); ``param_dtype``: the dtype the model's weights and gradients are stored in,
     ``"fp32"`` (``precision`` then means autocast) or the ``precision`` itself, with the fp32 master

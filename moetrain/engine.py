@@ -54,6 +54,7 @@ from moetrain.checkpoint import (
 )
 from moetrain.comm.grad_sync import ExpertGradReducer, clip_grad_norm_, global_grad_norm, wrap_data_parallel
 from moetrain.config import TrainConfig
+from moetrain.cpus import cpus_per_rank, default_threads
 from moetrain.failures import RunPosition
 from moetrain.layers import MoELayer, collect_moe_stats, set_aux_loss_scale
 from moetrain.metrics import MetricsWriter
@@ -150,6 +151,8 @@ class Trainer:
         random.seed(config.seed)
         builder = spec_for_config(config.model).builder
         self.model, self.batches, self.loss_fn = builder(config, self.parallel, self.rank)
+        if config.threads is None:
+            self._choose_threads()
         self.position.model = self.model
         self.model.to(self.device)
         if config.param_dtype != "fp32":  # fp32 masters: built by the OffloadOptimizer below
@@ -187,6 +190,18 @@ class Trainer:
             self.position.phase = "recompute planning"
             self._plan_recompute()
         self.position.phase = "set-up"
+
+    def _choose_threads(self) -> None:
+        """``threads: null``: torch threads from this rank's share of the CPUs and its data-loader
+        workers (``batches.num_workers``, 0 where the model has none); one log line."""
+        cpus = cpus_per_rank(self.parallel.world_size)
+        workers = getattr(self.batches, "num_workers", 0)
+        threads = default_threads(cpus, workers)
+        torch.set_num_threads(threads)
+        log.info(
+            "rank %d: torch threads %d (CPUs for this rank: %d, data-loader workers: %d; set threads: N to "
+            "override)", self.rank, threads, cpus, workers,
+        )  # fmt: skip
 
     def _lock_out_dir(self) -> RunLock | None:
         """Rank 0 takes ``out_dir``'s lock; every rank raises when it could not."""

@@ -418,10 +418,9 @@ def test_balanced_m6_step_has_the_gradient_of_the_mean_over_all_target_tokens(tm
     )
     model = Trainer(config).model
     sums, tokens = [], []
-    for rank, n in enumerate((n0, n1)):
-        batches = build_m6(config, None, rank)[1]  # rank r's data stream, as the engine draws it
-        batches.batch = n
-        inputs, labels = batches.next()
+    batches = build_m6(config, None, 0)[1]
+    for start, n in ((0, n0), (n0, n1)):  # rank r reads its slice of the global stream's first 8
+        inputs, labels = batches.draw(start, n)
         tokens.append(count_target_tokens(labels))
         sums.append(m6_loss(model(**inputs), labels) * tokens[-1])
     assert tokens[0] / n0 != tokens[1] / n1  # unequal tokens per sample: sequence weights would be off

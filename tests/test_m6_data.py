@@ -14,6 +14,7 @@ from PIL import Image
 
 from m6_moe.config import M6TaskConfig
 from m6_moe.data import ManifestDataset
+from m6_moe.loader import M6Batches
 from m6_moe.synthetic import (
     attribute_accuracy,
     caption_accuracy,
@@ -25,7 +26,7 @@ from m6_moe.synthetic import (
     parse_caption,
     write_synthetic_dataset,
 )
-from m6_moe.tasks import IGNORE_INDEX, M6Batches, TaskSampler, collate, span_corruption
+from m6_moe.tasks import IGNORE_INDEX, MAX_REPLACEMENTS, TaskSampler, collate, span_corruption
 from m6_moe.tokenizer import ByteTokenizer, JSONTokenizer, load_tokenizer
 
 TOKENIZER = ByteTokenizer()
@@ -39,10 +40,11 @@ def synthetic(tmp_path_factory) -> Path:
 
 
 def digest(directory: Path) -> dict[str, str]:
+    """Content hashes of the dataset's files (manifest indexes, hidden directories, left out)."""
     return {
         str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(directory.rglob("*"))
-        if p.is_file()
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)
     }
 
 
@@ -291,7 +293,7 @@ def test_skip_summary_is_one_line_with_count_and_first_reasons(images_dir):
     reasons = dataset.skip_reasons
     assert dataset.skip_summary(max_reasons=1) == f"4 bad records skipped: {reasons[0]}; ... 3 more"
     sampler = TaskSampler(dataset, TOKENIZER, M6TaskConfig(denoise_weight=0, image_text_weight=0), seq_len=16)
-    batches = M6Batches(sampler, 1, seed=0, rank=0, num_patches=4)
+    batches = M6Batches(sampler, 1, num_patches=4)
     assert dataset.load_image(1) is None  # the missing image: found at load time, counted
     summary = batches.skip_summary()
     assert summary == dataset.skip_summary() and batches.skipped_records == 5
@@ -314,16 +316,20 @@ def test_empty_manifest_and_all_bad_records_raise(images_dir):
 
 
 def test_all_images_bad_stops_the_image_tasks_but_not_denoise(images_dir):
+    """A record whose image is bad serves denoise (its text is good) when denoise is on; without
+    denoise the position takes replacement records, and a dataset of bad images stops the run."""
     lines = [{"image": "missing.png", "text": "x y z"}, {"image": "garbage.png", "text": "abc"}]
     dataset = ManifestDataset(write_manifest(images_dir, lines), image_size=8, skip_bad_records=True)
     sampler = TaskSampler(dataset, TOKENIZER, M6TaskConfig(), seq_len=16)
-    g = torch.Generator().manual_seed(0)
-    with pytest.raises(ValueError, match="task 'caption': every image record of .* was skipped as bad"):
-        sampler.sample(g, "caption")
-    assert dataset.skipped_records == 2 and sampler.pools["caption"] == sampler.pools["image_text"] == []
-    with pytest.raises(ValueError, match="task 'image_text': every image record"):
-        sampler.sample(g, "image_text")
-    assert sampler.sample(g, "denoise").image is None  # the texts stay usable
+    assert {sampler.sample_at(e, i).task for e in range(10) for i in range(2)} == {"denoise"}
+    assert dataset.skipped_records == 2 and sampler.sample_at(0, 0, "denoise").image is None
+    caption_only = TaskSampler(dataset, TOKENIZER, M6TaskConfig(denoise_weight=0, image_text_weight=0), 16)
+    with pytest.raises(
+        ValueError, match=f"sample 0 of epoch 0: {MAX_REPLACEMENTS} records drawn in a row had bad"
+    ):
+        caption_only.sample_at(0, 0)
+    with pytest.raises(ValueError, match="records drawn in a row had bad images"):
+        sampler.sample_at(0, 0, "image_text")
 
 
 def test_images_are_rgb_resized_and_decoding_errors_follow_the_skip_rule(images_dir):
@@ -345,9 +351,9 @@ def test_images_are_rgb_resized_and_decoding_errors_follow_the_skip_rule(images_
     sampler = TaskSampler(
         skipping, TOKENIZER, M6TaskConfig(denoise_weight=0, image_text_weight=0), seq_len=16
     )
-    g = torch.Generator().manual_seed(0)
-    assert {TOKENIZER.decode(sampler.sample(g).target) for _ in range(10)} == {"red"}
-    assert skipping.skipped_records == 1  # counted once
+    samples = [sampler.sample_at(epoch, i) for epoch in range(5) for i in range(sampler.epoch_size)]
+    assert {TOKENIZER.decode(s.target) for s in samples} == {"red"}  # the bad one is replaced
+    assert sampler.epoch_size == 2 and skipping.skipped_records == 1  # counted once
     grey = ManifestDataset(manifest, image_size=4, image_channels=1).load_image(0)
     assert grey.shape == (1, 4, 4)
 
@@ -379,23 +385,34 @@ def sampler(synthetic) -> TaskSampler:
 
 
 def test_every_task_produces_a_valid_sample(sampler):
-    g = torch.Generator().manual_seed(0)
     texts = {r.text for r in sampler.dataset.records}
-    for _ in range(6):
-        caption = sampler.sample(g, "caption")
+    for i in range(6):
+        caption = sampler.sample_at(0, i, "caption")
         assert caption.prefix == [] and caption.image.shape == (3, 16, 16)
         assert TOKENIZER.decode(caption.target) in texts
-        mixed = sampler.sample(g, "image_text")
+        mixed = sampler.sample_at(0, i, "image_text")
         assert mixed.image is not None and mixed.prefix and mixed.target
         assert TOKENIZER.decode(mixed.prefix + mixed.target) in texts
-        denoise = sampler.sample(g, "denoise")
+        denoise = sampler.sample_at(0, i, "denoise")
         assert denoise.image is None and denoise.target[0] == TOKENIZER.sentinel_ids[0]
         assert len(denoise.prefix) <= 40 and len(denoise.target) + 1 <= 40
+        assert caption.record == mixed.record == denoise.record == sampler.record_at(0, i)
+
+
+def test_a_sample_is_a_function_of_its_position(sampler):
+    """Same (seed, epoch, index): same sample, in any order; the task mix follows the weights."""
+    forward = [sampler.sample_at(1, i) for i in range(40)]
+    backward = [sampler.sample_at(1, i) for i in reversed(range(40))][::-1]
+    for a, b in zip(forward, backward, strict=True):
+        assert (a.task, a.prefix, a.target, a.record) == (b.task, b.prefix, b.target, b.record)
+    other_seed = [sampler.with_seed(1).sample_at(1, i) for i in range(40)]
+    assert [s.record for s in other_seed] != [s.record for s in forward]
+    tasks = [sampler.sample_at(*divmod(p, sampler.epoch_size)).task for p in range(300)]
+    assert all(60 < tasks.count(t) < 140 for t in ("caption", "denoise", "image_text")), tasks
 
 
 def test_collate_layout(sampler):
-    g = torch.Generator().manual_seed(1)
-    samples = [sampler.sample(g, task) for task in ("caption", "denoise", "image_text")]
+    samples = [sampler.sample_at(0, 3, task) for task in ("caption", "denoise", "image_text")]
     inputs, labels = collate(samples, TOKENIZER, (3, 16, 16))
     batch, target_len = labels.shape
     assert inputs["prefix_ids"].shape[1] == max(len(s.prefix) for s in samples)
@@ -416,51 +433,43 @@ def test_task_weights_and_missing_images(sampler, images_dir):
     only_caption = TaskSampler(
         sampler.dataset, TOKENIZER, M6TaskConfig(denoise_weight=0, image_text_weight=0), 40
     )
-    batches = M6Batches(only_caption, 4, seed=0, rank=0, num_patches=4)
+    batches = M6Batches(only_caption, 4, num_patches=4)
     batches.next()
     assert batches.task_counts == {"caption": 4, "denoise": 0, "image_text": 0}
     text_only = ManifestDataset(write_manifest(images_dir, [{"text": "no image here"}]), image_size=8)
     with pytest.raises(ValueError, match="task 'caption' has weight 1.0 but manifest .* has no record"):
         TaskSampler(text_only, TOKENIZER, M6TaskConfig(), 40)
-    TaskSampler(text_only, TOKENIZER, M6TaskConfig(caption_weight=0, image_text_weight=0), 40).sample(
-        torch.Generator()
-    )
+    denoise_only = TaskSampler(text_only, TOKENIZER, M6TaskConfig(caption_weight=0, image_text_weight=0), 40)
+    assert denoise_only.sample_at(0, 0).task == "denoise"
 
 
-def test_batches_resume_from_state_dict(sampler):
-    first = M6Batches(sampler, 4, seed=5, rank=1, num_patches=4)
-    first.next()
-    state = first.state_dict()
-    expected = first.next()
-    resumed = M6Batches(sampler, 4, seed=0, rank=0, num_patches=4)
-    resumed.load_state_dict(state)
-    got = resumed.next()
-    for key in expected[0]:
-        assert torch.equal(expected[0][key], got[0][key]), key
-    assert torch.equal(expected[1], got[1])
-    assert resumed.batches_drawn == 2 and resumed.tokens_per_batch > 0
-    before_probe = resumed.generator.get_state()
-    _, probe_labels = resumed.probe(3, seed=123)  # a separate stream: the position does not move
-    assert probe_labels.shape[0] == 3 and resumed.batches_drawn == 2
-    assert torch.equal(resumed.probe(3, seed=123)[1], probe_labels)
-    assert torch.equal(resumed.generator.get_state(), before_probe)
-    resumed.reseed(5, 1, step=2)
-    assert not torch.equal(resumed.generator.get_state(), before_probe)
-    other_rank = M6Batches(sampler, 4, seed=5, rank=2, num_patches=4)
-    assert not torch.equal(
-        other_rank.next()[1], M6Batches(sampler, 4, seed=5, rank=1, num_patches=4).next()[1]
-    )
+def test_mixed_records_serve_only_the_tasks_they_can(images_dir):
+    """Text-only records serve denoise; with denoise off an epoch runs over the image records only."""
+    lines = [{"text": "only text"}, {"image": "good.png", "text": "r"}, {"image": "good.png", "text": "red"}]
+    dataset = ManifestDataset(write_manifest(images_dir, lines), image_size=8)
+    mixed = TaskSampler(dataset, TOKENIZER, M6TaskConfig(), 16)
+    by_record = {}
+    for epoch in range(30):
+        for i in range(mixed.epoch_size):
+            sample = mixed.sample_at(epoch, i)
+            by_record.setdefault(sample.record, set()).add(sample.task)
+    assert by_record == {0: {"denoise"}, 1: {"caption", "denoise"}, 2: {"caption", "denoise", "image_text"}}
+    images = TaskSampler(dataset, TOKENIZER, M6TaskConfig(denoise_weight=0), 16)
+    assert images.epoch_size == 2 and sorted(images.record_at(0, i) for i in range(2)) == [1, 2]
+    image_text = TaskSampler(dataset, TOKENIZER, M6TaskConfig(denoise_weight=0, caption_weight=0), 16)
+    assert image_text.epoch_size == 1 and image_text.sample_at(3, 0).record == 2
 
 
 def test_long_texts_are_cut_and_counted(images_dir):
     manifest = write_manifest(images_dir, [{"image": "good.png", "text": "圆" * 30}])
     dataset = ManifestDataset(manifest, image_size=8)
     sampler = TaskSampler(dataset, TOKENIZER, M6TaskConfig(), seq_len=16)
-    g = torch.Generator().manual_seed(0)
     for task in ("caption", "denoise", "image_text"):
-        s = sampler.sample(g, task)
-        assert len(s.prefix) <= 16 and len(s.target) + 1 <= 16
-    assert sampler.truncated_samples == 3
+        s = sampler.sample_at(0, 0, task)
+        assert len(s.prefix) <= 16 and len(s.target) + 1 <= 16 and s.truncated
+    batches = M6Batches(sampler, 3, num_patches=4)
+    batches.next()
+    assert batches.truncated_samples == 3
 
 
 def test_captions_by_image_groups_languages(synthetic):

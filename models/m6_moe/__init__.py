@@ -7,14 +7,18 @@ It registers itself with moetrain's model registry as ``m6_moe`` through the ent
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from m6_moe.config import PRESET_PARAMETER_TARGETS, PRESETS, M6Config, M6TaskConfig
-from m6_moe.data import ManifestDataset
+from m6_moe.data import ManifestDataset, resolve_manifests
+from m6_moe.loader import M6Batches
+from m6_moe.manifest_index import ensure_index
 from m6_moe.model import M6Model, count_active_parameters, count_parameters, prefix_lm_mask
 from m6_moe.synthetic import ensure_synthetic_dataset
-from m6_moe.tasks import M6Batches, TaskSampler, m6_loss
+from m6_moe.tasks import TaskSampler, m6_loss
 from m6_moe.tokenizer import ByteTokenizer, JSONTokenizer, load_tokenizer
+from moetrain.cpus import cpus_per_rank, default_num_workers
 
 # The embedded dataset: fixed, so every run that says ``data.source: embedded`` sees the same data.
 EMBEDDED_DATASET = {"seed": 0, "num_train": 2000, "num_heldout": 200, "size": 64}
@@ -34,12 +38,29 @@ def prepare_embedded_dataset(out_dir: str | Path, rank: int, world_size: int) ->
     return ensure_synthetic_dataset(directory, **EMBEDDED_DATASET)
 
 
+def prepare_manifest_indexes(manifests: list[Path], rank: int, world_size: int, fallback_dir=None) -> None:
+    """Builds the missing indexes of ``manifests`` before the ranks open them: rank ``r`` builds
+    manifests ``r, r + world, ...`` (so a corpus of many shards is indexed in parallel), then all
+    ranks meet at a barrier. A manifest that cannot be read is left for the dataset to report on
+    every rank (an error here would leave the other ranks waiting at the barrier)."""
+    import torch.distributed as dist
+
+    for manifest in manifests[rank::world_size]:
+        with contextlib.suppress(ValueError):
+            ensure_index(manifest, fallback_dir)
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def build_m6(config, parallel, rank: int):
     """Builds ``(model, batches, loss_fn)`` for the engine from a ``TrainConfig`` whose ``model``
     is an :class:`M6Config`. ``config.data``: ``source`` is ``"embedded"`` (the synthetic
-    dataset, written once into ``<out_dir>/data``) or a manifest path; ``micro_batch_size``
-    samples per batch; ``seq_len`` the longest prefix and the longest target (bos / eos
-    included), so ``2 * seq_len`` must fit in ``model.max_text_len``."""
+    dataset, written once into ``<out_dir>/data``), a manifest path, or a list of manifest paths and
+    glob patterns (their indexes are built first, split between the ranks);
+    ``micro_batch_size`` samples per batch; ``seq_len`` the longest prefix and the longest target
+    (bos / eos included), so ``2 * seq_len`` must fit in ``model.max_text_len``; ``num_workers``
+    loader processes per rank (``"auto"``: :func:`moetrain.cpus.default_num_workers` of the rank's
+    CPUs). The data stream is seeded by ``config.seed``."""
     model_config = config.model
     if not isinstance(model_config, M6Config):
         raise ValueError(f"model must be an M6Config, got {type(model_config).__name__}")
@@ -57,19 +78,26 @@ def build_m6(config, parallel, rank: int):
         )
     world_size = 1 if parallel is None else parallel.world_size
     if data.source == "embedded":
-        manifest = prepare_embedded_dataset(config.out_dir, rank, world_size) / "train.jsonl"
+        manifests = [prepare_embedded_dataset(config.out_dir, rank, world_size) / "train.jsonl"]
     else:
-        manifest = Path(data.source)
+        manifests = resolve_manifests(data.source)
+    prepare_manifest_indexes(manifests, rank, world_size)
     dataset = ManifestDataset(
-        manifest,
+        manifests,
         model_config.image_size,
         model_config.image_channels,
         skip_bad_records=model_config.tasks.skip_bad_records,
         max_image_pixels=model_config.tasks.max_image_pixels,
         cache_images=data.source == "embedded",
     )
-    sampler = TaskSampler(dataset, tokenizer, model_config.tasks, data.seq_len)
-    batches = M6Batches(sampler, data.micro_batch_size, config.seed, rank, model_config.num_patches)
+    sampler = TaskSampler(dataset, tokenizer, model_config.tasks, data.seq_len, seed=config.seed)
+    workers = data.num_workers
+    if workers == "auto":
+        workers = default_num_workers(cpus_per_rank(world_size))
+    batches = M6Batches(
+        sampler, data.micro_batch_size, model_config.num_patches, rank=rank, world_size=world_size,
+        num_workers=workers,
+    )  # fmt: skip
     model = M6Model(model_config, parallel)
     return model, batches, m6_loss
 
@@ -100,5 +128,6 @@ __all__ = [
     "m6_loss",
     "prefix_lm_mask",
     "prepare_embedded_dataset",
+    "prepare_manifest_indexes",
     "register",
 ]

@@ -1,29 +1,44 @@
-"""Image-text records from a JSON-lines manifest, images read with Pillow.
+"""Image-text records from one or many JSON-lines manifests, images read with Pillow.
 
 Manifest: one JSON object per line, ``{"image": path, "text": str}``; ``image`` is relative to
-the manifest's directory (or absolute) and may be left out (or null) for a text-only record, which
-only the text-to-text task uses. Other keys are ignored; blank lines are skipped.
+that manifest's directory (or absolute) and may be left out (or null) for a text-only record, which
+only the text-to-text task uses. Other keys are ignored; blank lines are skipped. Many manifests
+(a list, or glob patterns, see :func:`resolve_manifests`) form one dataset: their records are
+numbered in the order the manifests are given.
 
-Construction reads the manifest only, no image: every line must be valid JSON, an object, with a
-non-empty ``text`` string and an ``image`` that is a path string or null. Image files are checked
-when a record is first loaded (:meth:`ManifestDataset.load_image`: the file exists, Pillow
-identifies its header and decodes its pixels), so startup costs no per-image I/O on any rank;
+Records are not held in memory: each manifest has an index of its lines' offsets, built once and
+cached next to it (:mod:`m6_moe.manifest_index`), and a record is read from the manifest when it is
+needed (:meth:`ManifestDataset.record`). Building the index checks every line: it must be UTF-8
+text holding a JSON object with a non-empty ``text`` string and an ``image`` that is a path string
+or null. Image files are checked when a record's image is first loaded
+(:meth:`ManifestDataset.load_image`: the file exists, Pillow identifies its header, it has at most
+``max_image_pixels`` pixels and its pixels decode), so startup costs no per-image I/O on any rank;
 :meth:`ManifestDataset.verify_images` checks every image up front (once, with a progress bar) for
 those who want bad files found before a long run. Either way a bad record raises a one-line
-``ValueError`` naming the manifest and its line, or, with ``skip_bad_records=True``, is skipped
-and counted in ``skipped_records`` (the reasons in ``skip_reasons``; :meth:`skip_summary` is the
+``ValueError`` naming the manifest and its line, or, with ``skip_bad_records=True``, is skipped and
+counted in ``skipped_records`` (the reasons in ``skip_reasons``; :meth:`skip_summary` is the
 one-line report for the logs). A manifest without any usable record always raises.
 """
 
 from __future__ import annotations
 
-import json
+import glob
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 
+from m6_moe.manifest_index import (
+    MAX_STORED_REASONS,
+    ManifestIndex,
+    ensure_index,
+    one_line,
+    parse_manifest_line,
+)
 from moetrain.progress import ProgressBar
 
 # Larger images are bad records: decoding one costs width * height * 4 bytes and is redone on every
@@ -31,16 +46,42 @@ from moetrain.progress import ProgressBar
 # corpus resizes to a few hundred pixels.
 DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
 
+# Manifests whose index files (memory maps, one descriptor each) a process keeps open at once;
+# a corpus of thousands of shard manifests reopens the least recently used ones.
+MAX_OPEN_MANIFESTS = 64
+
+# Which records an epoch runs over (see TaskSampler): all, those with an image, or those with an
+# image and >= 2 characters of text.
+RECORD_KINDS = ("all", "image", "image_text")
+_KIND_ARRAYS = {"image": "image_records", "image_text": "image_text_records"}
+
 
 @dataclass(frozen=True)
 class Record:
     text: str
     image: Path | None  # resolved path, None for a text-only record
-    line: int  # 1-based line in the manifest
+    line: int  # 1-based line in its manifest
 
 
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
+def resolve_manifests(source: str | Path | Sequence[str | Path]) -> list[Path]:
+    """A path, a glob pattern (``*``, ``?``, ``[``: its matches, sorted) or a list of them -> the
+    manifest paths in order. ``ValueError`` for an empty list or a pattern matching nothing."""
+    entries = [source] if isinstance(source, (str, Path)) else list(source)
+    if not entries:
+        raise ValueError("data.source must name at least one manifest, got an empty list")
+    manifests: list[Path] = []
+    for entry in entries:
+        if not isinstance(entry, (str, Path)) or not str(entry):
+            raise ValueError(f"data.source entries must be manifest paths or glob patterns, got {entry!r}")
+        text = str(entry)
+        if any(char in text for char in "*?["):
+            matches = sorted(glob.glob(text))
+            if not matches:
+                raise ValueError(f"data.source pattern {text!r} matches no file")
+            manifests += [Path(m) for m in matches]
+        else:
+            manifests.append(Path(text))
+    return manifests
 
 
 def image_to_tensor(image, size: int, channels: int) -> torch.Tensor:
@@ -57,138 +98,253 @@ def normalize_pixels(pixels_CHW: torch.Tensor) -> torch.Tensor:
     return pixels_CHW.float() / 127.5 - 1.0
 
 
+class RecordView(Sequence):
+    """``dataset.records``: a read-only sequence of :class:`Record` read on access (nothing held)."""
+
+    def __init__(self, dataset: ManifestDataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self.dataset.record(i) for i in range(*index.indices(len(self)))]
+        return self.dataset.record(index)
+
+
+class KindView:
+    """The records of one kind (``RECORD_KINDS``), numbered ``0 .. len - 1``: ``view[j]`` is the
+    dataset index of the ``j``-th (an int, or an int array for an array of ``j``)."""
+
+    def __init__(self, dataset: ManifestDataset, kind: str):
+        self.dataset, self.kind = dataset, kind
+        counts = [dataset.kind_count(kind, k) for k in range(len(dataset.indexes))]
+        self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, j):
+        scalar = np.ndim(j) == 0
+        j_N = np.array(j, dtype=np.int64, ndmin=1)
+        if self.kind == "all":
+            result = j_N
+        else:
+            manifest_N = np.searchsorted(self.starts, j_N, side="right") - 1
+            result = np.empty_like(j_N)
+            for k in np.unique(manifest_N).tolist():
+                rows = manifest_N == k
+                local = self.dataset.index(k).array(_KIND_ARRAYS[self.kind])[j_N[rows] - self.starts[k]]
+                result[rows] = local.astype(np.int64) + self.dataset.starts[k]
+        return int(result[0]) if scalar else result
+
+
 class ManifestDataset:
-    """The records of one manifest (read at construction; image files are checked lazily, see
-    the module docstring). ``image_size`` / ``image_channels``: what :meth:`load_image` returns.
-    ``cache_images``: keep decoded ``uint8`` images in memory (small datasets)."""
+    """The records of one or many manifests (see the module docstring). ``image_size`` /
+    ``image_channels``: what :meth:`load_image` returns. ``cache_images``: keep decoded ``uint8``
+    images in memory (small datasets). ``fallback_dir``: where indexes are cached when a manifest's
+    directory is read-only. ``progress``: a progress bar while an index is built (None: for
+    manifests of 8 MiB or more)."""
 
     def __init__(
         self,
-        manifest: str | Path,
+        manifests: str | Path | Sequence[str | Path],
         image_size: int,
         image_channels: int = 3,
         skip_bad_records: bool = False,
         cache_images: bool = False,
         max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        fallback_dir: str | Path | None = None,
+        progress: bool | None = None,
     ):
-        self.manifest = Path(manifest)
+        self.manifests = resolve_manifests(manifests)
         self.image_size = image_size
         self.image_channels = image_channels
         self.max_image_pixels = max_image_pixels
         self.skip_bad_records = skip_bad_records
         self.cache_images = cache_images
-        self.skip_reasons: list[str] = []
-        self._bad: set[int] = set()
+        self.indexes = [
+            ManifestIndex(m, ensure_index(m, fallback_dir, progress=progress)) for m in self.manifests
+        ]
+        self.starts = np.concatenate([[0], np.cumsum([i.records for i in self.indexes], dtype=np.int64)])
+        self.manifest_bad_lines = sum(i.bad_lines for i in self.indexes)
+        self._manifest_reasons = [
+            f"{index.manifest}:{line}: {reason}"
+            for index in self.indexes
+            for line, reason in index.bad_reasons
+        ][:MAX_STORED_REASONS]
+        self._bad: dict[int, str] = {}  # dataset index -> reason, images found bad in this process
+        self._bad_log: list[tuple[int, str]] = []  # the same, in the order found (append-only)
         self._cache: dict[int, torch.Tensor] = {}
-        self.records = self._read()
+        self._open: OrderedDict[int, None] = OrderedDict()
+        self._check_records()
+
+    def _check_records(self) -> None:
+        for index in self.indexes:
+            if index.bad_lines and not self.skip_bad_records:
+                line, reason = index.bad_reasons[0]
+                raise ValueError(f"{index.manifest}:{line}: {reason}")
+            if index.records == 0:
+                detail = f" ({index.bad_lines} bad records skipped)" if index.bad_lines else ""
+                raise ValueError(f"manifest {index.manifest} holds no usable records{detail}")
 
     @property
-    def skipped_records(self) -> int:
-        """Records skipped so far: at construction (manifest lines) and by :meth:`load_image` /
-        :meth:`verify_images` (image files)."""
-        return len(self.skip_reasons)
+    def manifest(self) -> Path | str:
+        """The manifest's path (one manifest), or ``"<n> manifests (<first> ...)"``."""
+        if len(self.manifests) == 1:
+            return self.manifests[0]
+        return f"{len(self.manifests)} manifests ({self.manifests[0]} ...)"
 
     def __len__(self) -> int:
-        return len(self.records)
+        return int(self.starts[-1])
 
-    def _reject(self, line: int, reason: str) -> None:
-        message = f"{self.manifest}:{line}: {reason}"
-        if not self.skip_bad_records:
-            raise ValueError(message)
-        self.skip_reasons.append(message)
+    def index(self, k: int) -> ManifestIndex:
+        """Manifest ``k``'s index, kept among the :data:`MAX_OPEN_MANIFESTS` most recently used."""
+        self._open[k] = None
+        self._open.move_to_end(k)
+        if len(self._open) > MAX_OPEN_MANIFESTS:
+            oldest, _ = self._open.popitem(last=False)
+            self.indexes[oldest].close()
+        return self.indexes[k]
 
-    def _read(self) -> list[Record]:
-        try:
-            raw_lines = self.manifest.read_bytes().split(b"\n")
-        except OSError as error:
-            raise ValueError(f"manifest {self.manifest} cannot be read: {_one_line(error)}") from None
-        records = []
-        for number, raw in enumerate(raw_lines, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                self._reject(number, f"line is not UTF-8 text (byte {error.start} of the line)")
-                continue
-            if not line.strip():
-                continue
-            record = self._parse(number, line)
-            if record is not None:
-                records.append(record)
-        if not records:
-            detail = f" ({len(self.skip_reasons)} bad records skipped)" if self.skip_reasons else ""
-            raise ValueError(f"manifest {self.manifest} holds no usable records{detail}")
-        return records
+    def locate(self, index: int) -> tuple[int, int]:
+        """Dataset index -> ``(manifest number, record number in that manifest)``."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"record {index} of a dataset of {len(self)} records")
+        k = int(np.searchsorted(self.starts, index, side="right")) - 1
+        return k, index - int(self.starts[k])
 
-    def _parse(self, number: int, line: str) -> Record | None:
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError as error:
-            return self._reject(number, f"invalid JSON ({_one_line(error)})")
-        if not isinstance(data, dict):
-            return self._reject(number, f"a record must be a JSON object, got {type(data).__name__}")
-        text = data.get("text")
-        if not isinstance(text, str) or not text.strip():
-            return self._reject(number, f"record has no text (a non-empty 'text' string), got {text!r}")
-        image = data.get("image")
+    def kind_count(self, kind: str, k: int | None = None) -> int:
+        """Records of ``kind`` (``RECORD_KINDS``) in manifest ``k`` (None: in all)."""
+        if kind not in RECORD_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(map(repr, RECORD_KINDS))}, got {kind!r}")
+        indexes = self.indexes if k is None else [self.indexes[k]]
+        name = {"all": "records", **_KIND_ARRAYS}[kind]
+        return sum(getattr(i, name) for i in indexes)
+
+    def kind(self, kind: str) -> KindView:
+        """The records of ``kind`` as a :class:`KindView`."""
+        if kind not in RECORD_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(map(repr, RECORD_KINDS))}, got {kind!r}")
+        return KindView(self, kind)
+
+    def where(self, index: int) -> str:
+        """``"<manifest>:<line>"`` of record ``index``."""
+        k, local = self.locate(index)
+        return f"{self.indexes[k].manifest}:{self.index(k).line_number(local)}"
+
+    def read(self, index: int) -> tuple[str, Path | None]:
+        """Record ``index``'s ``(text, resolved image path or None)``, read from its manifest (its
+        line number, in another array, is not read: see :meth:`record`)."""
+        k, local = self.locate(index)
+        manifest = self.index(k)
+        parsed, reason = parse_manifest_line(manifest.read(local))
+        if parsed is None:
+            raise ValueError(
+                f"{self.where(index)}: {reason or 'blank line'} (the manifest changed after its index "
+                "was built)"
+            )
+        text, image = parsed
         if image is None:
-            return Record(text, None, number)
-        if not isinstance(image, str) or not image:
-            return self._reject(number, f"'image' must be a path string or null, got {image!r}")
-        path = Path(image) if Path(image).is_absolute() else self.manifest.parent / image
-        return Record(text, path, number)
+            return text, None
+        return text, Path(image) if Path(image).is_absolute() else manifest.manifest.parent / image
+
+    def record(self, index: int) -> Record:
+        """Record ``index`` with its line number."""
+        k, local = self.locate(index)
+        return Record(*self.read(index), self.index(k).line_number(local))
+
+    @property
+    def records(self) -> RecordView:
+        """Every record, read on access (``dataset.records[i]``, iteration)."""
+        return RecordView(self)
+
+    # --------------------------------------------------------------------------- bad records
+    @property
+    def skipped_records(self) -> int:
+        """Records skipped so far: bad manifest lines (found when the index was built) and images
+        found bad in this process by :meth:`load_image` / :meth:`verify_images` or reported by
+        :meth:`note_bad`."""
+        return self.manifest_bad_lines + len(self._bad)
+
+    @property
+    def skip_reasons(self) -> list[str]:
+        """The reasons, each naming the manifest and line: the manifests' bad lines first (the first
+        1000), then the bad images in the order they were found."""
+        return self._manifest_reasons + list(self._bad.values())
+
+    def bad_images_since(self, count: int) -> list[tuple[int, str]]:
+        """``(dataset index, reason)`` of the images found bad in this process after the first
+        ``count`` (a loader worker reports what it found since its last report)."""
+        return self._bad_log[count:]
 
     @property
     def undecodable(self) -> frozenset[int]:
-        """Indices of the records whose image :meth:`load_image` or :meth:`verify_images` found
-        bad (skip mode)."""
+        """Indices of the records whose image was found bad (skip mode)."""
         return frozenset(self._bad)
 
     def is_bad(self, index: int) -> bool:
         """Whether record ``index``'s image was found bad (skip mode); O(1)."""
         return index in self._bad
 
+    def note_bad(self, index: int, reason: str) -> bool:
+        """Records that ``index``'s image is bad (found by another process: a loader worker);
+        True when it was not known yet (then it is counted)."""
+        if index in self._bad:
+            return False
+        self._bad[index] = reason
+        self._bad_log.append((index, reason))
+        return True
+
+    def _reject(self, index: int, line_reason: str) -> None:
+        message = f"{self.where(index)}: {line_reason}"
+        if not self.skip_bad_records:
+            raise ValueError(message)
+        self.note_bad(index, message)
+
     def load_image(self, index: int) -> torch.Tensor | None:
         """Record ``index``'s image as ``uint8 [C, image_size, image_size]``. A missing,
-        unidentifiable or undecodable file raises ``ValueError`` naming the manifest line, or
-        (``skip_bad_records``) marks the record unusable, counts it once and returns None."""
-        record = self.records[index]
-        if record.image is None:
-            raise ValueError(f"{self.manifest}:{record.line}: record has no image")
+        unidentifiable, oversized or undecodable file raises ``ValueError`` naming the manifest
+        line, or (``skip_bad_records``) marks the record unusable, counts it once and returns None."""
         if index in self._bad:
             return None
         cached = self._cache.get(index)
         if cached is not None:
             return cached
-        pixels, reason = _decode(record.image, self.image_size, self.image_channels, self.max_image_pixels)
+        _, image = self.read(index)
+        if image is None:
+            raise ValueError(f"{self.where(index)}: record has no image")
+        pixels, reason = _decode(image, self.image_size, self.image_channels, self.max_image_pixels)
         if pixels is None:
-            self._mark_bad(index, reason)
+            self._reject(index, reason)
             return None
         if self.cache_images:
             self._cache[index] = pixels
         return pixels
 
-    def _mark_bad(self, index: int, reason: str) -> None:
-        self._bad.add(index)
-        self._reject(self.records[index].line, reason)
-
     def verify_images(self, progress: bool = True) -> int:
-        """Checks every image file now (exists, header identifiable; pixels are not decoded) instead
-        of at first load, with a :class:`~moetrain.progress.ProgressBar` on stderr (``progress``).
-        A bad one raises, or (skip mode) is marked and counted as :meth:`load_image` would.
-        Returns the number of bad images found. Costs one file open per image record: run it
-        once, in one process, to vet a manifest before a long run, not on every rank (what it
-        finds stays in this process; training ranks still find a bad file when they draw it)."""
-        indices = [i for i, r in enumerate(self.records) if r.image is not None and i not in self._bad]
+        """Checks every image file now (exists, header identifiable, pixel count; pixels are not
+        decoded) instead of at first load, with a :class:`~moetrain.progress.ProgressBar` on stderr
+        (``progress``). A bad one raises, or (skip mode) is marked and counted as :meth:`load_image`
+        would. Returns the number of bad images found. Costs one file open per image record: run it
+        once, in one process, to vet a manifest before a long run, not on every rank (what it finds
+        stays in this process; training ranks still find a bad file when they draw it)."""
+        images = self.kind("image")
         bar = None
         if progress:
-            description = f"checking images of {self.manifest.name}"
-            bar = ProgressBar(len(indices), description, log_every=max(1, len(indices) // 10))
+            names = ", ".join(m.name for m in self.manifests[:3]) + (
+                " ..." if len(self.manifests) > 3 else ""
+            )
+            bar = ProgressBar(len(images), f"checking images of {names}", log_every=max(1, len(images) // 10))
         bad = 0
-        for done, index in enumerate(indices, start=1):
-            reason = _check_header(self.records[index].image, self.max_image_pixels)
-            if reason is not None:
-                bad += 1
-                self._mark_bad(index, reason)
+        for done in range(1, len(images) + 1):
+            index = images[done - 1]
+            if index not in self._bad:
+                reason = _check_header(self.read(index)[1], self.max_image_pixels)
+                if reason is not None:
+                    bad += 1
+                    self._reject(index, reason)
             if bar is not None:
                 bar.update(done, bad=bad)
         if bar is not None:
@@ -206,6 +362,12 @@ class ManifestDataset:
         shown = "; ".join(self.skip_reasons[:max_reasons])
         more = f"; ... {count - max_reasons} more" if count > max_reasons else ""
         return f"{count} bad record{'s' if count != 1 else ''} skipped: {shown}{more}"
+
+    def close(self) -> None:
+        """Releases every index's maps and file descriptor (reopened on next use)."""
+        for index in self.indexes:
+            index.close()
+        self._open.clear()
 
 
 def _too_large(path: Path, image, max_pixels: int) -> str | None:
@@ -227,7 +389,7 @@ def _check_header(path: Path, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> str
         with Image.open(path) as opened:
             return _too_large(path, opened, max_pixels)
     except Exception as error:  # Pillow raises many types for bad files
-        return f"image {path} cannot be read ({_one_line(error)})"
+        return f"image {path} cannot be read ({one_line(error)})"
 
 
 def _decode(
@@ -242,7 +404,7 @@ def _decode(
     except FileNotFoundError:
         return None, f"image {path} does not exist"
     except Exception as error:  # Pillow raises many types for bad files
-        return None, f"image {path} cannot be read ({_one_line(error)})"
+        return None, f"image {path} cannot be read ({one_line(error)})"
     try:
         with opened:
             too_large = _too_large(path, opened, max_pixels)
@@ -250,4 +412,4 @@ def _decode(
                 return None, too_large
             return image_to_tensor(opened, size, channels), ""
     except Exception as error:  # Pillow raises many types for truncated / corrupt data
-        return None, f"image {path} cannot be decoded ({_one_line(error)})"
+        return None, f"image {path} cannot be decoded ({one_line(error)})"

@@ -1,13 +1,27 @@
-"""Pretraining tasks mixed in one run, batching, the engine's batches object and the loss.
+"""Pretraining tasks mixed in one run, the sample at each position of the data stream, batching
+and the loss.
 
-Tasks (each sample draws its task with probability proportional to ``M6TaskConfig`` weights, then
-a record uniformly among those the task can use):
+Tasks:
 
 - ``caption`` (image-to-text): image + empty prefix -> caption (records with an image);
 - ``denoise`` (text-to-text, T5 span corruption, :func:`span_corruption`): prefix = text with
   spans replaced by sentinels, target = each sentinel followed by its span (every record);
 - ``image_text`` (image + text-to-text): image + the first ``c`` characters of the caption -> the
   rest, ``c ~ U{1, ..., chars - 1}`` (records with an image and >= 2 characters).
+
+The data stream (:class:`TaskSampler`): epoch ``e`` visits the records a run can use once each,
+in the order of a permutation keyed by ``(seed, e)`` (:class:`~m6_moe.shuffle.EpochPermutation`);
+the records a run can use are all of them when ``denoise`` has weight > 0, else those with an image
+(``caption`` > 0), else those with an image and >= 2 characters. The sample at position ``i`` of
+epoch ``e`` draws its task among the tasks its record can serve, with probability proportional to
+their weights, and everything random about it (task, span corruption, prefix cut) comes from a
+generator seeded by ``(seed, e, i)``: a sample depends on its position only, not on which process
+or worker makes it, so any split of the stream between ranks and workers yields the same data.
+
+A record whose image turns out bad (``skip_bad_records``) serves ``denoise`` instead when that task
+has weight > 0 (its text is still good); otherwise the position takes a replacement record drawn
+uniformly by ``(seed, e, i, attempt)``. Either way every position yields exactly one sample, the
+same in every process, so ranks stay in step.
 
 Lengths: a record's text is cut to ``seq_len - 1`` tokens before the task (counted in
 ``truncated_samples``), so prefix <= ``seq_len`` and target (+ bos / eos) <= ``seq_len``.
@@ -27,6 +41,7 @@ parameter to be used on every rank).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -34,9 +49,16 @@ import torch.nn.functional as F
 
 from m6_moe.config import M6TaskConfig
 from m6_moe.data import ManifestDataset, normalize_pixels
+from m6_moe.shuffle import EpochPermutation, derive_seed
 
 IGNORE_INDEX = -100
 TASKS = ("caption", "denoise", "image_text")
+IMAGE_TASKS = ("caption", "image_text")
+_TASK_RECORDS = {"caption": "image", "denoise": "all", "image_text": "image_text"}
+
+# Replacement records tried for one position before giving up (skip mode, denoise weight 0):
+# with a share b of bad images the chance to exhaust them is b ** 64.
+MAX_REPLACEMENTS = 64
 
 
 @dataclass
@@ -45,6 +67,8 @@ class Sample:
     prefix: list[int]
     target: list[int]  # without bos / eos
     image: torch.Tensor | None  # uint8 [C, H, W]
+    record: int = -1  # dataset index of the record it was made from
+    truncated: bool = False  # its text was cut to fit seq_len
 
 
 def _random_segments(total: int, parts: int, generator: torch.Generator) -> list[int]:
@@ -88,88 +112,121 @@ def span_corruption(
     return prefix, target
 
 
+def epoch_record_kind(weights: dict[str, float]) -> str:
+    """The records an epoch runs over for task ``weights``: ``"all"`` when ``denoise`` is on (every
+    record can serve it), else ``"image"`` when ``caption`` is on, else ``"image_text"``."""
+    if weights["denoise"] > 0:
+        return "all"
+    return "image" if weights["caption"] > 0 else "image_text"
+
+
 class TaskSampler:
-    """Draws :class:`Sample` s from a :class:`ManifestDataset` with the task mixture of ``tasks``.
+    """The sample at every position of the data stream (see the module docstring).
 
-    ``seq_len``: the longest prefix, and the longest target counting bos / eos. Records that a
-    task can use are fixed at construction; a task with weight > 0 and no usable record raises
-    ``ValueError``. Records whose image file turns out bad at load time (skip mode: missing,
-    unreadable or undecodable) are dropped from the pools."""
+    ``seq_len``: the longest prefix, and the longest target counting bos / eos. ``seed``: the data
+    seed (the run's). A task with weight > 0 and no usable record raises ``ValueError``.
+    ``epoch_size``: the records one epoch visits."""
 
-    def __init__(self, dataset: ManifestDataset, tokenizer, tasks: M6TaskConfig, seq_len: int):
+    def __init__(self, dataset: ManifestDataset, tokenizer, tasks: M6TaskConfig, seq_len: int, seed: int = 0):
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
             raise ValueError(f"seq_len must be an integer >= 2 (bos/eos + one token), got {seq_len!r}")
         self.dataset, self.tokenizer, self.tasks, self.seq_len = dataset, tokenizer, tasks, seq_len
-        self.tokens = [tokenizer.encode(r.text) for r in dataset.records]
-        with_image = [i for i, r in enumerate(dataset.records) if r.image is not None]
-        self.pools = {
-            "caption": with_image,
-            "denoise": list(range(len(dataset.records))),
-            "image_text": [i for i in with_image if len(dataset.records[i].text) >= 2],
+        self.seed = seed
+        self.weights = tasks.weights
+        usable = {
+            "caption": dataset.kind_count("image"),
+            "denoise": len(dataset),
+            "image_text": dataset.kind_count("image_text"),
         }
-        weights = tasks.weights
-        for task, weight in weights.items():
-            if weight > 0 and not self.pools[task]:
+        for task, weight in self.weights.items():
+            if weight > 0 and not usable[task]:
                 raise ValueError(
                     f"task {task!r} has weight {weight} but manifest {dataset.manifest} has no record it can "
                     "use (caption needs an image; image_text an image and >= 2 characters of text); set "
                     f"tasks.{task}_weight: 0"
                 )
-        self.task_names = [t for t in TASKS if weights[t] > 0]
-        self.task_probs = torch.tensor([weights[t] for t in self.task_names], dtype=torch.float64)
-        self.truncated_samples = 0
+        self.record_kind = epoch_record_kind(self.weights)
+        self.records = dataset.kind(self.record_kind)
+        self.epoch_size = len(self.records)
+        self._permutation: tuple[int, EpochPermutation] | None = None
 
-    def _tokens(self, index: int) -> list[int]:
-        tokens = self.tokens[index]
+    def with_seed(self, seed: int) -> TaskSampler:
+        """The same sampler for another seed (another stream over the same dataset)."""
+        other = copy.copy(self)
+        other.seed, other._permutation = seed, None
+        return other
+
+    def record_at(self, epoch: int, index: int) -> int:
+        """The dataset index of the record at position ``index`` of epoch ``epoch``."""
+        if self._permutation is None or self._permutation[0] != epoch:
+            self._permutation = (epoch, EpochPermutation(self.epoch_size, derive_seed(self.seed, epoch)))
+        return self.records[self._permutation[1](index)]
+
+    def _tokens(self, text: str) -> tuple[list[int], bool]:
+        tokens = self.tokenizer.encode(text)
         if len(tokens) > self.seq_len - 1:
-            self.truncated_samples += 1
-            return tokens[: self.seq_len - 1]
-        return tokens
+            return tokens[: self.seq_len - 1], True
+        return tokens, False
 
-    def _draw_index(self, task: str, generator: torch.Generator) -> int:
-        """A uniform draw from ``task``'s pool; for the image tasks never a record whose image is
-        known bad. Drawing one prunes every such record from the image pools (O(records)), so they
-        are rebuilt only when a stale entry is met, not at every newly found bad image. ``denoise``
-        uses only the text and keeps every record."""
-        while self.pools[task]:
-            pool = self.pools[task]
-            index = pool[int(torch.randint(len(pool), (), generator=generator))]
-            if task == "denoise" or not self.dataset.is_bad(index):
-                return index
-            bad = self.dataset.undecodable
-            for name in ("caption", "image_text"):
-                self.pools[name] = [i for i in self.pools[name] if i not in bad]
-        raise ValueError(f"task {task!r}: every image record of {self.dataset.manifest} was skipped as bad")
+    def _choose_task(self, text: str, has_image: bool, generator: torch.Generator) -> str:
+        usable = [
+            t
+            for t in TASKS
+            if self.weights[t] > 0 and (t == "denoise" or (has_image and (t == "caption" or len(text) >= 2)))
+        ]
+        probs = torch.tensor([self.weights[t] for t in usable], dtype=torch.float64)
+        return usable[int(torch.multinomial(probs, 1, generator=generator))]
 
-    def sample(self, generator: torch.Generator, task: str | None = None) -> Sample:
-        """One sample of ``task`` (None: drawn from the mixture)."""
-        if task is None:
-            task = self.task_names[int(torch.multinomial(self.task_probs, 1, generator=generator))]
-        elif task not in TASKS:
+    def sample_at(self, epoch: int, index: int, task: str | None = None) -> Sample:
+        """The sample at position ``index`` (``0 <= index < epoch_size``) of epoch ``epoch``; the
+        same in every process. ``task``: force a task (tests, probes; the record must serve it)."""
+        if task is not None and task not in TASKS:
             raise ValueError(f"task must be one of {', '.join(map(repr, TASKS))}, got {task!r}")
-        while True:
-            index = self._draw_index(task, generator)
-            if task == "denoise":
-                cfg = self.tasks
-                prefix, target = span_corruption(
-                    self._tokens(index), cfg.noise_density, cfg.mean_span_length,
-                    self.tokenizer.sentinel_ids, generator,
-                )  # fmt: skip
-                return Sample(task, prefix, target, None)
-            image = self.dataset.load_image(index)
-            if image is None:  # skipped as bad (counted by the dataset): draw another record
-                continue
-            if task == "caption":
-                return Sample(task, [], self._tokens(index), image)
-            text = self.dataset.records[index].text
-            cut = int(torch.randint(1, len(text), (), generator=generator))
-            prefix, target = self.tokenizer.encode(text[:cut]), self.tokenizer.encode(text[cut:])
-            budget = self.seq_len - 1
-            if len(prefix) + len(target) > budget:
-                self.truncated_samples += 1
-                prefix = prefix[: budget - 1]
-                target = target[: budget - len(prefix)]
-            return Sample(task, prefix, target, image)
+        generator = torch.Generator().manual_seed(derive_seed(self.seed, epoch, index))
+        record = self.record_at(epoch, index)
+        for attempt in range(1, MAX_REPLACEMENTS + 1):
+            text, image_path = self.dataset.read(record)
+            chosen = task or self._choose_task(text, image_path is not None, generator)
+            image = None
+            if chosen in IMAGE_TASKS:
+                if image_path is None:
+                    raise ValueError(
+                        f"{self.dataset.where(record)}: task {chosen!r} needs a record with an image"
+                    )
+                image = self.dataset.load_image(record)  # raises unless skip_bad_records
+                if image is None and task is None and self.weights["denoise"] > 0:
+                    chosen = "denoise"  # the text of a record with a bad image is still good
+                elif image is None:
+                    pool = self.records if task is None else self.dataset.kind(_TASK_RECORDS[task])
+                    record = pool[derive_seed(self.seed, epoch, index, attempt) % len(pool)]
+                    continue
+            return self._make(chosen, record, text, image, generator)
+        raise ValueError(
+            f"sample {index} of epoch {epoch}: {MAX_REPLACEMENTS} records drawn in a row had bad images "
+            f"({self.dataset.skipped_records} bad records so far in {self.dataset.manifest})"
+        )
+
+    def _make(self, task: str, record: int, text: str, image, generator: torch.Generator) -> Sample:
+        if task == "denoise":
+            tokens, truncated = self._tokens(text)
+            cfg = self.tasks
+            prefix, target = span_corruption(
+                tokens, cfg.noise_density, cfg.mean_span_length, self.tokenizer.sentinel_ids, generator
+            )
+            return Sample(task, prefix, target, None, record, truncated)
+        if task == "caption":
+            tokens, truncated = self._tokens(text)
+            return Sample(task, [], tokens, image, record, truncated)
+        if len(text) < 2:
+            raise ValueError(f"{self.dataset.where(record)}: task 'image_text' needs >= 2 characters of text")
+        cut = int(torch.randint(1, len(text), (), generator=generator))
+        prefix, target = self.tokenizer.encode(text[:cut]), self.tokenizer.encode(text[cut:])
+        budget = self.seq_len - 1
+        truncated = len(prefix) + len(target) > budget
+        if truncated:
+            prefix = prefix[: budget - 1]
+            target = target[: budget - len(prefix)]
+        return Sample(task, prefix, target, image, record, truncated)
 
 
 def collate(samples: list[Sample], tokenizer, image_shape: tuple[int, int, int]) -> tuple[dict, torch.Tensor]:
@@ -203,89 +260,6 @@ def collate(samples: list[Sample], tokenizer, image_shape: tuple[int, int, int])
         "image_mask": image_mask,
     }
     return inputs, labels
-
-
-class M6Batches:
-    """The engine's batches object: ``next() -> (inputs, labels)`` with ``batch`` samples (the
-    engine may set ``batch`` per rank when it balances the global batch across ranks).
-
-    The generator is seeded per rank (``seed * 1000003 + rank``); its state and the counters are
-    the data position saved in checkpoints. ``tokens_per_batch``: real (non-padding) positions per
-    batch, image patches included, averaged over the batches drawn so far (before the first: the
-    most a batch can hold, ``batch * (P + 2 * seq_len)``)."""
-
-    def __init__(self, sampler: TaskSampler, batch: int, seed: int, rank: int, num_patches: int):
-        self.sampler = sampler
-        self.batch = batch
-        self.num_patches = num_patches
-        dataset = sampler.dataset
-        self.image_shape = (dataset.image_channels, dataset.image_size, dataset.image_size)
-        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
-        self.batches_drawn = 0
-        self.positions_drawn = 0
-        self.task_counts = dict.fromkeys(TASKS, 0)
-
-    def _draw(self, count: int, generator: torch.Generator) -> tuple[list[Sample], dict, torch.Tensor]:
-        samples = [self.sampler.sample(generator) for _ in range(count)]
-        return (samples, *collate(samples, self.sampler.tokenizer, self.image_shape))
-
-    def next(self) -> tuple[dict, torch.Tensor]:
-        samples, inputs, labels = self._draw(self.batch, self.generator)
-        for sample in samples:
-            self.task_counts[sample.task] += 1
-        self.batches_drawn += 1
-        self.positions_drawn += int(
-            inputs["prefix_mask"].sum()
-            + inputs["target_mask"].sum()
-            + inputs["image_mask"].sum() * self.num_patches
-        )
-        return inputs, labels
-
-    def probe(self, sequences: int, seed: int) -> tuple[dict, torch.Tensor]:
-        """A batch of ``sequences`` samples from a separate stream seeded with ``seed`` (profiling,
-        calibration); the data position and the counters do not move."""
-        truncated = self.sampler.truncated_samples
-        _, inputs, labels = self._draw(sequences, torch.Generator().manual_seed(seed))
-        self.sampler.truncated_samples = truncated
-        return inputs, labels
-
-    def reseed(self, seed: int, rank: int, step: int) -> None:
-        """A new stream for ``rank`` resuming at ``step`` when no saved position exists for it
-        (the run was saved with fewer ranks): ``(seed * 1000003 + rank) * 1000033 + step``."""
-        self.generator.manual_seed((seed * 1_000_003 + rank) * 1_000_033 + step)
-
-    @property
-    def tokens_per_batch(self) -> int:
-        if self.batches_drawn == 0:
-            return self.batch * (self.num_patches + 2 * self.sampler.seq_len)
-        return round(self.positions_drawn / self.batches_drawn)
-
-    @property
-    def skipped_records(self) -> int:
-        """Bad records skipped by the dataset (construction and load time), for the logs."""
-        return self.sampler.dataset.skipped_records
-
-    def skip_summary(self, max_reasons: int = 3) -> str:
-        """One line for the logs: the count of skipped bad records and the first ``max_reasons``
-        reasons (:meth:`ManifestDataset.skip_summary`). The count grows during the run as images
-        are first loaded, so it is worth reporting at the end as well as at the start."""
-        return self.sampler.dataset.skip_summary(max_reasons)
-
-    def state_dict(self) -> dict:
-        return {
-            "generator": self.generator.get_state(),
-            "batches_drawn": self.batches_drawn,
-            "positions_drawn": self.positions_drawn,
-            "task_counts": dict(self.task_counts),
-            "truncated_samples": self.sampler.truncated_samples,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
-        self.batches_drawn = state["batches_drawn"]
-        self.positions_drawn = state["positions_drawn"]
-        self.task_counts = dict(state["task_counts"])
-        self.sampler.truncated_samples = state["truncated_samples"]
 
 
 def m6_loss(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
