@@ -121,10 +121,10 @@ def test_meta_build_of_a_trillion_parameters_takes_no_memory():
     assert counted.per_rank(480) == counted.dense + 24 * 2 * 2 * 1024 * 21248
 
 
-@pytest.mark.skipif(not m6_available(), reason="models.m6_moe is not importable")
+@pytest.mark.skipif(not m6_available(), reason="m6_moe is not importable")
 def test_m6_presets_resolve_and_count_exactly():
-    from models.m6_moe.config import M6Config
-    from models.m6_moe.model import M6Model
+    from m6_moe.config import M6Config
+    from m6_moe.model import M6Model
     from moetrain.planner.model import resolve_model
 
     tiny, _ = resolve_model("m6-tiny")
@@ -181,7 +181,7 @@ def test_m6_1t_shaped_model_fits_480_v100_only_with_offload():
     assert no_offload.gpu_memory["optimizer_states"] == 12 * plan.params["per_rank"]
 
 
-@pytest.mark.skipif(not m6_available(), reason="models.m6_moe is not importable")
+@pytest.mark.skipif(not m6_available(), reason="m6_moe is not importable")
 def test_m6_1t_preset_on_480_v100_fits_and_recommend_finds_it():
     from moetrain.planner.model import resolve_model
 
@@ -287,7 +287,7 @@ def test_cli_plan_with_a_config_file(tmp_path, capsys):
     assert "(autocast, fp32 weights)" not in out and "offload on" in out
 
 
-@pytest.mark.skipif(not m6_available(), reason="models.m6_moe is not importable")
+@pytest.mark.skipif(not m6_available(), reason="m6_moe is not importable")
 def test_cli_m6_1t_on_480_v100(capsys):
     argv = ["plan", "--model", "m6-1T", "--cluster", "v100-32gb", "--nodes", "60", "--inter-node-gbps", "35"]
     assert _run([*argv, "--ep-size", "480", "--offload", "--micro-batch", "8"]) == 0
@@ -351,9 +351,9 @@ def test_seq_len_defaults_to_the_model_maximum(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["settings"]["seq_len"] == 24
 
 
-@pytest.mark.skipif(not m6_available(), reason="models.m6_moe is not importable")
+@pytest.mark.skipif(not m6_available(), reason="m6_moe is not importable")
 def test_cli_m6_tiny_plans_at_its_own_maximum_text_length(capsys):
-    from models.m6_moe.config import M6Config
+    from m6_moe.config import M6Config
 
     maximum = M6Config.preset("tiny").max_text_len
     assert maximum < 512  # the old fixed default, which m6-tiny refused
@@ -442,7 +442,7 @@ def test_fit_check_and_auto_recompute_keep_the_memory_headroom():
     assert {c.settings.micro_batch: c.status for c in result.candidates}[16] == "does not fit"
 
 
-@pytest.mark.skipif(not m6_available(), reason="models.m6_moe is not importable")
+@pytest.mark.skipif(not m6_available(), reason="m6_moe is not importable")
 def test_m6_1t_config_is_the_recommendation_with_headroom(capsys):
     from pathlib import Path
 

@@ -218,11 +218,11 @@ def test_world1_lm_autocast_estimate_matches_measurement():
     assert plan.gpu_memory["weights"] == tensor_bytes(model.parameters())
 
 
-@pytest.mark.skipif(not m6_available(), reason="models.m6_moe is not importable")
+@pytest.mark.skipif(not m6_available(), reason="m6_moe is not importable")
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_world1_m6_tiny_matches_measurement(precision):
-    from models.m6_moe.config import M6Config
-    from models.m6_moe.model import M6Model
+    from m6_moe.config import M6Config
+    from m6_moe.model import M6Model
 
     tiny = M6Config.preset("tiny")
     # dropout 0: CPU attention with dropout takes the math path; dropless: N = T*k rows exactly

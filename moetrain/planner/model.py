@@ -12,7 +12,7 @@ Families (how a model's forward saves activations; see :mod:`moetrain.planner.ac
 
 - ``"moe_lm"``: :class:`moetrain.lm.MoETransformerLM` (causal attention, every FFN a MoELayer,
   logits for every position).
-- ``"m6"``: ``models.m6_moe.model.M6Model`` (image patches through a conv stem, prefix-LM mask,
+- ``"m6"``: ``m6_moe.model.M6Model`` (image patches through a conv stem, prefix-LM mask,
   dropout, MoE every ``moe_every`` layers, MoE only on real tokens, logits for the targets).
 """
 
@@ -172,8 +172,8 @@ def describe_lm(config, name: str = "moe_lm") -> ModelDescription:
 
 
 def describe_m6(config, name: str = "m6") -> ModelDescription:
-    """A ``models.m6_moe.config.M6Config`` model (needs the ``models`` package importable)."""
-    from models.m6_moe.model import M6Model
+    """A ``m6_moe.config.M6Config`` model (needs the ``models`` package importable)."""
+    from m6_moe.model import M6Model
 
     arch = ModelArch(
         family="m6",
@@ -197,10 +197,10 @@ def describe_m6(config, name: str = "m6") -> ModelDescription:
 
 
 def m6_available() -> bool:
-    """Whether ``models.m6_moe`` (config and model) can be imported here."""
+    """Whether ``m6_moe`` (config and model) can be imported here."""
     try:
-        import models.m6_moe.config  # noqa: F401
-        import models.m6_moe.model  # noqa: F401
+        import m6_moe.config  # noqa: F401
+        import m6_moe.model  # noqa: F401
     except ImportError:
         return False
     return True
@@ -212,11 +212,10 @@ def describe(config, name: str | None = None) -> ModelDescription:
 
     if isinstance(config, LMConfig):
         return describe_lm(config, name or "moe_lm")
-    if type(config).__name__ == "M6Config" and type(config).__module__.startswith("models.m6_moe"):
+    if type(config).__name__ == "M6Config" and type(config).__module__.startswith("m6_moe"):
         return describe_m6(config, name or "m6")
     raise ValueError(
-        f"model config must be a moetrain.lm.LMConfig or models.m6_moe.config.M6Config, got "
-        f"{type(config).__name__}"
+        f"model config must be a moetrain.lm.LMConfig or m6_moe.config.M6Config, got {type(config).__name__}"
     )
 
 
@@ -236,8 +235,8 @@ def resolve_model(spec: str) -> tuple[ModelDescription, dict]:
                 f"got {spec!r}"
             )
         if not m6_available():
-            raise ValueError(f"model {spec!r} needs the models.m6_moe package, which cannot be imported here")
-        from models.m6_moe.config import M6Config
+            raise ValueError(f"model {spec!r} needs the m6_moe package, which cannot be imported here")
+        from m6_moe.config import M6Config
 
         return describe_m6(M6Config.preset(preset), f"m6-{preset}"), {}
     path = Path(spec)
