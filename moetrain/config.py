@@ -10,6 +10,7 @@ from dataclasses import MISSING, dataclass, fields
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ACTIVATIONS = ("relu", "gelu", "swiglu")
+KERNEL_CHOICES = ("auto", "custom", "torch")
 
 
 def require_int(name: str, value, minimum: int) -> None:
@@ -47,6 +48,11 @@ class MoEConfig:
     Capacity per expert, for ``T`` tokens on this rank: ``C = max(min_capacity, ceil(cf * T * k / E))``;
     ``capacity_factor`` (training) and ``eval_capacity_factor`` (eval) of ``None`` or ``0`` mean
     dropless: every routed slot is computed.
+
+    ``kernels``: which implementation of the dispatch plan and the token permutation runs:
+    ``"custom"`` (moetrain's C++/CUDA kernels), ``"torch"`` (their torch-native twins, any device)
+    or ``"auto"`` (custom on the CPU; on a GPU custom only after each kernel matched its twin on a
+    small input once per process, else the twin, with one warning). See ``docs/gpu.md``.
     """
 
     d_model: int
@@ -65,6 +71,7 @@ class MoEConfig:
     num_prototypes: int = 1
     activation: str = "gelu"
     shared_expert_d_ff: int | None = None
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         require_int("d_model", self.d_model, 1)
@@ -103,6 +110,7 @@ class MoEConfig:
         require_choice("activation", self.activation, ACTIVATIONS)
         if self.shared_expert_d_ff is not None:
             require_int("shared_expert_d_ff", self.shared_expert_d_ff, 1)
+        require_choice("kernels", self.kernels, KERNEL_CHOICES)
 
     @property
     def experts_per_prototype(self) -> int:
@@ -141,6 +149,8 @@ class ParallelConfig:
       per-row power-of-two scale so nothing overflows); gradients travel in the same precision.
     - ``local_world_size``: ranks per node; ``None`` reads ``LOCAL_WORLD_SIZE`` (torchrun) or
       ``SLURM_NTASKS_PER_NODE``; tests set it to emulate several nodes on one machine.
+    - ``kernels``: the implementation of the all-to-all's chunk transpose and fp16 packing,
+      ``"auto"``, ``"custom"`` or ``"torch"`` (as :class:`MoEConfig`'s ``kernels``).
     """
 
     ep_size: int = 1
@@ -148,6 +158,7 @@ class ParallelConfig:
     all_to_all: str = "auto"
     comm_dtype: str | None = None
     local_world_size: int | None = None
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         require_int("ep_size", self.ep_size, 1)
@@ -156,6 +167,7 @@ class ParallelConfig:
         require_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
         if self.local_world_size is not None:
             require_int("local_world_size", self.local_world_size, 1)
+        require_choice("kernels", self.kernels, KERNEL_CHOICES)
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")

@@ -269,13 +269,13 @@ def test_recompute_replay_reuses_the_routing_decision():
     assert layer.replay_record_bytes() == 0  # the record was consumed by the recompute and freed
 
     # Without the RNG state restored, a recompute would draw other jitter noise: the replayed
-    # recompute must still use the recorded experts and capacity cut.
+    # recompute must still use the recorded experts and capacity cut (the dispatch plan).
     chosen = []
     original_dispatch = layer.dispatcher.dispatch
 
-    def spy(x_TD, expert_ids_TK, *args, **kwargs):
-        chosen.append(expert_ids_TK.clone())
-        return original_dispatch(x_TD, expert_ids_TK, *args, **kwargs)
+    def spy(x_TD, plan):
+        chosen.append(torch.cat([plan.row_of_slot_TK.reshape(-1), plan.slot_of_row_N]))
+        return original_dispatch(x_TD, plan)
 
     layer.dispatcher.dispatch = spy
     _grads_of(layer, x, upstream, checkpointed=True, preserve_rng_state=False)
