@@ -231,9 +231,18 @@ def test_config_and_options_are_exclusive_and_input_checked():
     config = MoEConfig(**BASE)
     with pytest.raises(ValueError, match="either a MoEConfig or keyword"):
         MoELayer(config, top_k=1)
-    with pytest.raises(ValueError, match="d_model=12"):
-        MoELayer(config)(torch.randn(3, 5))
     assert dataclasses.replace(config, top_k=1).top_k == 1
+    layer = MoELayer(config)
+    expected = r"expects inputs \[\.\.\., d_model=12\] of dtype float32, float64, bfloat16 or float16, got "
+    for bad, got in [
+        (torch.randn(3, 5), r"torch.float32 \(3, 5\)"),
+        (torch.tensor(1.0), r"torch.float32 \(\)"),  # 0-d: was an IndexError
+        (torch.ones(4, 12, dtype=torch.int64), r"torch.int64 \(4, 12\)"),  # was a C++ RuntimeError
+        (torch.ones(4, 12, dtype=torch.bool), r"torch.bool \(4, 12\)"),
+        ([[0.0] * 12], "list"),
+    ]:
+        with pytest.raises(ValueError, match=expected + got):
+            layer(bad)
 
 
 def _grads_of(layer, x, upstream, checkpointed, preserve_rng_state=True):

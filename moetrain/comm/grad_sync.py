@@ -18,7 +18,6 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel
 
 from moetrain.layers.experts import GroupedExperts
@@ -90,23 +89,26 @@ class ExpertGradReducer:
             torch._foreach_mul_(grads, scale) if grads else None
             return
         for bucket in self._buckets(grads):
-            flat = _flatten_dense_tensors(bucket)
+            flat = torch.cat([grad.reshape(-1) for grad in bucket])
             dist.all_reduce(flat, group=self.parallel.expert_dp_group)
             flat.mul_(scale)
-            for grad, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-                grad.copy_(reduced)
+            pieces = flat.split([grad.numel() for grad in bucket])
+            for grad, reduced in zip(bucket, pieces, strict=True):
+                grad.copy_(reduced.view_as(grad))
 
 
 @torch.no_grad()
 def global_grad_norm(model: nn.Module, parallel=None) -> torch.Tensor:
     """L2 norm of the full model's gradient, each parameter counted once: dense gradients (equal
     on every rank after DDP) locally, expert gradients summed over the EP group (which holds every
-    expert exactly once). Call after the gradients are synchronised."""
+    expert exactly once). Squares are summed in fp64 straight from each gradient's dtype (an fp64
+    gradient is never rounded to fp32 first); the norm is an fp64 scalar. Call after the
+    gradients are synchronised."""
 
     device = next(model.parameters()).device  # NCCL reduces device tensors only
 
     def sum_of_squares(params):
-        grads = [p.grad.detach().float() for p in params if p.grad is not None]
+        grads = [p.grad.detach() for p in params if p.grad is not None]
         if not grads:
             return torch.zeros((), dtype=torch.float64, device=device)
         return sum(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in grads)

@@ -14,6 +14,10 @@ Autograd formulas (S = T*K slots, N rows, ``inv`` = :func:`~moetrain.kernels.nat
 - ``transpose_chunks(x, sizes)``: ``dx = transpose_chunks(g, sizes^T)``.
 
 The index inversions are O(S) integer scatters on the device, small next to the row movement.
+The index tensors are kept on the autograd context, not saved with ``save_for_backward``: they
+belong to the dispatch plan, which lives with the graph either way (an activation checkpoint
+recomputes rows, not plans), so saved-tensor hooks see the same tensors as before the operators
+existed (``moetrain.recompute`` and the planner count them separately).
 """
 
 from __future__ import annotations
@@ -125,13 +129,14 @@ def _permute_rows_setup(ctx, inputs, output):
     x_TD, slot_of_row_N, k, weights_S = inputs
     ctx.k = k
     ctx.has_weights = weights_S is not None
-    ctx.save_for_backward(x_TD if ctx.has_weights else None, slot_of_row_N, weights_S)
+    ctx.save_for_backward(x_TD if ctx.has_weights else None, weights_S)
+    ctx.slot_of_row_N = slot_of_row_N
     ctx.tokens = x_TD.shape[0]
 
 
 def _permute_rows_backward(ctx, grad_ND):
-    x_TD, slot_of_row_N, weights_S = ctx.saved_tensors
-    row_of_slot_TK = _row_of_slot(slot_of_row_N, ctx.tokens, ctx.k)
+    x_TD, weights_S = ctx.saved_tensors
+    row_of_slot_TK = _row_of_slot(ctx.slot_of_row_N, ctx.tokens, ctx.k)
     grad_ND = grad_ND.contiguous()
     weights_TK = None if weights_S is None else weights_S.view(ctx.tokens, ctx.k)
     grad_x = grad_w = None
@@ -150,12 +155,14 @@ torch.library.register_autograd(
 def _unpermute_rows_setup(ctx, inputs, output):
     y_ND, row_of_slot_TK, weights_TK = inputs
     ctx.has_weights = weights_TK is not None
-    ctx.save_for_backward(y_ND if ctx.has_weights else None, row_of_slot_TK, weights_TK)
+    ctx.save_for_backward(y_ND if ctx.has_weights else None, weights_TK)
+    ctx.row_of_slot_TK = row_of_slot_TK
     ctx.rows = y_ND.shape[0]
 
 
 def _unpermute_rows_backward(ctx, grad_TD):
-    y_ND, row_of_slot_TK, weights_TK = ctx.saved_tensors
+    y_ND, weights_TK = ctx.saved_tensors
+    row_of_slot_TK = ctx.row_of_slot_TK
     k = row_of_slot_TK.shape[1]
     grad_TD = grad_TD.contiguous()
     grad_y = grad_w = None
@@ -175,11 +182,13 @@ torch.library.register_autograd(
 
 def _weight_grad_setup(ctx, inputs, output):
     grad_TD, y_ND, row_of_slot_TK = inputs
-    ctx.save_for_backward(grad_TD, y_ND, row_of_slot_TK)
+    ctx.save_for_backward(grad_TD, y_ND)
+    ctx.row_of_slot_TK = row_of_slot_TK
 
 
 def _weight_grad_backward(ctx, grad_gw_TK):
-    grad_TD, y_ND, row_of_slot_TK = ctx.saved_tensors
+    grad_TD, y_ND = ctx.saved_tensors
+    row_of_slot_TK = ctx.row_of_slot_TK
     grad_gw_TK = grad_gw_TK.contiguous()
     d_grad = d_y = None
     if ctx.needs_input_grad[0]:
@@ -209,11 +218,11 @@ def _transpose_chunks_fake(x, sizes_AB):
 
 
 def _transpose_chunks_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[1])
+    ctx.sizes_AB = inputs[1]
 
 
 def _transpose_chunks_backward(ctx, grad):
-    (sizes_AB,) = ctx.saved_tensors
+    sizes_AB = ctx.sizes_AB
     return torch.ops.moetrain.transpose_chunks(grad.contiguous(), sizes_AB.t().contiguous()), None
 
 

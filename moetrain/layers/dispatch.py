@@ -30,7 +30,7 @@ from moetrain.comm.all_to_all import (
 from moetrain.kernels import kernel
 from moetrain.kernels.native import accumulate_dtype
 from moetrain.kernels.registration import most_kept_rows
-from moetrain.layers.replay import RoutingReplay
+from moetrain.layers.replay import DispatchRecord, RoutingReplay
 
 
 def compute_capacity(
@@ -132,19 +132,30 @@ class LocalTokenDispatcher:
     """Dispatcher for experts that all live on this rank: permute, then unpermute.
 
     ``dispatch`` returns the expert-ordered rows, the row count of each local expert ``[E]`` and
-    the round's state for ``combine`` (None here); ``combine`` takes the experts' output rows back
-    to token order.
+    the round's :class:`~moetrain.layers.replay.DispatchRecord` (the replay record when the layer
+    records one); ``combine`` takes the experts' output rows and the record back to token order.
     """
 
-    def __init__(self, num_experts: int, kernels: str = "auto"):
+    def __init__(self, num_experts: int, kernels: str = "auto", replay: RoutingReplay | None = None):
         self.num_experts = num_experts
         self.kernels = kernels
+        self.replay = replay
 
-    def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, torch.Tensor, object]:
-        return permute_tokens(x_TD, plan, self.kernels), plan.kept_per_expert_E, None
+    def _record(self, plan: DispatchPlan) -> DispatchRecord:
+        """The replay record of this call (eager), else a fresh record of the round."""
+        record = None if self.replay is None or torch.compiler.is_compiling() else self.replay.current
+        if record is None:
+            record = DispatchRecord()
+        record.plan = plan
+        return record
 
-    def combine(self, y_ND: torch.Tensor, gates_TK: torch.Tensor, plan: DispatchPlan, state) -> torch.Tensor:
-        return unpermute_tokens(y_ND, gates_TK, plan, self.kernels)
+    def dispatch(
+        self, x_TD: torch.Tensor, plan: DispatchPlan
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchRecord]:
+        return permute_tokens(x_TD, plan, self.kernels), plan.kept_per_expert_E, self._record(plan)
+
+    def combine(self, y_ND: torch.Tensor, gates_TK: torch.Tensor, record: DispatchRecord) -> torch.Tensor:
+        return unpermute_tokens(y_ND, gates_TK, record.plan, self.kernels)
 
 
 class AllToAllTokenDispatcher(LocalTokenDispatcher):
@@ -153,63 +164,47 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
     [source rank][local expert] to [local expert][source rank]; combine undoes each step.
 
     Legend: P EP ranks, El local experts. A rank whose experts receive nothing still joins every
-    exchange (with zero-row splits), so no rank can hang the group. The exchanges run eagerly
-    (``torch.compiler.disable``): a compiled layer breaks its graph around them and nowhere else.
-    With recompute replay on, the layer's :class:`~moetrain.layers.replay.RoutingReplay` record
-    of the call keeps the exchange plan and the received rows, and a recompute replays them.
+    exchange (with zero-row splits), so no rank can hang the group. ``dispatch`` and ``combine``
+    run eagerly (``torch.compiler.disable``): a compiled layer breaks its graph around the
+    exchanges and nowhere else (the permutations are opaque operators either way). With recompute
+    replay on, the round's record keeps the exchange plan and the received rows, and a recompute
+    replays them.
     """
 
     def __init__(
         self, num_experts: int, parallel, kernels: str = "auto", replay: RoutingReplay | None = None
     ):
-        super().__init__(num_experts, kernels)
+        super().__init__(num_experts, kernels, replay)
         self.parallel = parallel
         self.comm_dtype = parallel.config.comm_dtype
         self.comm_kernels = parallel.config.kernels
-        self.replay = replay
-        self._rounds: list = []  # exchange plans of dispatched rounds awaiting their combine
-
-    def dispatch(self, x_TD, plan):
-        x_ND = permute_tokens(x_TD, plan, self.kernels)
-        received, recv_counts_PE = self._exchange(x_ND, plan.kept_per_expert_E)
-        regrouped = regroup_chunks(received, recv_counts_PE, self.comm_kernels)  # [expert][source rank]
-        return regrouped, recv_counts_PE.sum(0), recv_counts_PE
-
-    def combine(self, y_ND, gates_TK, plan, recv_counts_PE):
-        returned = regroup_chunks(y_ND, recv_counts_PE.t().contiguous(), self.comm_kernels)
-        return super().combine(self._return(returned), gates_TK, plan, None)
 
     @torch.compiler.disable
-    def _exchange(self, x_ND: torch.Tensor, kept_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Counts then rows to the experts' ranks: rows ``[source rank][local expert]`` and
-        ``recv_counts_PE``."""
+    def dispatch(self, x_TD, plan):
         record = self.replay.current if self.replay is not None else None
+        x_ND = permute_tokens(x_TD, plan, self.kernels)
         if record is not None and record.replayed:
             received = replay_all_to_all(x_ND, record.received_rows, record.a2a_plan, self.comm_dtype, True)
-            self._rounds.append(record.a2a_plan)
-            return received, record.recv_counts_PE
-        recv_counts_PE, a2a_plan = exchange_counts(
-            kept_E.view(self.parallel.ep_size, -1), self.parallel, self.comm_kernels
-        )
-        x_ND = x_ND[: a2a_plan.rows_sent]  # a padded plan's zero rows stay here
-        received = all_to_all(x_ND, a2a_plan, self.comm_dtype)
-        if record is not None:
-            record.recv_counts_PE, record.a2a_plan, record.received_rows = (
-                recv_counts_PE,
-                a2a_plan,
-                received.detach(),
-            )
-        self._rounds.append(a2a_plan)
-        return received, recv_counts_PE
+        else:
+            record = record if record is not None else DispatchRecord()
+            kept_PE = plan.kept_per_expert_E.view(self.parallel.ep_size, -1)
+            counts_and_plan = exchange_counts(kept_PE, self.parallel, self.comm_kernels)
+            record.recv_counts_PE, record.a2a_plan = counts_and_plan
+            x_ND = x_ND[: record.a2a_plan.rows_sent]  # a padded plan's zero rows stay here
+            received = all_to_all(x_ND, record.a2a_plan, self.comm_dtype)  # [source rank][local expert]
+            if self.replay is not None and record is self.replay.current:
+                record.received_rows = received.detach()
+        record.plan = plan
+        regrouped = regroup_chunks(received, record.recv_counts_PE, self.comm_kernels)  # [expert][source]
+        return regrouped, record.recv_counts_PE.sum(0), record
 
     @torch.compiler.disable
-    def _return(self, returned: torch.Tensor) -> torch.Tensor:
-        """The experts' rows back to the ranks they came from (the reverse exchange)."""
-        a2a_plan = self._rounds.pop()
-        record = self.replay.current if self.replay is not None else None
-        if record is not None and record.replayed:
-            return replay_all_to_all(returned, record.returned_rows, a2a_plan, self.comm_dtype, False)
-        rows = all_to_all_reverse(returned, a2a_plan, self.comm_dtype)
-        if record is not None:
-            record.returned_rows = rows.detach()
-        return rows
+    def combine(self, y_ND, gates_TK, record):
+        returned = regroup_chunks(y_ND, record.recv_counts_PE.t().contiguous(), self.comm_kernels)
+        if record.replayed:
+            y_ND = replay_all_to_all(returned, record.returned_rows, record.a2a_plan, self.comm_dtype, False)
+        else:
+            y_ND = all_to_all_reverse(returned, record.a2a_plan, self.comm_dtype)
+            if self.replay is not None and record is self.replay.current:
+                record.returned_rows = y_ND.detach()
+        return super().combine(y_ND, gates_TK, record)

@@ -8,8 +8,9 @@ K choices, N kept rows):
 3. ``experts``: one GEMM per expert over exactly its rows.
 4. ``combine``: ``y_TD[t] = sum_j gates_TK[t, j] * y_ND[row(t, j)]`` (+ the shared expert).
 
-The aux loss ``aux_loss_coef * load_balancing + z_loss_coef * z_loss`` is attached to the output's
-autograd graph, so ``loss.backward()`` trains the router without the model returning it; its value
+The aux loss ``aux_loss_coef * load_balancing + z_loss_coef * z_loss`` is attached to the autograd
+graph of the gates (which feed the output), so ``loss.backward()`` on anything computed from the
+output trains the router without the model returning it; its value
 and the routing statistics are in ``layer.last_stats`` (and summed over a model by
 :func:`collect_moe_stats`).
 """
@@ -106,7 +107,7 @@ class MoELayer(nn.Module):
         )
         self.replay = RoutingReplay()
         if parallel is None or parallel.ep_size == 1:
-            self.dispatcher = LocalTokenDispatcher(config.num_experts, config.kernels)
+            self.dispatcher = LocalTokenDispatcher(config.num_experts, config.kernels, self.replay)
         else:
             self.dispatcher = AllToAllTokenDispatcher(
                 config.num_experts, parallel, config.kernels, self.replay
@@ -162,14 +163,16 @@ class MoELayer(nn.Module):
         capacity = self.capacity(num_tokens)
         padded = torch.compiler.is_compiling() or x.device.type == "meta"  # shapes independent of routing
         plan = build_dispatch_plan(expert_ids_TK, cfg.num_experts, capacity, priority_S, cfg.kernels, padded)
+        # The aux loss rides on the gates (they feed the output, and under expert parallelism a
+        # compiled graph ends at the exchange, so a tensor made before it must carry the loss).
+        gates_TK = self._attach_losses(routing.gates_TK, routing, expert_ids_TK, plan, capacity)
         with autocast_off(x.device.type):
-            x_ND, rows_per_local_expert_E, state = self.dispatcher.dispatch(x_TD.to(dtype), plan)
+            x_ND, rows_per_local_expert_E, record = self.dispatcher.dispatch(x_TD.to(dtype), plan)
             y_ND = self.experts(x_ND, rows_per_local_expert_E)
-            y_TD = self.dispatcher.combine(y_ND, routing.gates_TK, plan, state)
+            y_TD = self.dispatcher.combine(y_ND, gates_TK, record)
             if self.shared_expert is not None:
                 y_TD = y_TD + self.shared_expert(x_TD.to(dtype))
 
-        y_TD = self._attach_losses(y_TD, routing, expert_ids_TK, plan, capacity)
         if self.recompute_replay:
             if not torch.compiler.is_compiling():
                 record = self.replay.current
@@ -211,7 +214,9 @@ class MoELayer(nn.Module):
             priority_S = decision[1] if priority_S is not None else None
         return routing.expert_ids_TK, priority_S, routing
 
-    def _attach_losses(self, y_TD, routing, expert_ids_TK, plan, capacity) -> torch.Tensor:
+    def _attach_losses(self, gates_TK, routing, expert_ids_TK, plan, capacity) -> torch.Tensor:
+        """Records ``last_stats`` and returns ``gates_TK`` carrying the aux loss: backward through
+        them adds ``aux_loss_scale * aux_loss``'s gradient."""
         cfg = self.config
         zero = routing.probs_TE.new_zeros(())
         balance = load_balancing_loss(routing.probs_TE, expert_ids_TK) if cfg.aux_loss_coef else zero
@@ -226,8 +231,8 @@ class MoELayer(nn.Module):
             capacity=capacity,
         )
         if not (cfg.aux_loss_coef or cfg.z_loss_coef):
-            return y_TD
-        return attach_aux_loss(y_TD, aux_loss, self.aux_loss_scale)
+            return gates_TK
+        return attach_aux_loss(gates_TK, aux_loss, self.aux_loss_scale)
 
     def extra_repr(self) -> str:
         cfg = self.config

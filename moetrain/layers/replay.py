@@ -31,12 +31,14 @@ from moetrain._torch_compat import in_backward_pass
 
 @dataclass(eq=False)
 class DispatchRecord:
-    """What one forward decided and received: the routing decision (``decision``: expert ids
-    ``[T, K]``, then the priority order ``[S]`` when batch-prioritised), and under expert
-    parallelism the exchange plan and the rows each all-to-all delivered."""
+    """One forward's dispatch round: the routing decision (``decision``: expert ids ``[T, K]``,
+    then the priority order ``[S]`` when batch-prioritised; empty when nothing is recorded), the
+    dispatch plan, and under expert parallelism the exchange plan and the rows each all-to-all
+    delivered. The dispatcher's ``dispatch`` returns it and its ``combine`` takes it back."""
 
-    decision: list[torch.Tensor]
+    decision: list[torch.Tensor] = field(default_factory=list)
     digest: torch.Tensor | None = None
+    plan: object = None
     recv_counts_PE: torch.Tensor | None = None
     a2a_plan: object = None
     received_rows: torch.Tensor | None = None
@@ -44,7 +46,9 @@ class DispatchRecord:
     replayed: bool = False
 
     def nbytes(self) -> int:
-        """Bytes this record keeps: the decision and the all-to-all rows."""
+        """Bytes a replay record keeps beyond the autograd graph's own tensors: the decision and
+        the all-to-all rows (the plan's index tensors are held by the graph with or without
+        replay)."""
         tensors = [*self.decision, self.received_rows, self.returned_rows]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
