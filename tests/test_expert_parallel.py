@@ -364,7 +364,7 @@ def compile_worker(rank, world, local_world):
     """Per case: dynamo's graphs and breaks for one EP layer forward, and the compiled layer's
     output and gradients against the eager layer's (aot_eager backend)."""
     results = []
-    for algorithm, comm_dtype, capacity_factor in (("flat", None, None), ("hierarchical", "fp16", 0.75)):
+    for algorithm, comm_dtype, capacity_factor in (("flat", "fp16", 0.75),):
         ctx = ParallelContext(
             ep_size=world, all_to_all=algorithm, comm_dtype=comm_dtype, local_world_size=local_world
         )
@@ -399,12 +399,13 @@ def compile_worker(rank, world, local_world):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_compiled_ep_layer_breaks_only_around_the_exchanges():
     """Under expert parallelism the graph breaks exactly twice, at the dispatch and combine
     exchanges (eager by ``torch.compiler.disable``); the rest of the layer compiles, and the
     compiled layer's gradients equal the eager layer's."""
-    for rank_results in run_distributed(compile_worker, 4, 2):
+    for rank_results in run_distributed(compile_worker, 2, 2):
         for result in rank_results:
             assert (result["graphs"], result["breaks"]) == (3, 2), result
             for reason in result["reasons"]:

@@ -159,10 +159,10 @@ class MoELayer(nn.Module):
         num_tokens = x_TD.shape[0]
         dtype = compute_dtype(x)
 
-        expert_ids_TK, priority_S, routing = self._route(x_TD)
         capacity = self.capacity(num_tokens)
         padded = torch.compiler.is_compiling() or x.device.type == "meta"  # shapes independent of routing
-        plan = build_dispatch_plan(expert_ids_TK, cfg.num_experts, capacity, priority_S, cfg.kernels, padded)
+        routing, plan = self._route(x_TD, capacity, padded)
+        expert_ids_TK = routing.expert_ids_TK
         # The aux loss rides on the gates (they feed the output, and under expert parallelism a
         # compiled graph ends at the exchange, so a tensor made before it must carry the loss).
         gates_TK = self._attach_losses(routing.gates_TK, routing, expert_ids_TK, plan, capacity)
@@ -181,38 +181,37 @@ class MoELayer(nn.Module):
             self.replay.current = None  # the graph (or, compiled, the records) hold it from here
         return y_TD.view(*x.shape[:-1], cfg.d_model)
 
-    def _route(self, x_TD: torch.Tensor):
-        """(expert ids ``[T, K]``, priority order ``[S]`` or None, the router's output with the gates
-        of those experts). With recompute replay on, a forward inside backward reuses the recorded
-        decision: eagerly by routing with the recorded experts; in a compiled graph through the
-        ``moetrain::replay_routing`` operator, which decides when the graph runs."""
+    def _route(self, x_TD: torch.Tensor, capacity: int | None, padded: bool):
+        """(the router's output, with the gates of the experts used, and the dispatch plan). With
+        recompute replay on, a forward inside backward reuses the recorded decision: eagerly the
+        recorded experts and plan (the record holds the plan); in a compiled graph through the
+        ``moetrain::replay_routing`` operator, which decides when the graph runs (the expert ids
+        and the priority order, from which the plan is rebuilt)."""
         cfg = self.config
         replaying_eagerly = self.recompute_replay and not torch.compiler.is_compiling()
         record = self.replay.take() if replaying_eagerly and self.replay.in_recompute() else None
         routing = self.router(x_TD, None if record is None else record.decision[0])
-        priority_S = None
         if record is not None:
-            priority_S = record.decision[1] if cfg.batch_prioritized_routing else None
-        elif cfg.batch_prioritized_routing:
+            return routing, record.plan
+        priority_S = None
+        if cfg.batch_prioritized_routing:
             with torch.no_grad():
                 token_score_T = routing.probs_TE.max(dim=-1).values
                 priority_S = token_priority_order(x_TD.shape[0], cfg.top_k, token_score_T)
-        decision = [routing.expert_ids_TK] if priority_S is None else [routing.expert_ids_TK, priority_S]
-        if replaying_eagerly and record is None and torch.is_grad_enabled():
-            self.replay.record(decision, digest=None)
+        if replaying_eagerly and torch.is_grad_enabled():
+            self.replay.record([routing.expert_ids_TK], digest=None)  # the dispatcher adds the plan
         elif self.recompute_replay and torch.compiler.is_compiling():
-            digest = input_digest(x_TD)
+            decision = [routing.expert_ids_TK] if priority_S is None else [routing.expert_ids_TK, priority_S]
             decision = torch.ops.moetrain.replay_routing(
-                decision, digest, self.replay.id, torch.is_grad_enabled()
+                decision, input_digest(x_TD), self.replay.id, torch.is_grad_enabled()
             )
-            routing = RouterOutput(
-                routing.logits_TE,
-                routing.probs_TE,
-                decision[0],
-                self.router.gates(routing.probs_TE, decision[0]),
-            )
+            gates_TK = self.router.gates(routing.probs_TE, decision[0])
+            routing = RouterOutput(routing.logits_TE, routing.probs_TE, decision[0], gates_TK)
             priority_S = decision[1] if priority_S is not None else None
-        return routing.expert_ids_TK, priority_S, routing
+        plan = build_dispatch_plan(
+            routing.expert_ids_TK, cfg.num_experts, capacity, priority_S, cfg.kernels, padded
+        )
+        return routing, plan
 
     def _attach_losses(self, gates_TK, routing, expert_ids_TK, plan, capacity) -> torch.Tensor:
         """Records ``last_stats`` and returns ``gates_TK`` carrying the aux loss: backward through

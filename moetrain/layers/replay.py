@@ -31,10 +31,11 @@ from moetrain._torch_compat import in_backward_pass
 
 @dataclass(eq=False)
 class DispatchRecord:
-    """One forward's dispatch round: the routing decision (``decision``: expert ids ``[T, K]``,
-    then the priority order ``[S]`` when batch-prioritised; empty when nothing is recorded), the
-    dispatch plan, and under expert parallelism the exchange plan and the rows each all-to-all
-    delivered. The dispatcher's ``dispatch`` returns it and its ``combine`` takes it back."""
+    """One forward's dispatch round: the routing decision (``decision``: the expert ids ``[T, K]``,
+    in compiled graphs then the priority order ``[S]`` when batch-prioritised; empty when nothing
+    is recorded), the dispatch plan (an eager replay reuses it), and under expert parallelism the
+    exchange plan and the rows each all-to-all delivered. The dispatcher's ``dispatch`` returns
+    it and its ``combine`` takes it back."""
 
     decision: list[torch.Tensor] = field(default_factory=list)
     digest: torch.Tensor | None = None
