@@ -86,7 +86,8 @@ class ExpertGradReducer:
         grads = [p.grad for p in self.params if p.grad is not None]
         scale = 1.0 / self.parallel.world_size
         if self.parallel.expert_dp_size == 1:
-            torch._foreach_mul_(grads, scale) if grads else None
+            for grad in grads:
+                grad.mul_(scale)
             return
         for bucket in self._buckets(grads):
             flat = torch.cat([grad.reshape(-1) for grad in bucket])
@@ -128,8 +129,5 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, parallel=None) -> torch.T
     if not (isinstance(max_norm, (int, float)) and max_norm > 0 and math.isfinite(max_norm)):
         raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
     norm = global_grad_norm(model, parallel)
-    factor = float(max_norm / (norm + 1e-6))
-    if factor < 1.0:
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        torch._foreach_mul_(grads, factor)
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
     return norm
