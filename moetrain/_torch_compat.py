@@ -11,6 +11,9 @@ somewhere deep in a training run.
   owners a storage has, so a gradient buffer is reused only when nothing else holds it.
 - :func:`grouped_mm`: ``torch.nn.functional.grouped_mm`` where it exists (public since torch 2.9),
   else the private ``torch._grouped_mm`` it wraps.
+- :func:`assume_constant_result`: what ``torch.compiler.assume_constant_result`` does (it sets one
+  marker on the function) without importing ``torch._dynamo``, which costs about a second at
+  ``import moetrain`` for programs that never compile.
 """
 
 from __future__ import annotations
@@ -63,3 +66,10 @@ def grouped_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, offsets_E: torch.Tensor)
     if _GROUPED_MM is None:
         raise _missing("torch.nn.functional.grouped_mm (or torch._grouped_mm)")
     return _GROUPED_MM(x_NI, w_EIO, offs=offsets_E)
+
+
+def assume_constant_result(fn):
+    """Marks ``fn`` as ``torch.compiler.assume_constant_result`` would: dynamo calls it while
+    tracing and bakes its result into the graph."""
+    fn._dynamo_marked_constant = True
+    return fn

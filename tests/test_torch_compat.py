@@ -50,3 +50,28 @@ def test_grouped_mm_equals_a_loop_of_matmuls():
     got = _torch_compat.grouped_mm(x, w, offsets)  # torch's CPU kernel: forward only, fp32
     want = torch.cat([x[0:3] @ w[0], x[3:3] @ w[1], x[3:10] @ w[2]])
     torch.testing.assert_close(got, want)
+
+
+def test_assume_constant_result_marks_what_torch_compiler_marks():
+    def ours():
+        return 1
+
+    def theirs():
+        return 1
+
+    torch.compiler.assume_constant_result(theirs)
+    assert (
+        vars(_torch_compat.assume_constant_result(ours)) == vars(theirs) == {"_dynamo_marked_constant": True}
+    )
+    calls = []
+
+    @_torch_compat.assume_constant_result
+    def flag():
+        calls.append(1)
+        return 2.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x * flag(), fullgraph=True, backend="eager")
+    assert float(compiled(torch.ones(()))) == 2.0 and len(calls) == 1  # called while tracing
+    assert float(compiled(torch.ones(()))) == 2.0 and len(calls) == 1  # baked into the graph
+    torch._dynamo.reset()

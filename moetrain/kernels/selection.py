@@ -9,7 +9,7 @@
   the twin for the rest of the run (no GPU has run the CUDA kernels in this project's CI: this keeps
   a user's first GPU run from trusting code no test executed).
 
-Under ``torch.compile`` the choice is made while tracing (the check runs eagerly then, through
+Under ``torch.compile`` the choice is made while tracing (the check runs eagerly then, as for
 ``torch.compiler.assume_constant_result``) and baked into the graph.
 """
 
@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from moetrain._torch_compat import assume_constant_result
 from moetrain.config import KERNEL_CHOICES
 from moetrain.kernels import native
 
@@ -95,7 +96,7 @@ class KernelVerifier:
 VERIFIER = KernelVerifier()
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _trusted(op: str, device_type: str) -> bool:
     return VERIFIER.trusts(op, device_type)
 

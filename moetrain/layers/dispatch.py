@@ -171,6 +171,8 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
     replays them.
     """
 
+    _runs_eagerly = False  # dispatch and combine wrapped by torch.compiler.disable yet?
+
     def __init__(
         self, num_experts: int, parallel, kernels: str = "auto", replay: RoutingReplay | None = None
     ):
@@ -178,8 +180,12 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         self.parallel = parallel
         self.comm_dtype = parallel.config.comm_dtype
         self.comm_kernels = parallel.config.kernels
+        cls = AllToAllTokenDispatcher
+        if not cls._runs_eagerly:  # here, not at import: torch.compiler.disable imports torch._dynamo (~1 s)
+            cls.dispatch = torch.compiler.disable(cls.dispatch)
+            cls.combine = torch.compiler.disable(cls.combine)
+            cls._runs_eagerly = True
 
-    @torch.compiler.disable
     def dispatch(self, x_TD, plan):
         record = self.replay.current if self.replay is not None else None
         x_ND = permute_tokens(x_TD, plan, self.kernels)
@@ -198,7 +204,6 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         regrouped = regroup_chunks(received, record.recv_counts_PE, self.comm_kernels)  # [expert][source]
         return regrouped, record.recv_counts_PE.sum(0), record
 
-    @torch.compiler.disable
     def combine(self, y_ND, gates_TK, record):
         returned = regroup_chunks(y_ND, record.recv_counts_PE.t().contiguous(), self.comm_kernels)
         if record.replayed:
