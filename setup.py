@@ -70,12 +70,20 @@ def _nvcc_available(cpp_extension) -> bool:
     return bool(cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists()) or shutil.which("nvcc") is not None
 
 
-def _write_fingerprint_header(with_cuda: bool) -> None:
-    """Only bindings.cpp includes this header, so a source edit recompiles that file and the edited one."""
+def _write_build_info_header(with_cuda: bool) -> None:
+    """``build/generated/moetrain_build_info.h``: the csrc/ fingerprint and the torch version this
+    build compiles against (``moetrain._ext`` compares both at import). Only bindings.cpp includes
+    it, so a source edit or a torch upgrade recompiles that file and the edited one."""
+    import torch
+
     fingerprint = _load_source_hash_module().csrc_fingerprint(CSRC, with_cuda)
     GENERATED.mkdir(parents=True, exist_ok=True)
-    header = GENERATED / "moetrain_source_fingerprint.h"
-    text = f'#pragma once\n#define MOETRAIN_SOURCE_FINGERPRINT "{fingerprint}"\n'
+    header = GENERATED / "moetrain_build_info.h"
+    text = (
+        "#pragma once\n"
+        f'#define MOETRAIN_SOURCE_FINGERPRINT "{fingerprint}"\n'
+        f'#define MOETRAIN_TORCH_VERSION "{torch.__version__}"\n'
+    )
     if not header.exists() or header.read_text() != text:
         header.write_text(text)
 
@@ -84,7 +92,7 @@ def _extensions():
     cpp_extension = _require_torch()
     _refuse_isolated_build()
     with_cuda = _nvcc_available(cpp_extension)
-    _write_fingerprint_header(with_cuda)
+    _write_build_info_header(with_cuda)
     sources = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cpp"))
     cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
     define_macros = []

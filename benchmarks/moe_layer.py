@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from moetrain import MoELayer
 from moetrain._ext import ops
 from moetrain.comm.all_to_all import transpose_chunks
-from moetrain.comm.compression import kernels_for
 from moetrain.layers.dispatch import build_dispatch_plan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -221,7 +220,7 @@ def kernel_bandwidth(args) -> dict:
     y_ND = torch.randn(rows, hidden, device=device, dtype=dtype, generator=generator)
     weight_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     gates_TK = torch.rand(tokens, k, device=device, dtype=weight_dtype, generator=generator)
-    kernels = kernels_for(x_TD, "kernel_bandwidth(x_TD)")
+    kernels = torch.ops.moetrain  # the custom kernels (CUDA kernels for CUDA tensors)
     sizes_AB = plan.kept_per_expert_E.view(1, -1).expand(2, -1).contiguous() // 2  # [2 ranks][E experts]
     sizes_AB[0] += plan.kept_per_expert_E - sizes_AB.sum(0)
     row_bytes = hidden * x_TD.element_size()
@@ -248,7 +247,10 @@ def kernel_bandwidth(args) -> dict:
             lambda: kernels.unpermute_weight_grad(x_TD, y_ND, plan.row_of_slot_TK),
             (rows + tokens) * row_bytes,
         ),
-        "transpose_chunks (EP regroup)": (lambda: transpose_chunks(y_ND, sizes_AB), 2 * rows * row_bytes),
+        "transpose_chunks (EP regroup)": (
+            lambda: transpose_chunks(y_ND, sizes_AB, "custom"),
+            2 * rows * row_bytes,
+        ),
         "torch copy_ (1 GiB)": (lambda: copy_dst.copy_(copy_src), 2 * copy_src.numel()),
     }
     results = {}

@@ -35,8 +35,10 @@ int row_exponent(double amax) {
 }
 }  // namespace
 
+#include <torch/extension.h>
+#include <torch/library.h>
+
 #include "cpu_features.h"
-#include "ops.h"
 
 #if MOETRAIN_X86
 #include <immintrin.h>
@@ -231,13 +233,10 @@ torch::Tensor unpack_scaled_fp16(const torch::Tensor& packed, c10::ScalarType dt
 
 }  // namespace
 
-void register_a2a_layout_ops(pybind11::module_& m) {
-  m.def("transpose_chunks", &transpose_chunks, pybind11::arg("x"), pybind11::arg("sizes"),
-        "Rows grouped as chunks [a][b] (sizes [A, B]) -> the same chunks in [b][a] order.");
-  m.def("pack_scaled_fp16", &pack_scaled_fp16, pybind11::arg("x"),
-        "[N, D] fp32/fp64 -> [N, D+1] int16: fp16 values divided by a per-row power of two, then its exponent.");
-  m.def("unpack_scaled_fp16", &unpack_scaled_fp16, pybind11::arg("packed"), pybind11::arg("dtype"),
-        "Inverse of pack_scaled_fp16.");
-}
-
 }  // namespace moetrain
+
+TORCH_LIBRARY_IMPL(moetrain, CPU, m) {
+  m.impl("transpose_chunks", &moetrain::transpose_chunks);
+  m.impl("pack_scaled_fp16", &moetrain::pack_scaled_fp16);
+  m.impl("unpack_scaled_fp16", &moetrain::unpack_scaled_fp16);
+}

@@ -49,6 +49,9 @@
 #include <string>
 #include <vector>
 
+#include <torch/extension.h>
+#include <torch/library.h>
+
 #include "cpu_features.h"
 #include "ops.h"
 
@@ -573,19 +576,26 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
   run_chunks(tensors, scalars, kernels);
 }
 
-void adam_step_multi(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                     const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
-                     const std::vector<int64_t>& steps, double lr, double beta1, double beta2, double eps,
-                     double weight_decay, bool adamw, double grad_scale,
-                     const std::optional<std::vector<std::optional<at::Tensor>>>& param_copies_out) {
+void adam_step_multi(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                     at::IntArrayRef steps, double lr, double beta1, double beta2, double eps, double weight_decay,
+                     bool adamw, double grad_scale, at::TensorList param_copies_out, at::IntArrayRef copy_index) {
   const std::string op = "adam_step_multi_";
   const size_t n = params.size();
   TORCH_CHECK_VALUE(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n, op,
                     ": params, grads, exp_avgs, exp_avg_sqs and steps must have the same length, got ", n, ", ",
                     grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size(), " and ", steps.size());
-  TORCH_CHECK_VALUE(!param_copies_out.has_value() || param_copies_out->size() == n, op,
-                    ": param_copies_out must be None or have one entry (tensor or None) per param, got ",
-                    param_copies_out.has_value() ? param_copies_out->size() : 0, " entries for ", n, " params");
+  TORCH_CHECK_VALUE(copy_index.empty() || copy_index.size() == n, op,
+                    ": copy_index must be empty (no copies) or have one entry per param, got ", copy_index.size(),
+                    " entries for ", n, " params");
+  for (size_t i = 0; i < copy_index.size(); ++i) {
+    TORCH_CHECK_VALUE(copy_index[i] >= -1 && copy_index[i] < static_cast<int64_t>(param_copies_out.size()), op,
+                      ": copy_index[", i, "] = ", copy_index[i], " is neither -1 nor an index of param_copies_out (",
+                      param_copies_out.size(), " tensors)");
+  }
+  auto copy_of = [&](size_t i) -> std::optional<at::Tensor> {
+    if (copy_index.empty() || copy_index[i] < 0) return std::nullopt;
+    return param_copies_out[copy_index[i]];
+  };
   check_hyper(op, lr, beta1, beta2, eps, weight_decay, grad_scale);
   const KernelPath path = current_kernel_path();
   std::vector<AdamTensors> tensors;
@@ -597,16 +607,12 @@ void adam_step_multi(const std::vector<at::Tensor>& params, const std::vector<at
   for (size_t i = 0; i < n; ++i) {
     const std::string suffix = "[" + std::to_string(i) + "]";
     check_step(op, "steps" + suffix, steps[i]);
-    const std::optional<at::Tensor> out = param_copies_out.has_value() ? (*param_copies_out)[i] : std::nullopt;
-    tensors.push_back(check_adam_tensors(op, suffix, params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], out,
+    tensors.push_back(check_adam_tensors(op, suffix, params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], copy_of(i),
                                          "param_copies_out" + suffix));
     scalars.push_back(make_adam_scalars(steps[i], lr, beta1, beta2, eps, weight_decay, adamw, grad_scale));
     kernels.push_back(pick_kernel<false>(tensors.back().grad_kind, tensors.back().out_kind, path));
   }
-  for (size_t i = 0; i < n; ++i) {
-    bump_versions(params[i], exp_avgs[i], exp_avg_sqs[i],
-                  param_copies_out.has_value() ? (*param_copies_out)[i] : std::nullopt);
-  }
+  for (size_t i = 0; i < n; ++i) bump_versions(params[i], exp_avgs[i], exp_avg_sqs[i], copy_of(i));
   run_chunks(tensors, scalars, kernels);
 }
 
@@ -624,37 +630,13 @@ void adam_memory_probe(const at::Tensor& param, const at::Tensor& grad, const at
 
 }  // namespace
 
-void register_cpu_adam_ops(pybind11::module_& m) {
-  namespace py = pybind11;
-  m.def("adam_step_", &adam_step,
-        "Fused Adam/AdamW step, in place, one pass over memory: updates the fp32 `param`, `exp_avg` and "
-        "`exp_avg_sq` from `grad` (fp32/bf16/fp16, multiplied by 1/grad_scale) as torch.optim.Adam "
-        "(adamw=False, L2 weight decay) or torch.optim.AdamW (adamw=True, decoupled weight decay) with "
-        "foreach=False would at step count `step` (>= 1, counting this update), up to float rounding, and "
-        "writes the updated weight cast to the dtype of `param_copy_out` (fp32/bf16/fp16, round to nearest "
-        "even) when given. All tensors: contiguous CPU, same numel. Releases the GIL.",
-        py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::kw_only(), py::arg("step"),
-        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
-        py::arg("grad_scale") = 1.0, py::arg("param_copy_out") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("adam_step_multi_", &adam_step_multi,
-        "adam_step_ over lists of tensors in one OpenMP loop (chunks of every tensor share the threads). "
-        "`steps[i]` is the step count of params[i]; the other hyper-parameters are shared. "
-        "`param_copies_out` is None or one entry per param (a tensor, or None for no copy). Releases the GIL.",
-        py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::kw_only(),
-        py::arg("steps"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-        py::arg("adamw"), py::arg("grad_scale") = 1.0, py::arg("param_copies_out") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("adam_memory_probe_", &adam_memory_probe,
-        "Memory roofline of adam_step_: the same loads and stores over the same buffers (same SIMD path and "
-        "threads) with the arithmetic replaced by p += g, m += g, v += g, copy_out = p. Modifies its inputs; "
-        "for benchmarks only. Releases the GIL.",
-        py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
-        py::arg("param_copy_out") = py::none(), py::call_guard<py::gil_scoped_release>());
-  m.def(
-      "cpu_adam_simd_path", [] { return std::string(kernel_path_name(current_kernel_path())); },
-      "The SIMD path ('avx512', 'avx2' or 'scalar') adam_step_ takes now: the CPU's best, capped by "
-      "set_max_simd_level (the AVX2 path also needs F16C).");
-}
+std::string cpu_adam_simd_path_name() { return kernel_path_name(current_kernel_path()); }
 
 }  // namespace moetrain
+
+// Each op runs on at::get_num_threads() OpenMP threads; torch.ops releases the GIL around it.
+TORCH_LIBRARY_IMPL(moetrain, CPU, m) {
+  m.impl("adam_step_", &moetrain::adam_step);
+  m.impl("adam_step_multi_", &moetrain::adam_step_multi);
+  m.impl("adam_memory_probe_", &moetrain::adam_memory_probe);
+}

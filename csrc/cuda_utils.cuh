@@ -128,7 +128,7 @@ __device__ __forceinline__ T warp_max(T v) {
 
 }  // namespace cuda
 
-// ---- host functions exported by the .cu files (registered by register_cuda_ops) -------------
+// ---- host functions exported by the .cu files (registered as CUDA kernels in permute.cu) ----
 
 // permute.cu
 at::Tensor permute_rows_cuda(const at::Tensor& x_TD, const at::Tensor& slot_of_row_N, int64_t k,

@@ -1,17 +1,12 @@
-// Declarations of the registration functions of each kernel family; bindings.cpp calls them all.
+// What the kernel files share with bindings.cpp. Each file registers its own kernels with
+// TORCH_LIBRARY_IMPL(moetrain, CPU/CUDA, m); bindings.cpp defines the op schemas.
 #pragma once
 
-#include <torch/extension.h>
+#include <string>
 
 namespace moetrain {
 
-void register_permute_ops(pybind11::module_& m);
-void register_a2a_layout_ops(pybind11::module_& m);
-void register_cpu_adam_ops(pybind11::module_& m);
-
-#ifdef MOETRAIN_WITH_CUDA
-// CUDA kernels of permute.cu and a2a_layout.cu (the *_cuda ops); defined in permute.cu.
-void register_cuda_ops(pybind11::module_& m);
-#endif
+// The SIMD path ('avx512', 'avx2' or 'scalar') the CPU Adam kernel takes now (cpu_adam.cpp).
+std::string cpu_adam_simd_path_name();
 
 }  // namespace moetrain

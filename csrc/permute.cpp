@@ -5,7 +5,7 @@
 //
 //   build_dispatch_plan : expert_ids_TK -> row_of_slot_S (-1 = dropped), slot_of_row_N,
 //                         kept_counts_E, routed_counts_E       (a counting sort, O(S))
-//   permute_rows        : out_ND[r]   = w[s] * x_TD[s / K],          s = slot_of_row[r]
+//   permute_rows        : out_ND[r]   = w[s] * x_TD[s / K],          s = slot_of_row[r] (-1: zeros)
 //   unpermute_rows      : out_TD[t]   = sum_j w[t,j] * y_ND[row_of_slot[t,j]]  (dropped: skipped)
 //   unpermute_weight_grad: gw_TK[t,j] = <grad_TD[t], y_ND[row_of_slot[t,j]]>   (dropped: 0)
 //
@@ -23,8 +23,10 @@
 #include <type_traits>
 #include <vector>
 
+#include <torch/extension.h>
+#include <torch/library.h>
+
 #include "cpu_features.h"
-#include "ops.h"
 
 #if MOETRAIN_X86
 #include <immintrin.h>
@@ -170,7 +172,11 @@ void permute_rows_kernel(const scalar_t* x, const int64_t* slot_of_row, const ty
   if (w == nullptr) {
     at::parallel_for(0, rows, row_grain(hidden), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        std::memcpy(out + r * hidden, x + (slot_of_row[r] / k) * hidden, sizeof(scalar_t) * hidden);
+        if (slot_of_row[r] < 0) {
+          std::fill(out + r * hidden, out + (r + 1) * hidden, scalar_t(0));
+        } else {
+          std::memcpy(out + r * hidden, x + (slot_of_row[r] / k) * hidden, sizeof(scalar_t) * hidden);
+        }
       }
     });
     return;
@@ -179,6 +185,10 @@ void permute_rows_kernel(const scalar_t* x, const int64_t* slot_of_row, const ty
     at::parallel_for(0, rows, row_grain(hidden), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const int64_t s = slot_of_row[r];
+        if (s < 0) {
+          std::fill(out + r * hidden, out + (r + 1) * hidden, 0.0);
+          continue;
+        }
         const scalar_t* src = x + (s / k) * hidden;
         for (int64_t i = 0; i < hidden; ++i) out[r * hidden + i] = w[s] * src[i];
       }
@@ -190,6 +200,10 @@ void permute_rows_kernel(const scalar_t* x, const int64_t* slot_of_row, const ty
       std::vector<float> result(std::is_same_v<scalar_t, float> ? 0 : hidden);
       for (int64_t r = begin; r < end; ++r) {
         const int64_t s = slot_of_row[r];
+        if (s < 0) {
+          std::fill(out + r * hidden, out + (r + 1) * hidden, scalar_t(0));
+          continue;
+        }
         if constexpr (std::is_same_v<scalar_t, float>) {
           kernels.scale(out + r * hidden, x + (s / k) * hidden, w[s], hidden);
         } else {
@@ -315,10 +329,11 @@ void check_weights(const c10::optional<torch::Tensor>& w, int64_t numel, at::Sca
 // (default: choice-major, i.e. every token's j-th choice before any (j+1)-th choice, tokens in
 // position order); an expert keeps the first `capacity` slots it receives (capacity < 0: all).
 // Returns (row_of_slot_S, slot_of_row_N, kept_counts_E, routed_counts_E); expert e's rows are
-// [sum(kept[:e]), sum(kept[:e+1])), in priority order.
-std::vector<torch::Tensor> build_dispatch_plan(const torch::Tensor& expert_ids_TK,
+// [sum(kept[:e]), sum(kept[:e+1])), in priority order, then `num_rows - sum(kept)` padding rows.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> build_dispatch_plan(const torch::Tensor& expert_ids_TK,
                                                const c10::optional<torch::Tensor>& priority_order_S,
-                                               int64_t num_experts, int64_t capacity) {
+                                               int64_t num_experts, int64_t capacity,
+                                               c10::optional<int64_t> num_rows) {
   check_index(expert_ids_TK, "expert_ids");
   TORCH_CHECK(expert_ids_TK.dim() == 2, "expert_ids must be 2-D [tokens, k], got ", expert_ids_TK.dim(), "-D");
   TORCH_CHECK(num_experts >= 1, "num_experts must be >= 1, got ", num_experts);
@@ -359,9 +374,13 @@ std::vector<torch::Tensor> build_dispatch_plan(const torch::Tensor& expert_ids_T
   std::vector<int64_t> offset(num_experts + 1, 0);
   for (int64_t e = 0; e < num_experts; ++e) offset[e + 1] = offset[e] + kept[e];
 
-  // Pass 2: turn ranks into rows, dropping ranks beyond the capacity.
-  torch::Tensor slot_of_row = torch::empty({offset[num_experts]}, index_options);
+  // Pass 2: turn ranks into rows, dropping ranks beyond the capacity; padding rows get slot -1.
+  const int64_t kept_rows = offset[num_experts];
+  TORCH_CHECK(!num_rows.has_value() || *num_rows >= kept_rows, "num_rows = ", num_rows.value_or(0),
+              " is less than the ", kept_rows, " rows the plan keeps");
+  torch::Tensor slot_of_row = torch::empty({num_rows.value_or(kept_rows)}, index_options);
   int64_t* slot_of = slot_of_row.data_ptr<int64_t>();
+  std::fill(slot_of + kept_rows, slot_of + slot_of_row.numel(), int64_t{-1});
   for (int64_t s = 0; s < slots; ++s) {
     const int64_t e = expert[s];
     const int64_t rank = row_of[s];
@@ -386,7 +405,7 @@ torch::Tensor permute_rows(const torch::Tensor& x_TD, const torch::Tensor& slot_
   const int64_t slots = x_TD.size(0) * k;
   const int64_t* slot_of = slot_of_row_N.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(slot_of[r] >= 0 && slot_of[r] < slots, "slot_of_row[", r, "] = ", slot_of[r], " outside [0, ",
+    TORCH_CHECK(slot_of[r] >= -1 && slot_of[r] < slots, "slot_of_row[", r, "] = ", slot_of[r], " outside [-1, ",
                 slots, ")");
   }
   torch::Tensor out = torch::empty({rows, hidden}, x_TD.options());
@@ -451,17 +470,11 @@ torch::Tensor unpermute_weight_grad(const torch::Tensor& grad_TD, const torch::T
 
 }  // namespace
 
-void register_permute_ops(pybind11::module_& m) {
-  m.def("build_dispatch_plan", &build_dispatch_plan, pybind11::arg("expert_ids"), pybind11::arg("priority_order"),
-        pybind11::arg("num_experts"), pybind11::arg("capacity"),
-        "Counting sort of routing slots by expert with a capacity cut -> "
-        "(row_of_slot [T,K], slot_of_row [N], kept_counts [E], routed_counts [E]).");
-  m.def("permute_rows", &permute_rows, pybind11::arg("x"), pybind11::arg("slot_of_row"), pybind11::arg("k"),
-        pybind11::arg("weights"), "out[r] = weights[s] * x[s // k] with s = slot_of_row[r].");
-  m.def("unpermute_rows", &unpermute_rows, pybind11::arg("y"), pybind11::arg("row_of_slot"), pybind11::arg("weights"),
-        "out[t] = sum_j weights[t, j] * y[row_of_slot[t, j]], dropped slots (-1) skipped.");
-  m.def("unpermute_weight_grad", &unpermute_weight_grad, pybind11::arg("grad"), pybind11::arg("y"),
-        pybind11::arg("row_of_slot"), "gw[t, j] = <grad[t], y[row_of_slot[t, j]]>, 0 for dropped slots.");
-}
-
 }  // namespace moetrain
+
+TORCH_LIBRARY_IMPL(moetrain, CPU, m) {
+  m.impl("build_dispatch_plan", &moetrain::build_dispatch_plan);
+  m.impl("permute_rows", &moetrain::permute_rows);
+  m.impl("unpermute_rows", &moetrain::unpermute_rows);
+  m.impl("unpermute_weight_grad", &moetrain::unpermute_weight_grad);
+}

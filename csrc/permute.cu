@@ -4,7 +4,7 @@
 // Legend: T tokens, K choices per token, S = T*K routing slots (slot s = t*K + j), N routed rows
 // kept after the capacity cut, D hidden size.
 //
-//   permute_rows_cuda         : out_ND[r] = w[s] * x_TD[s / K],            s = slot_of_row[r]
+//   permute_rows_cuda         : out_ND[r] = w[s] * x_TD[s / K],  s = slot_of_row[r] (s = -1: zeros)
 //   unpermute_rows_cuda       : out_TD[t] = sum_j w[t,j] * y_ND[row_of_slot[t,j]]  (dropped: skipped)
 //   unpermute_weight_grad_cuda: gw_TK[t,j] = <grad_TD[t], y_ND[row_of_slot[t,j]]>   (dropped: 0)
 //
@@ -18,11 +18,11 @@
 // a bad index is a device-side assert, fatal to the CUDA context, as in ATen's own index kernels.
 // The plans come from build_dispatch_plan, which validates the expert ids it sorts.
 //
-// This file also holds register_cuda_ops, the one place the CUDA ops of every file are bound to
-// Python (one pybind11 translation unit keeps nvcc time down).
+// This file also registers the CUDA kernels of every .cu file as the CUDA implementations of the
+// moetrain ops (TORCH_LIBRARY_IMPL; the schemas are in bindings.cpp).
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
-#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 #include "cuda_utils.cuh"
 
@@ -55,9 +55,16 @@ __global__ void __launch_bounds__(cuda::kThreads)
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize; r < rows;
        r += warps) {
     const int64_t s = slot_of_row[r];
-    CUDA_KERNEL_ASSERT_MSG(s >= 0 && s < slots, "permute_rows_cuda: slot_of_row entry outside [0, tokens * k)");
-    const P* src = reinterpret_cast<const P*>(x) + (s / k) * ppr;
+    CUDA_KERNEL_ASSERT_MSG(s >= -1 && s < slots, "permute_rows_cuda: slot_of_row entry outside [-1, tokens * k)");
     P* dst = reinterpret_cast<P*>(out) + r * ppr;
+    if (s < 0) {  // no source slot: a zero row (uniform across the warp)
+      P zero;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) zero.v[e] = scalar_t(0);
+      for (int64_t i = lane; i < ppr; i += kWarpSize) dst[i] = zero;
+      continue;
+    }
+    const P* src = reinterpret_cast<const P*>(x) + (s / k) * ppr;
     acc_t<scalar_t> a = 1;
     if constexpr (kWeighted) a = w[s];
     for (int64_t i0 = lane; i0 < ppr; i0 += kWarpSize * kUnroll) {
@@ -325,20 +332,13 @@ at::Tensor unpermute_weight_grad_cuda(const at::Tensor& grad_TD, const at::Tenso
   return gw;
 }
 
-void register_cuda_ops(pybind11::module_& m) {
-  namespace py = pybind11;
-  m.def("permute_rows_cuda", &permute_rows_cuda, py::arg("x"), py::arg("slot_of_row"), py::arg("k"),
-        py::arg("weights"), "CUDA permute_rows: out[r] = weights[s] * x[s // k] with s = slot_of_row[r].");
-  m.def("unpermute_rows_cuda", &unpermute_rows_cuda, py::arg("y"), py::arg("row_of_slot"), py::arg("weights"),
-        "CUDA unpermute_rows: out[t] = sum_j weights[t, j] * y[row_of_slot[t, j]], dropped slots (-1) skipped.");
-  m.def("unpermute_weight_grad_cuda", &unpermute_weight_grad_cuda, py::arg("grad"), py::arg("y"),
-        py::arg("row_of_slot"), "CUDA unpermute_weight_grad: gw[t, j] = <grad[t], y[row_of_slot[t, j]]>, 0 if dropped.");
-  m.def("transpose_chunks_cuda", &transpose_chunks_cuda, py::arg("x"), py::arg("sizes"),
-        "CUDA transpose_chunks: rows grouped as chunks [a][b] (sizes [A, B], CPU or CUDA) -> chunks in [b][a] order.");
-  m.def("pack_scaled_fp16_cuda", &pack_scaled_fp16_cuda, py::arg("x"),
-        "CUDA pack_scaled_fp16: [N, D] fp32/fp64 -> [N, D+1] int16 (fp16 of x / 2^e per row, then e).");
-  m.def("unpack_scaled_fp16_cuda", &unpack_scaled_fp16_cuda, py::arg("packed"), py::arg("dtype"),
-        "CUDA unpack_scaled_fp16: inverse of pack_scaled_fp16_cuda.");
-}
-
 }  // namespace moetrain
+
+TORCH_LIBRARY_IMPL(moetrain, CUDA, m) {
+  m.impl("permute_rows", &moetrain::permute_rows_cuda);
+  m.impl("unpermute_rows", &moetrain::unpermute_rows_cuda);
+  m.impl("unpermute_weight_grad", &moetrain::unpermute_weight_grad_cuda);
+  m.impl("transpose_chunks", &moetrain::transpose_chunks_cuda);
+  m.impl("pack_scaled_fp16", &moetrain::pack_scaled_fp16_cuda);
+  m.impl("unpack_scaled_fp16", &moetrain::unpack_scaled_fp16_cuda);
+}

@@ -19,6 +19,7 @@ from moetrain.validation import (  # noqa: F401 - re-exported: models validate w
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ACTIVATIONS = ("relu", "gelu", "swiglu")
+KERNEL_CHOICES = ("auto", "custom", "torch")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,11 @@ class MoEConfig:
     Capacity per expert, for ``T`` tokens on this rank: ``C = max(min_capacity, ceil(cf * T * k / E))``;
     ``capacity_factor`` (training) and ``eval_capacity_factor`` (eval) of ``None`` or ``0`` mean
     dropless: every routed slot is computed.
+
+    ``kernels``: which implementation of the dispatch plan and the token permutation runs:
+    ``"custom"`` (moetrain's C++/CUDA kernels), ``"torch"`` (their torch-native twins, any device)
+    or ``"auto"`` (custom on the CPU; on a GPU custom only after each kernel matched its twin on a
+    small input once per process, else the twin, with one warning). See ``docs/gpu.md``.
     """
 
     d_model: int
@@ -46,6 +52,7 @@ class MoEConfig:
     num_prototypes: int = 1
     activation: str = "gelu"
     shared_expert_d_ff: int | None = None
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         require_int("d_model", self.d_model, 1)
@@ -84,6 +91,7 @@ class MoEConfig:
         require_choice("activation", self.activation, ACTIVATIONS)
         if self.shared_expert_d_ff is not None:
             require_int("shared_expert_d_ff", self.shared_expert_d_ff, 1)
+        require_choice("kernels", self.kernels, KERNEL_CHOICES)
 
     @property
     def experts_per_prototype(self) -> int:
@@ -122,6 +130,8 @@ class ParallelConfig:
       per-row power-of-two scale so nothing overflows); gradients travel in the same precision.
     - ``local_world_size``: ranks per node; ``None`` reads ``LOCAL_WORLD_SIZE`` (torchrun) or
       ``SLURM_NTASKS_PER_NODE``; tests set it to emulate several nodes on one machine.
+    - ``kernels``: the implementation of the all-to-all's chunk transpose and fp16 packing,
+      ``"auto"``, ``"custom"`` or ``"torch"`` (as :class:`MoEConfig`'s ``kernels``).
     """
 
     ep_size: int = 1
@@ -129,6 +139,7 @@ class ParallelConfig:
     all_to_all: str = "auto"
     comm_dtype: str | None = None
     local_world_size: int | None = None
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         require_int("ep_size", self.ep_size, 1)
@@ -137,6 +148,7 @@ class ParallelConfig:
         require_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
         if self.local_world_size is not None:
             require_int("local_world_size", self.local_world_size, 1)
+        require_choice("kernels", self.kernels, KERNEL_CHOICES)
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")

@@ -1,26 +1,26 @@
-"""The GPU path: CUDA kernels (csrc/permute.cu, csrc/a2a_layout.cu) against the plain-PyTorch
-references and the CPU ops, the torch-ops dispatch plan used for CUDA tensors, and MoELayer on CUDA
-against MoELayer on the CPU.
+"""The GPU path: CUDA kernels (csrc/permute.cu, csrc/a2a_layout.cu, the CUDA implementations of
+``torch.ops.moetrain.*``) against the plain-PyTorch references, the CPU ops and the torch-native
+twins, the start-up check on a real GPU, and MoELayer on CUDA against MoELayer on the CPU.
 
-Tests marked ``needs_cuda`` skip when no GPU is visible; the rest (the torch-ops plan, kernel
-selection) run everywhere.
+Tests marked ``needs_cuda`` skip when no GPU is visible (no GPU has run them in this project's CI:
+see docs/gpu.md); the build check runs everywhere.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import dataclasses
 
 import pytest
 import torch
 
 from moetrain import MoELayer, _ext
-from moetrain._ext import kernels_for, ops
+from moetrain._ext import ops
 from moetrain.comm.all_to_all import transpose_chunks
 from moetrain.comm.compression import decode_rows, encode_rows
+from moetrain.kernels import DEVICE_OPS, KernelVerifier
 from moetrain.layers.dispatch import (
     build_dispatch_plan,
     permute_tokens,
-    sort_dispatch_plan,
     token_priority_order,
     unpermute_tokens,
 )
@@ -35,14 +35,6 @@ from tests.reference import (
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device (torch.cuda.is_available() is False)")
-CUDA_OPS = [
-    "permute_rows_cuda",
-    "unpermute_rows_cuda",
-    "unpermute_weight_grad_cuda",
-    "transpose_chunks_cuda",
-    "pack_scaled_fp16_cuda",
-    "unpack_scaled_fp16_cuda",
-]
 
 # The CPU kernels' shapes (empty experts, T < E, capacity cuts, T = 0, odd hidden sizes for the
 # element-wise path) plus larger multiples of 8 for the 16-byte packet path.
@@ -68,68 +60,15 @@ def _plan_fields(plan):
 
 
 # ------------------------------------------------------------------------------------------------
-# Runs everywhere: the torch-ops plan (the CUDA path of build_dispatch_plan) and kernel selection.
+# Runs everywhere.
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("priority", ["default", "scores", "random"])
-def test_sort_dispatch_plan_equals_the_cpp_counting_sort(shape, priority):
-    tokens, k, experts, _, capacity = shape
-    g = torch.Generator().manual_seed(11 * tokens + k)
-    expert_ids = _random_routing(tokens, k, experts, g)
-    order = {
-        "default": None,
-        "scores": token_priority_order(tokens, k, torch.rand(tokens, generator=g)),
-        "random": torch.randperm(tokens * k, generator=g),
-    }[priority]
-    want = build_dispatch_plan(expert_ids, experts, capacity, order)  # CPU ids: the C++ op
-    got = sort_dispatch_plan(expert_ids, experts, capacity, order)
-    for a, b in zip(_plan_fields(got), _plan_fields(want), strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a, b)
-
-
-def test_sort_dispatch_plan_rejects_bad_arguments_by_name():
-    ids = torch.tensor([[0, 1], [1, 2]])
-    with pytest.raises(ValueError, match=r"expert_ids contains values outside \[0, 2\)"):
-        sort_dispatch_plan(ids, 2, None)
-    with pytest.raises(ValueError, match="priority_order must be a permutation"):
-        sort_dispatch_plan(ids, 3, None, torch.tensor([0, 0, 1, 2]))
-    with pytest.raises(ValueError, match=r"priority_order contains values outside \[0, 4\)"):
-        sort_dispatch_plan(ids, 3, None, torch.tensor([0, 4, 1, 2]))
-    with pytest.raises(ValueError, match="priority_order must have tokens\\*k = 4"):
-        sort_dispatch_plan(ids, 3, None, torch.tensor([0, 1, 2]))
-    with pytest.raises(ValueError, match="expert_ids must be a 2-D int64"):
-        sort_dispatch_plan(ids.int(), 3, None)
-    with pytest.raises(ValueError, match="num_experts must be >= 1"):
-        sort_dispatch_plan(ids, 0, None)
-    with pytest.raises(ValueError, match="capacity must be >= 0 or None"):
-        sort_dispatch_plan(ids, 3, -1)
-    with pytest.raises(ValueError, match="capacity must be >= 0 or None"):
-        build_dispatch_plan(ids, 3, -1)
-
-
-def test_kernels_for_picks_cpu_ops_and_explains_missing_cuda_kernels():
-    assert kernels_for(torch.zeros(1), "f(x)") is ops
-    fake_cuda_tensor = SimpleNamespace(device=torch.device("cuda", 0))
-    if hasattr(ops, "permute_rows_cuda"):
-        kernels = kernels_for(fake_cuda_tensor, "f(x)")
-        for name in CUDA_OPS:
-            assert getattr(kernels, name.removesuffix("_cuda")) is getattr(ops, name)
-    else:
-        with pytest.raises(RuntimeError, match=r"f\(x\) got a CUDA tensor.*built without CUDA.*make build"):
-            kernels_for(fake_cuda_tensor, "f(x)")
-    with pytest.raises(RuntimeError, match="f\\(x\\) got a tensor on meta"):
-        kernels_for(torch.empty(1, device="meta"), "f(x)")
-
-
-def test_extension_has_cuda_ops_exactly_when_torch_has_a_gpu_build():
-    """A CUDA torch builds the .cu sources (setup.py), so its extension must have every CUDA op."""
+def test_extension_has_cuda_kernels_exactly_when_torch_has_a_gpu_build():
+    """A CUDA torch builds the .cu sources (setup.py), so its extension must have the CUDA kernels."""
     if torch.version.cuda is None:
         pytest.skip("CPU-only torch: the extension is built without CUDA kernels")
-    missing = [name for name in CUDA_OPS if not hasattr(ops, name)]
-    assert not missing, f"moetrain._C lacks {missing}; was it built where nvcc was not found?"
+    assert _ext.HAS_CUDA_KERNELS, "moetrain._C lacks its CUDA kernels; was it built where nvcc was not found?"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -139,9 +78,37 @@ def test_extension_has_cuda_ops_exactly_when_torch_has_a_gpu_build():
 
 @pytest.fixture
 def cuda_ops():
-    if not hasattr(ops, "permute_rows_cuda"):
+    """The operators, which run their CUDA kernels for CUDA tensors."""
+    if not _ext.HAS_CUDA_KERNELS:
         pytest.fail("a GPU is visible but moetrain._C was built without CUDA kernels: rebuild it")
-    return _ext._CUDA_KERNELS
+    return torch.ops.moetrain
+
+
+@needs_cuda
+def test_every_cuda_kernel_passes_the_start_up_check(cuda_ops):
+    """The check ``kernels: auto`` runs once per process, here asserted instead of logged."""
+    verifier = KernelVerifier()
+    for op in DEVICE_OPS:
+        assert verifier._problem(op, torch.device("cuda")) is None, op
+
+
+@needs_cuda
+@pytest.mark.parametrize("kernels", ["custom", "torch"])
+def test_moe_layer_custom_and_torch_kernels_agree_on_cuda(kernels, cuda_ops):
+    torch.manual_seed(0)
+    base = MoELayer(
+        d_model=64, d_ff=128, num_experts=8, top_k=2, capacity_factor=1.0, kernels="custom"
+    ).cuda()
+    other = MoELayer(dataclasses.replace(base.config, kernels=kernels)).cuda()
+    other.load_state_dict(base.state_dict())
+    x = torch.randn(300, 64, device="cuda", requires_grad=True)
+    outs = []
+    for layer in (base, other):
+        out = layer(x)
+        grad_x, *grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
+        outs.append([out, grad_x, *grads])
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 @needs_cuda
@@ -210,8 +177,11 @@ def test_cuda_row_kernels_equal_cpu_ops(dtype, cuda_ops):
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     y = torch.randn(plan.num_rows, hidden, generator=g).to(dtype)
     w = torch.rand(tokens, k, generator=g, dtype=wdtype)
+    with_zero_rows_N = plan.slot_of_row_N.clone()
+    with_zero_rows_N[::3] = -1  # -1: a zero row (the gradient of rows no slot uses)
     calls = [
         ("permute_rows", (x, plan.slot_of_row_N, k, None)),
+        ("permute_rows", (x, with_zero_rows_N, k, w.view(-1))),
         ("permute_rows", (x, plan.slot_of_row_N, k, w.view(-1))),
         ("unpermute_rows", (y, plan.row_of_slot_TK, w)),
         ("unpermute_rows", (y, plan.row_of_slot_TK, None)),

@@ -231,9 +231,18 @@ def test_config_and_options_are_exclusive_and_input_checked():
     config = MoEConfig(**BASE)
     with pytest.raises(ValueError, match="either a MoEConfig or keyword"):
         MoELayer(config, top_k=1)
-    with pytest.raises(ValueError, match="d_model=12"):
-        MoELayer(config)(torch.randn(3, 5))
     assert dataclasses.replace(config, top_k=1).top_k == 1
+    layer = MoELayer(config)
+    expected = r"expects inputs \[\.\.\., d_model=12\] of dtype float32, float64, bfloat16 or float16, got "
+    for bad, got in [
+        (torch.randn(3, 5), r"torch.float32 \(3, 5\)"),
+        (torch.tensor(1.0), r"torch.float32 \(\)"),  # 0-d: was an IndexError
+        (torch.ones(4, 12, dtype=torch.int64), r"torch.int64 \(4, 12\)"),  # was a C++ RuntimeError
+        (torch.ones(4, 12, dtype=torch.bool), r"torch.bool \(4, 12\)"),
+        ([[0.0] * 12], "list"),
+    ]:
+        with pytest.raises(ValueError, match=expected + got):
+            layer(bad)
 
 
 def _grads_of(layer, x, upstream, checkpointed, preserve_rng_state=True):
@@ -269,13 +278,13 @@ def test_recompute_replay_reuses_the_routing_decision():
     assert layer.replay_record_bytes() == 0  # the record was consumed by the recompute and freed
 
     # Without the RNG state restored, a recompute would draw other jitter noise: the replayed
-    # recompute must still use the recorded experts and capacity cut.
+    # recompute must still use the recorded experts and capacity cut (the dispatch plan).
     chosen = []
     original_dispatch = layer.dispatcher.dispatch
 
-    def spy(x_TD, expert_ids_TK, *args, **kwargs):
-        chosen.append(expert_ids_TK.clone())
-        return original_dispatch(x_TD, expert_ids_TK, *args, **kwargs)
+    def spy(x_TD, plan):
+        chosen.append(torch.cat([plan.row_of_slot_TK.reshape(-1), plan.slot_of_row_N]))
+        return original_dispatch(x_TD, plan)
 
     layer.dispatcher.dispatch = spy
     _grads_of(layer, x, upstream, checkpointed=True, preserve_rng_state=False)

@@ -112,7 +112,9 @@ class M6Block(nn.Module):
     def forward(self, x_BSD: torch.Tensor, mask_B1SS: torch.Tensor, valid_BS: torch.Tensor) -> torch.Tensor:
         x_BSD = x_BSD + self.dropout(self.attn(self.attn_norm(x_BSD), mask_B1SS))
         h_BSD = self.ffn_norm(x_BSD)
-        if self.is_moe:  # route only real tokens: padding takes no expert capacity, no aux loss
+        if self.is_moe and h_BSD.device.type == "meta":  # no mask values: route every position (the most)
+            y_BSD = self.ffn(h_BSD)
+        elif self.is_moe:  # route only real tokens: padding takes no expert capacity, no aux loss
             routed_ND = self.ffn(h_BSD[valid_BS])  # the compute dtype under autocast
             y_BSD = routed_ND.new_zeros(h_BSD.shape).index_put((valid_BS,), routed_ND)
         else:

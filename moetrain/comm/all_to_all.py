@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moetrain._ext import kernels_for
 from moetrain.comm.compression import decode_rows, encode_rows
+from moetrain.kernels import kernel
 
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
@@ -30,21 +30,28 @@ def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> tor
     return out
 
 
-def transpose_chunks(x: torch.Tensor, sizes_AB: torch.Tensor) -> torch.Tensor:
-    """Rows stored as chunks [a][b] (``sizes_AB[a, b]`` rows each) -> the same chunks in [b][a] order.
+def transpose_chunks(x: torch.Tensor, sizes_AB: torch.Tensor, kernels: str = "auto") -> torch.Tensor:
+    """Rows stored as chunks [a][b] (``sizes_AB[a, b]`` rows each) -> the same chunks in [b][a] order
+    (differentiable: the gradient takes the transposed trip).
 
     CPU rows use ``csrc/a2a_layout.cpp`` (``sizes_AB`` on the CPU); CUDA rows use
     ``csrc/a2a_layout.cu``, with ``sizes_AB`` on the CPU or on the rows' GPU (offsets are computed on
-    the device, no synchronisation)."""
-    kernels = kernels_for(x, "transpose_chunks(x)")
-    return kernels.transpose_chunks(x.contiguous(), sizes_AB.contiguous())
+    the device, no synchronisation); ``kernels="torch"``: one ``index_select``."""
+    return kernel("transpose_chunks", x.device, kernels)(x.contiguous(), sizes_AB.contiguous())
 
 
 class FlatAllToAllPlan:
-    def __init__(self, send_counts_P: torch.Tensor, recv_counts_P: torch.Tensor, group):
+    def __init__(
+        self, send_counts_P: torch.Tensor, recv_counts_P: torch.Tensor, group, kernels: str = "auto"
+    ):
         self.send = send_counts_P.tolist()
         self.recv = recv_counts_P.tolist()
         self.group = group
+        self.kernels = kernels
+
+    @property
+    def rows_sent(self) -> int:
+        return sum(self.send)
 
     def exchange(self, x: torch.Tensor) -> torch.Tensor:
         return _all_to_all(x, self.send, self.recv, self.group)
@@ -58,29 +65,42 @@ class HierarchicalAllToAllPlan:
     rank holds ``stage1_LM[l, m']`` rows from local source l for destination node m'; after the
     inter-node stage, ``stage2_ML[m, l]`` rows from source rank (m, l)."""
 
-    def __init__(self, send_ML: torch.Tensor, stage1_LM: torch.Tensor, stage2_ML: torch.Tensor, intra, inter):
+    def __init__(
+        self,
+        send_ML: torch.Tensor,
+        stage1_LM: torch.Tensor,
+        stage2_ML: torch.Tensor,
+        intra,
+        inter,
+        kernels: str = "auto",
+    ):
         self.send_ML, self.stage1_LM, self.stage2_ML = send_ML, stage1_LM, stage2_ML
         self.intra, self.inter = intra, inter
+        self.kernels = kernels
         self.intra_send = send_ML.sum(0).tolist()  # to local rank l'
         self.intra_recv = stage1_LM.sum(1).tolist()  # from local rank l
         self.inter_send = stage1_LM.sum(0).tolist()  # to node m'
         self.inter_recv = stage2_ML.sum(1).tolist()  # from node m
 
+    @property
+    def rows_sent(self) -> int:
+        return sum(self.intra_send)
+
     def exchange(self, x: torch.Tensor) -> torch.Tensor:
-        x_LM = transpose_chunks(x, self.send_ML)  # [m'][l'] -> [l'][m']
+        x_LM = transpose_chunks(x, self.send_ML, self.kernels)  # [m'][l'] -> [l'][m']
         y_LM = _all_to_all(x_LM, self.intra_send, self.intra_recv, self.intra)  # [src l][dst m']
-        x_ML = transpose_chunks(y_LM, self.stage1_LM)  # -> [dst m'][src l]
+        x_ML = transpose_chunks(y_LM, self.stage1_LM, self.kernels)  # -> [dst m'][src l]
         return _all_to_all(x_ML, self.inter_send, self.inter_recv, self.inter)  # [src m][src l]
 
     def reverse(self, y: torch.Tensor) -> torch.Tensor:
         x_ML = _all_to_all(y, self.inter_recv, self.inter_send, self.inter)
-        y_LM = transpose_chunks(x_ML, self.stage1_LM.t())
+        y_LM = transpose_chunks(x_ML, self.stage1_LM.t(), self.kernels)
         x_LM = _all_to_all(y_LM, self.intra_recv, self.intra_send, self.intra)
-        return transpose_chunks(x_LM, self.send_ML.t())
+        return transpose_chunks(x_LM, self.send_ML.t(), self.kernels)
 
 
 def exchange_counts(
-    send_counts_PE: torch.Tensor, ctx
+    send_counts_PE: torch.Tensor, ctx, kernels: str = "auto"
 ) -> tuple[torch.Tensor, FlatAllToAllPlan | HierarchicalAllToAllPlan]:
     """Exchanges per-expert row counts in the EP group and builds the rows' plan.
 
@@ -95,7 +115,8 @@ def exchange_counts(
             send_counts_PE.view(-1), [experts] * ranks, [experts] * ranks, ctx.ep_group
         )
         recv_counts_PE = recv_counts_PE.view(ranks, experts)
-        return recv_counts_PE, FlatAllToAllPlan(send_counts_PE.sum(1), recv_counts_PE.sum(1), ctx.ep_group)
+        plan = FlatAllToAllPlan(send_counts_PE.sum(1), recv_counts_PE.sum(1), ctx.ep_group, kernels)
+        return recv_counts_PE, plan
     nodes, per_node = ctx.ep_node_grid
     send_MLE = send_counts_PE.view(nodes, per_node, experts)
     stage1_send = send_MLE.transpose(0, 1).contiguous().view(-1)  # [l'][m'][e]
@@ -107,7 +128,12 @@ def exchange_counts(
     stage2_MLE = _all_to_all(stage2_send, [block] * nodes, [block] * nodes, ctx.inter_node_group)
     stage2_MLE = stage2_MLE.view(nodes, per_node, experts)
     plan = HierarchicalAllToAllPlan(
-        send_MLE.sum(-1), stage1_LME.sum(-1), stage2_MLE.sum(-1), ctx.intra_node_group, ctx.inter_node_group
+        send_MLE.sum(-1),
+        stage1_LME.sum(-1),
+        stage2_MLE.sum(-1),
+        ctx.intra_node_group,
+        ctx.inter_node_group,
+        kernels,
     )
     return stage2_MLE.reshape(ranks, experts), plan
 
@@ -117,7 +143,8 @@ class _Exchange(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, plan, comm_dtype: str | None, forward_direction: bool) -> torch.Tensor:
         ctx.plan, ctx.comm_dtype, ctx.forward_direction = plan, comm_dtype, forward_direction
         move = plan.exchange if forward_direction else plan.reverse
-        return decode_rows(move(encode_rows(x, comm_dtype)), comm_dtype, x.dtype)
+        wire = encode_rows(x, comm_dtype, plan.kernels)
+        return decode_rows(move(wire), comm_dtype, x.dtype, plan.kernels)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -127,7 +154,8 @@ class _Exchange(torch.autograd.Function):
 def _move_gradient(ctx, grad: torch.Tensor) -> torch.Tensor:
     """The backward of an exchange: the opposite trip, in the same wire precision."""
     move = ctx.plan.reverse if ctx.forward_direction else ctx.plan.exchange
-    return decode_rows(move(encode_rows(grad.contiguous(), ctx.comm_dtype)), ctx.comm_dtype, grad.dtype)
+    wire = encode_rows(grad.contiguous(), ctx.comm_dtype, ctx.plan.kernels)
+    return decode_rows(move(wire), ctx.comm_dtype, grad.dtype, ctx.plan.kernels)
 
 
 class _ReplayedExchange(torch.autograd.Function):
@@ -151,7 +179,8 @@ def replay_all_to_all(x: torch.Tensor, recorded: torch.Tensor, plan, comm_dtype=
 
 
 def all_to_all(x: torch.Tensor, plan, comm_dtype: str | None = None) -> torch.Tensor:
-    """Rows grouped by destination rank -> rows grouped by source rank (differentiable)."""
+    """Rows grouped by destination rank -> rows grouped by source rank (differentiable; the chunk
+    transposes and codecs use the kernels the plan was built with)."""
     return _Exchange.apply(x, plan, comm_dtype, True)
 
 
@@ -160,17 +189,7 @@ def all_to_all_reverse(y: torch.Tensor, plan, comm_dtype: str | None = None) -> 
     return _Exchange.apply(y, plan, comm_dtype, False)
 
 
-class _TransposeChunks(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, sizes_AB: torch.Tensor) -> torch.Tensor:
-        ctx.sizes_AB = sizes_AB
-        return transpose_chunks(x, sizes_AB)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return transpose_chunks(grad, ctx.sizes_AB.t()), None
-
-
-def regroup_chunks(x: torch.Tensor, sizes_AB: torch.Tensor) -> torch.Tensor:
-    """Differentiable :func:`transpose_chunks`: [source rank][expert] -> [expert][source rank], say."""
-    return _TransposeChunks.apply(x, sizes_AB)
+def regroup_chunks(x: torch.Tensor, sizes_AB: torch.Tensor, kernels: str = "auto") -> torch.Tensor:
+    """:func:`transpose_chunks` of the layer's rows: [source rank][expert] -> [expert][source rank],
+    say (differentiable)."""
+    return transpose_chunks(x, sizes_AB, kernels)

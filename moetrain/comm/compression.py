@@ -4,8 +4,9 @@
 - ``"bf16"``: cast to bfloat16 (fp32's exponent range, 8-bit mantissa): overflows only above bf16's
   largest value (3.39e38, a hair below fp32's 3.40e38).
 - ``"fp16"``: each row divided by a power of two ``2^e`` with ``max|row| / 2^e <= 2^15``, cast to
-  float16 and sent with ``e`` in one extra 16-bit column (``csrc/a2a_layout.cpp`` for CPU rows,
-  ``csrc/a2a_layout.cu`` for CUDA rows). The scale is exact, so the error is fp16 rounding
+  float16 and sent with ``e`` in one extra 16-bit column (the ``pack_scaled_fp16`` op of
+  :mod:`moetrain.kernels`: ``csrc/a2a_layout.cpp`` for CPU rows, ``csrc/a2a_layout.cu`` for CUDA
+  rows, or the frexp/ldexp twin, as ``kernels`` selects). The scale is exact, so the error is fp16 rounding
   (relative 2^-11) and no finite value overflows (fp64 rows whose max is below ~1e-297 flush to
   zero: the exponent stops at -1000). bf16 rows (whose range fp16 lacks) are widened to
   fp32 first and packed the same way, so ``comm_dtype="fp16"`` never overflows whatever the
@@ -18,24 +19,25 @@ from __future__ import annotations
 
 import torch
 
-from moetrain._ext import kernels_for
+from moetrain.kernels import kernel
 
 WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def encode_rows(x_ND: torch.Tensor, comm_dtype: str | None) -> torch.Tensor:
+def encode_rows(x_ND: torch.Tensor, comm_dtype: str | None, kernels: str = "auto") -> torch.Tensor:
     """Rows ``[N, D]`` -> the tensor that travels (``[N, D]``, or ``[N, D + 1]`` for scaled fp16)."""
     if comm_dtype is None or x_ND.dtype == WIRE_DTYPES[comm_dtype]:
         return x_ND
     if comm_dtype == "fp16":
         if x_ND.dtype == torch.bfloat16:
             x_ND = x_ND.float()
-        kernels = kernels_for(x_ND, "encode_rows(x_ND)")
-        return kernels.pack_scaled_fp16(x_ND.contiguous()).view(torch.float16)
+        return kernel("pack_scaled_fp16", x_ND.device, kernels)(x_ND.contiguous()).view(torch.float16)
     return x_ND.to(WIRE_DTYPES[comm_dtype])
 
 
-def decode_rows(wire: torch.Tensor, comm_dtype: str | None, dtype: torch.dtype) -> torch.Tensor:
+def decode_rows(
+    wire: torch.Tensor, comm_dtype: str | None, dtype: torch.dtype, kernels: str = "auto"
+) -> torch.Tensor:
     """Inverse of :func:`encode_rows` back to ``dtype``."""
     if comm_dtype is None or dtype == WIRE_DTYPES[comm_dtype]:
         return wire
@@ -43,7 +45,7 @@ def decode_rows(wire: torch.Tensor, comm_dtype: str | None, dtype: torch.dtype) 
         wide = wire.float()  # 65504 is not a bf16 value
         return torch.where(wide.abs() == 2.0**16, wide.sign() * 65504.0, wide).to(dtype)
     if comm_dtype == "fp16":
-        kernels = kernels_for(wire, "decode_rows(wire)")
+        unpack = kernel("unpack_scaled_fp16", wire.device, kernels)
         unpack_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
-        return kernels.unpack_scaled_fp16(wire.contiguous().view(torch.int16), unpack_dtype).to(dtype)
+        return unpack(wire.contiguous().view(torch.int16), unpack_dtype).to(dtype)
     return wire.to(dtype)

@@ -18,7 +18,6 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel
 
 from moetrain.layers.experts import GroupedExperts
@@ -87,26 +86,30 @@ class ExpertGradReducer:
         grads = [p.grad for p in self.params if p.grad is not None]
         scale = 1.0 / self.parallel.world_size
         if self.parallel.expert_dp_size == 1:
-            torch._foreach_mul_(grads, scale) if grads else None
+            for grad in grads:
+                grad.mul_(scale)
             return
         for bucket in self._buckets(grads):
-            flat = _flatten_dense_tensors(bucket)
+            flat = torch.cat([grad.reshape(-1) for grad in bucket])
             dist.all_reduce(flat, group=self.parallel.expert_dp_group)
             flat.mul_(scale)
-            for grad, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-                grad.copy_(reduced)
+            pieces = flat.split([grad.numel() for grad in bucket])
+            for grad, reduced in zip(bucket, pieces, strict=True):
+                grad.copy_(reduced.view_as(grad))
 
 
 @torch.no_grad()
 def global_grad_norm(model: nn.Module, parallel=None) -> torch.Tensor:
     """L2 norm of the full model's gradient, each parameter counted once: dense gradients (equal
     on every rank after DDP) locally, expert gradients summed over the EP group (which holds every
-    expert exactly once). Call after the gradients are synchronised."""
+    expert exactly once). Squares are summed in fp64 straight from each gradient's dtype (an fp64
+    gradient is never rounded to fp32 first); the norm is an fp64 scalar. Call after the
+    gradients are synchronised."""
 
     device = next(model.parameters()).device  # NCCL reduces device tensors only
 
     def sum_of_squares(params):
-        grads = [p.grad.detach().float() for p in params if p.grad is not None]
+        grads = [p.grad.detach() for p in params if p.grad is not None]
         if not grads:
             return torch.zeros((), dtype=torch.float64, device=device)
         return sum(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in grads)
@@ -126,8 +129,5 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, parallel=None) -> torch.T
     if not (isinstance(max_norm, (int, float)) and max_norm > 0 and math.isfinite(max_norm)):
         raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
     norm = global_grad_norm(model, parallel)
-    factor = float(max_norm / (norm + 1e-6))
-    if factor < 1.0:
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        torch._foreach_mul_(grads, factor)
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
     return norm

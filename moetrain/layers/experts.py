@@ -4,6 +4,12 @@ Legend: N routed rows in expert order, D model dim, F ffn hidden dim, E local ex
 ``w1_EDF`` is ``[E, D, F]`` (``[E, D, 2F]`` for SwiGLU: gate then up projection), ``w2_EFD`` is
 ``[E, F, D]``. Expert e owns rows ``[offsets[e], offsets[e+1])`` of ``x_ND``; only those rows are
 multiplied, so skewed routing never pays for padding.
+
+Two paths, same math. Eager runs on CPU (and CUDA outside torch's grouped GEMM) read the row
+counts once and use the autograd functions here (in-place activation backward, reused gradient
+buffers: the speed of ``benchmarks/moe_layer.py``). Compiled graphs, the ``meta`` device and CUDA
+calls that torch's grouped GEMM takes use the operators of :mod:`moetrain.kernels.grouped_mm`,
+whose row counts stay a tensor.
 """
 
 from __future__ import annotations
@@ -13,6 +19,9 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from moetrain._torch_compat import storage_use_count
+from moetrain.kernels.grouped_mm import uses_torch_grouped_mm
 
 
 class ReusableGradBuffer:
@@ -40,7 +49,7 @@ class ReusableGradBuffer:
         ):
             return False
         # Owners of the storage: self._buffer and the temporary Python storage object below.
-        return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
+        return storage_use_count(buffer.untyped_storage()) <= 2
 
     def get(self, like: torch.Tensor) -> torch.Tensor:
         if like.device.type != "cpu":  # device allocators cache blocks themselves
@@ -206,9 +215,18 @@ class GroupedExperts(nn.Module):
                 values = torch.empty(weight.shape[1:]).uniform_(-bound, bound, generator=generator)
                 weight[local].copy_(values)
 
-    def forward(self, x_ND: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
+    def forward(self, x_ND: torch.Tensor, rows_per_expert_E: torch.Tensor) -> torch.Tensor:
+        """``x_ND`` rows in expert order, ``rows_per_expert_E`` (int64 ``[E]``) rows per expert ->
+        ``y_ND``."""
         dtype = x_ND.dtype
         w1, w2 = self.w1_EDF.to(dtype), self.w2_EFD.to(dtype)
+        if (
+            torch.compiler.is_compiling()
+            or x_ND.device.type == "meta"
+            or uses_torch_grouped_mm(x_ND, w1, transpose_w=False)
+        ):
+            return self._forward_by_operators(x_ND.contiguous(), w1, w2, rows_per_expert_E)
+        rows_per_expert = rows_per_expert_E.tolist()
         # A fresh buffer (used once) is a plain allocation: the gradient of a cast copy is
         # converted by autograd, so only the parameters' own gradients are worth keeping.
         buffers = self._grad_buffers if w1 is self.w1_EDF else (ReusableGradBuffer(), ReusableGradBuffer())
@@ -217,6 +235,11 @@ class GroupedExperts(nn.Module):
             return _ExpertMLP.apply(x_ND.contiguous(), w1, w2, offsets, self.activation, buffers)
         h_NF = grouped_matmul(x_ND, w1, rows_per_expert, buffers[0])
         return grouped_matmul(apply_activation(h_NF, self.activation), w2, rows_per_expert, buffers[1])
+
+    def _forward_by_operators(self, x_ND, w1_EDF, w2_EFD, rows_per_expert_E) -> torch.Tensor:
+        grouped_mm = torch.ops.moetrain.grouped_mm
+        h_NF = grouped_mm(x_ND, w1_EDF, rows_per_expert_E, False)
+        return grouped_mm(apply_activation(h_NF, self.activation), w2_EFD, rows_per_expert_E, False)
 
 
 class DenseFFN(nn.Module):

@@ -24,7 +24,10 @@ def load_balancing_loss(probs_TE: torch.Tensor, expert_ids_TK: torch.Tensor) -> 
         torch.finfo(probs_TE.dtype).tiny
     )
     mean_prob_E = distribution_TE.mean(dim=0)
-    counts_E = torch.bincount(expert_ids_TK.reshape(-1), minlength=num_experts).to(probs_TE.dtype)
+    slots_S = expert_ids_TK.reshape(-1)
+    counts_E = probs_TE.new_zeros(num_experts).scatter_add_(
+        0, slots_S, torch.ones_like(slots_S, dtype=probs_TE.dtype)
+    )
     slot_share_E = counts_E / expert_ids_TK.numel()
     return num_experts * torch.dot(slot_share_E, mean_prob_E)
 

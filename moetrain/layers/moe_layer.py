@@ -8,16 +8,15 @@ K choices, N kept rows):
 3. ``experts``: one GEMM per expert over exactly its rows.
 4. ``combine``: ``y_TD[t] = sum_j gates_TK[t, j] * y_ND[row(t, j)]`` (+ the shared expert).
 
-The aux loss ``aux_loss_coef * load_balancing + z_loss_coef * z_loss`` is attached to the output's
-autograd graph, so ``loss.backward()`` trains the router without the model returning it; its value
+The aux loss ``aux_loss_coef * load_balancing + z_loss_coef * z_loss`` is attached to the autograd
+graph of the gates (which feed the output), so ``loss.backward()`` on anything computed from the
+output trains the router without the model returning it; its value
 and the routing statistics are in ``layer.last_stats`` (and summed over a model by
 :func:`collect_moe_stats`).
 """
 
 from __future__ import annotations
 
-import weakref
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -26,15 +25,19 @@ from torch import nn
 from moetrain.config import MoEConfig, config_from_dict
 from moetrain.layers.dispatch import (
     AllToAllTokenDispatcher,
-    DispatchRecord,
     LocalTokenDispatcher,
+    build_dispatch_plan,
     compute_capacity,
     token_priority_order,
 )
 from moetrain.layers.experts import DenseFFN, GroupedExperts
 from moetrain.layers.losses import attach_aux_loss, load_balancing_loss, router_z_loss
-from moetrain.layers.router import TopKRouter
+from moetrain.layers.precision import autocast_off, compute_dtype
+from moetrain.layers.replay import RoutingReplay, attach_to_graph, input_digest
+from moetrain.layers.router import RouterOutput, TopKRouter
 from moetrain.parallel import ParallelContext
+
+INPUT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -102,103 +105,133 @@ class MoELayer(nn.Module):
             if config.shared_expert_d_ff
             else None
         )
+        self.replay = RoutingReplay()
         if parallel is None or parallel.ep_size == 1:
-            self.dispatcher = LocalTokenDispatcher(config.num_experts)
+            self.dispatcher = LocalTokenDispatcher(config.num_experts, config.kernels, self.replay)
         else:
-            self.dispatcher = AllToAllTokenDispatcher(config.num_experts, parallel)
+            self.dispatcher = AllToAllTokenDispatcher(
+                config.num_experts, parallel, config.kernels, self.replay
+            )
         self.last_stats: MoEStats | None = None
         self.aux_loss_scale = 1.0
         self.recompute_replay = False
-        self._replay_records: deque[weakref.ref[DispatchRecord]] = deque()
 
     def set_recompute_replay(self, enabled: bool) -> None:
-        """For activation checkpointing: when enabled, each forward that builds a graph keeps its
-        :class:`DispatchRecord` (routing choice, capacity cut, all-to-all results) alive with its
-        autograd graph, and a forward re-run during backward (a recompute) replays the oldest
-        record whose graph is still alive: the same experts and received rows, no communication.
-        Gates and expert outputs are recomputed as usual. A forward whose graph is dropped without
-        backward (a skipped step) leaves nothing behind. Backward passes of graphs that are alive
-        at the same time must run in the order of their forwards."""
+        """For activation checkpointing: when enabled, each forward that builds a graph records its
+        routing decision (experts, capacity cut and, under expert parallelism, the all-to-all
+        results), and a forward re-run during backward (a recompute) replays the oldest record
+        whose graph is still alive: the same experts and received rows, no communication. Gates
+        and expert outputs are recomputed as usual. A forward whose graph is dropped without
+        backward leaves nothing behind (compiled: see :mod:`moetrain.layers.replay`). Backward
+        passes of graphs that are alive at the same time must run in the order of their forwards.
+        Calling this drops every record."""
         self.recompute_replay = bool(enabled)
-        self._replay_records.clear()
+        self.replay.clear()
 
     def replay_record_bytes(self) -> int:
         """Bytes held by the replay records of this layer's live graphs (0 without replay)."""
-        records = [r() for r in self._replay_records]
-        return sum(r.nbytes() for r in records if r is not None)
-
-    def _next_replay_record(self) -> DispatchRecord:
-        while self._replay_records:
-            record = self._replay_records.popleft()()
-            if record is not None:
-                return record
-        raise RuntimeError(
-            "MoELayer is recomputed during backward but holds no recorded forward to replay; "
-            "set_recompute_replay(True) must be on before the forward that is recomputed"
-        )
+        return self.replay.nbytes()
 
     def capacity(self, num_tokens: int) -> int | None:
         cfg = self.config
         factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
         return compute_capacity(num_tokens, cfg.num_experts, cfg.top_k, factor, cfg.min_capacity)
 
+    def _tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as ``x_TD``; a ValueError naming the expected shape and dtypes otherwise."""
+        d_model = self.config.d_model
+        if (
+            not isinstance(x, torch.Tensor)
+            or x.dim() < 1
+            or x.shape[-1] != d_model
+            or x.dtype not in INPUT_DTYPES
+        ):
+            got = f"{type(x).__name__}" if not isinstance(x, torch.Tensor) else f"{x.dtype} {tuple(x.shape)}"
+            raise ValueError(
+                f"MoELayer expects inputs [..., d_model={d_model}] of dtype float32, float64, bfloat16 or "
+                f"float16, got {got}"
+            )
+        return x.reshape(-1, d_model)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.config
-        if x.shape[-1] != cfg.d_model:
-            raise ValueError(
-                f"MoELayer expects inputs [..., d_model={cfg.d_model}], got shape {tuple(x.shape)}"
-            )
-        x_TD = x.reshape(-1, cfg.d_model)
+        x_TD = self._tokens(x)
         num_tokens = x_TD.shape[0]
-        device_type = x.device.type
-        compute_dtype = (
-            torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        )
+        dtype = compute_dtype(x)
 
-        replaying = self.recompute_replay and torch._C._current_graph_task_id() != -1
-        recording = self.recompute_replay and not replaying and torch.is_grad_enabled()
-        replay = self._next_replay_record() if replaying else None
-
-        routing = self.router(x_TD, None if replay is None else replay.expert_ids_TK)
-        priority_S = None
-        if cfg.batch_prioritized_routing and not replaying:
-            with torch.no_grad():
-                token_score_T = routing.probs_TE.max(dim=-1).values
-                priority_S = token_priority_order(num_tokens, cfg.top_k, token_score_T)
         capacity = self.capacity(num_tokens)
-        with torch.autocast(device_type=device_type, enabled=False):
-            x_ND, rows_per_local_expert, record = self.dispatcher.dispatch(
-                x_TD.to(compute_dtype), routing.expert_ids_TK, capacity, priority_S, replay
-            )
-            y_ND = self.experts(x_ND, rows_per_local_expert.tolist())
-            y_TD = self.dispatcher.combine(y_ND, routing.gates_TK, record)
+        padded = torch.compiler.is_compiling() or x.device.type == "meta"  # shapes independent of routing
+        routing, plan = self._route(x_TD, capacity, padded)
+        expert_ids_TK = routing.expert_ids_TK
+        # The aux loss rides on the gates (they feed the output, and under expert parallelism a
+        # compiled graph ends at the exchange, so a tensor made before it must carry the loss).
+        gates_TK = self._attach_losses(routing.gates_TK, routing, expert_ids_TK, plan, capacity)
+        with autocast_off(x.device.type):
+            x_ND, rows_per_local_expert_E, record = self.dispatcher.dispatch(x_TD.to(dtype), plan)
+            y_ND = self.experts(x_ND, rows_per_local_expert_E)
+            y_TD = self.dispatcher.combine(y_ND, gates_TK, record)
             if self.shared_expert is not None:
-                y_TD = y_TD + self.shared_expert(x_TD.to(compute_dtype))
+                y_TD = y_TD + self.shared_expert(x_TD.to(dtype))
 
-        if recording:
-            self._replay_records.append(weakref.ref(record))
-        elif not replaying:
-            record.release_rows()
-        y_TD = self._attach_losses(y_TD, routing, record.plan.kept_per_expert_E, capacity)
+        if self.recompute_replay:
+            if not torch.compiler.is_compiling():
+                record = self.replay.current
+                if record is not None and not record.replayed:
+                    attach_to_graph(y_TD, record)
+            self.replay.current = None  # the graph (or, compiled, the records) hold it from here
         return y_TD.view(*x.shape[:-1], cfg.d_model)
 
-    def _attach_losses(self, y_TD, routing, kept_per_expert_E, capacity) -> torch.Tensor:
+    def _route(self, x_TD: torch.Tensor, capacity: int | None, padded: bool):
+        """(the router's output, with the gates of the experts used, and the dispatch plan). With
+        recompute replay on, a forward inside backward reuses the recorded decision: eagerly the
+        recorded experts and plan (the record holds the plan); in a compiled graph through the
+        ``moetrain::replay_routing`` operator, which decides when the graph runs (the expert ids
+        and the priority order, from which the plan is rebuilt)."""
+        cfg = self.config
+        replaying_eagerly = self.recompute_replay and not torch.compiler.is_compiling()
+        record = self.replay.take() if replaying_eagerly and self.replay.in_recompute() else None
+        routing = self.router(x_TD, None if record is None else record.decision[0])
+        if record is not None:
+            return routing, record.plan
+        priority_S = None
+        if cfg.batch_prioritized_routing:
+            with torch.no_grad():
+                token_score_T = routing.probs_TE.max(dim=-1).values
+                priority_S = token_priority_order(x_TD.shape[0], cfg.top_k, token_score_T)
+        if replaying_eagerly and torch.is_grad_enabled():
+            self.replay.record([routing.expert_ids_TK], digest=None)  # the dispatcher adds the plan
+        elif self.recompute_replay and torch.compiler.is_compiling():
+            decision = [routing.expert_ids_TK] if priority_S is None else [routing.expert_ids_TK, priority_S]
+            decision = torch.ops.moetrain.replay_routing(
+                decision, input_digest(x_TD), self.replay.id, torch.is_grad_enabled()
+            )
+            gates_TK = self.router.gates(routing.probs_TE, decision[0])
+            routing = RouterOutput(routing.logits_TE, routing.probs_TE, decision[0], gates_TK)
+            priority_S = decision[1] if priority_S is not None else None
+        plan = build_dispatch_plan(
+            routing.expert_ids_TK, cfg.num_experts, capacity, priority_S, cfg.kernels, padded
+        )
+        return routing, plan
+
+    def _attach_losses(self, gates_TK, routing, expert_ids_TK, plan, capacity) -> torch.Tensor:
+        """Records ``last_stats`` and returns ``gates_TK`` carrying the aux loss: backward through
+        them adds ``aux_loss_scale * aux_loss``'s gradient."""
         cfg = self.config
         zero = routing.probs_TE.new_zeros(())
-        balance = load_balancing_loss(routing.probs_TE, routing.expert_ids_TK) if cfg.aux_loss_coef else zero
+        balance = load_balancing_loss(routing.probs_TE, expert_ids_TK) if cfg.aux_loss_coef else zero
         z_loss = router_z_loss(routing.logits_TE) if cfg.z_loss_coef else zero
         aux_loss = cfg.aux_loss_coef * balance + cfg.z_loss_coef * z_loss
         self.last_stats = MoEStats(
             aux_loss=aux_loss.detach(),
             load_balancing_loss=balance.detach(),
             z_loss=z_loss.detach(),
-            routed_per_expert=torch.bincount(routing.expert_ids_TK.reshape(-1), minlength=cfg.num_experts),
-            kept_per_expert=kept_per_expert_E,
+            routed_per_expert=plan.routed_per_expert_E,
+            kept_per_expert=plan.kept_per_expert_E,
             capacity=capacity,
         )
         if not (cfg.aux_loss_coef or cfg.z_loss_coef):
-            return y_TD
-        return attach_aux_loss(y_TD, aux_loss, self.aux_loss_scale)
+            return gates_TK
+        return attach_aux_loss(gates_TK, aux_loss, self.aux_loss_scale)
 
     def extra_repr(self) -> str:
         cfg = self.config

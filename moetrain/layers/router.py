@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.config import MoEConfig
+from moetrain.layers.precision import autocast_off
 
 
 @dataclass
@@ -48,7 +49,7 @@ class TopKRouter(nn.Module):
         cfg = self.config
         dtype = self.router_dtype(x_TD)
         num_tokens = x_TD.shape[0]
-        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+        with autocast_off(x_TD.device.type):
             x_TD = x_TD.to(dtype)
             if self.training and cfg.router_jitter > 0:
                 noise_TD = torch.empty_like(x_TD).uniform_(1.0 - cfg.router_jitter, 1.0 + cfg.router_jitter)
@@ -68,7 +69,14 @@ class TopKRouter(nn.Module):
                     )
                     group_offset_G1 = torch.arange(groups, device=x_TD.device).mul_(per_group).view(groups, 1)
                     expert_ids_TK = (top_index_TGk + group_offset_G1).reshape(num_tokens, cfg.top_k)
-            gates_TK = probs_TE.gather(1, expert_ids_TK)
-            if cfg.gates_normalized:
-                gates_TK = gates_TK / gates_TK.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
+            gates_TK = self.gates(probs_TE, expert_ids_TK)
         return RouterOutput(logits_TE, probs_TE, expert_ids_TK, gates_TK)
+
+    def gates(self, probs_TE: torch.Tensor, expert_ids_TK: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' scores ``probs[t, expert_ids[t, j]]``, divided by their sum over the
+        K choices when ``normalize_gates`` (differentiable in ``probs_TE``)."""
+        gates_TK = probs_TE.gather(1, expert_ids_TK)
+        if self.config.gates_normalized:
+            tiny = torch.finfo(probs_TE.dtype).tiny
+            gates_TK = gates_TK / gates_TK.sum(dim=-1, keepdim=True).clamp_min(tiny)
+        return gates_TK

@@ -1,0 +1,135 @@
+"""Per-expert GEMMs over contiguous row blocks whose sizes are a tensor, as operators.
+
+Legend: N rows in expert order, I/O the GEMM's input/output width, E experts; expert e owns rows
+``[sum(counts[:e]), sum(counts[:e+1]))``; rows after ``sum(counts)`` (a padded plan's) belong to
+no expert and come out as zeros.
+
+- ``moetrain::grouped_mm(x, w, counts, transpose_w)``: ``out[rows_e] = x[rows_e] @ w[e]``
+  (``w[e]^T`` when ``transpose_w``), ``w`` is ``[E, I, O]`` (``[E, O, I]`` transposed);
+- ``moetrain::grouped_mm_weight_grad(a, b, counts)``: ``out[e] = a[rows_e]^T @ b[rows_e]``, zeros
+  for experts without rows.
+
+The row counts stay a tensor, so a compiled graph has no data-dependent Python: the loop over
+experts (which reads the counts) runs inside the op. On CUDA, bf16 operands whose rows are 16-byte
+multiples go through torch's grouped GEMM (:func:`moetrain._torch_compat.grouped_mm`, one kernel
+for all experts); everything else takes the loop of ``torch.mm``. On the CPU the loop is as fast as
+torch's grouped GEMM forward (``benchmarks/grouped_mm.py``), which has no CPU backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moetrain import _torch_compat
+
+
+def uses_torch_grouped_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, transpose_w: bool) -> bool:
+    """Whether torch's grouped GEMM takes this call: CUDA, bf16 operands, row sizes that are
+    multiples of 16 bytes (8 bf16 values), a GPU of compute capability >= 8.0 and a torch that has
+    the kernel. Everything else runs the per-expert loop."""
+    if not (x_NI.is_cuda and x_NI.dtype == torch.bfloat16 and w_EIO.dtype == torch.bfloat16):
+        return False
+    if (
+        not _torch_compat.grouped_mm_available()
+        or x_NI.shape[1] % 8
+        or w_EIO.shape[1] % 8
+        or w_EIO.shape[2] % 8
+    ):
+        return False
+    return torch.cuda.get_device_capability(x_NI.device) >= (8, 0)
+
+
+def _offsets(counts_E: torch.Tensor) -> list[int]:
+    offsets = [0]
+    for count in counts_E.tolist():
+        offsets.append(offsets[-1] + count)
+    return offsets
+
+
+def loop_grouped_mm(x_NI, w_EIO, counts_E, transpose_w: bool) -> torch.Tensor:
+    offsets = _offsets(counts_E)
+    width = w_EIO.shape[1] if transpose_w else w_EIO.shape[2]
+    out_NO = x_NI.new_empty((x_NI.shape[0], width))
+    out_NO[offsets[-1] :].zero_()
+    for e in range(w_EIO.shape[0]):
+        start, end = offsets[e], offsets[e + 1]
+        if end > start:
+            torch.mm(x_NI[start:end], w_EIO[e].t() if transpose_w else w_EIO[e], out=out_NO[start:end])
+    return out_NO
+
+
+@torch.library.custom_op("moetrain::grouped_mm", mutates_args=())
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, transpose_w: bool) -> torch.Tensor:
+    if uses_torch_grouped_mm(x, w, transpose_w):
+        weights = w.transpose(1, 2) if transpose_w else w
+        offsets = torch.cumsum(counts.to(device=x.device), 0).to(torch.int32)
+        out = _torch_compat.grouped_mm(x, weights, offsets)
+        beyond_N1 = torch.arange(x.shape[0], device=x.device).unsqueeze(1) >= offsets[-1:]
+        return out.masked_fill_(beyond_N1, 0)
+    return loop_grouped_mm(x, w, counts, transpose_w)
+
+
+@grouped_mm.register_fake
+def _(x, w, counts, transpose_w):
+    torch._check(x.dim() == 2 and w.dim() == 3, lambda: "grouped_mm takes x [N, I] and w [E, I, O]")
+    return x.new_empty((x.shape[0], w.shape[1] if transpose_w else w.shape[2]))
+
+
+@torch.library.custom_op("moetrain::grouped_mm_weight_grad", mutates_args=())
+def grouped_mm_weight_grad(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    offsets = _offsets(counts)
+    out_EAB = a.new_empty((counts.shape[0], a.shape[1], b.shape[1]))
+    for e in range(counts.shape[0]):
+        start, end = offsets[e], offsets[e + 1]
+        if end > start:
+            torch.mm(a[start:end].t(), b[start:end], out=out_EAB[e])
+        else:
+            out_EAB[e].zero_()
+    return out_EAB
+
+
+@grouped_mm_weight_grad.register_fake
+def _(a, b, counts):
+    return a.new_empty((counts.shape[0], a.shape[1], b.shape[1]))
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    x, w, counts, transpose_w = inputs
+    ctx.transpose_w = transpose_w
+    ctx.save_for_backward(x, w, counts)
+
+
+def _grouped_mm_backward(ctx, grad_NO):
+    x, w, counts = ctx.saved_tensors
+    grad_NO = grad_NO.contiguous()
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        grad_x = torch.ops.moetrain.grouped_mm(grad_NO, w, counts, not ctx.transpose_w)
+    if ctx.needs_input_grad[1]:
+        if ctx.transpose_w:  # out = x @ w^T: d w[e] = grad^T @ x
+            grad_w = torch.ops.moetrain.grouped_mm_weight_grad(grad_NO, x, counts)
+        else:
+            grad_w = torch.ops.moetrain.grouped_mm_weight_grad(x, grad_NO, counts)
+    return grad_x, grad_w, None, None
+
+
+grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+def _weight_grad_setup(ctx, inputs, output):
+    a, b, counts = inputs
+    ctx.save_for_backward(a, b, counts)
+
+
+def _weight_grad_backward(ctx, grad_EAB):
+    a, b, counts = ctx.saved_tensors  # out[e] = a_e^T b_e: d a_e = b_e grad[e]^T, d b_e = a_e grad[e]
+    grad_EAB = grad_EAB.contiguous()
+    grad_a = grad_b = None
+    if ctx.needs_input_grad[0]:
+        grad_a = torch.ops.moetrain.grouped_mm(b, grad_EAB, counts, True)
+    if ctx.needs_input_grad[1]:
+        grad_b = torch.ops.moetrain.grouped_mm(a, grad_EAB, counts, False)
+    return grad_a, grad_b, None
+
+
+grouped_mm_weight_grad.register_autograd(_weight_grad_backward, setup_context=_weight_grad_setup)

@@ -1,0 +1,277 @@
+"""Torch-native twins of the C++/CUDA kernels: the same operations written with torch's own ops, so
+they run on any device through torch's tested kernels (and trace into compiled graphs).
+
+Each function takes the arguments of the op of the same name in ``csrc/`` (``torch.ops.moetrain.*``)
+and returns what it returns, up to float rounding (the custom kernels accumulate in a different
+order). They are the implementation a CUDA run falls back to when a custom kernel fails its
+start-up check (:mod:`moetrain.kernels.selection`), what ``kernels: torch`` selects, and they are
+compared with the C++ CPU kernels in CI.
+
+Legend: T tokens, K choices, S = T*K routing slots (slot ``s = t*K + j``), N kept rows, E experts,
+D hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCALED_FP16_MIN_EXPONENT = -1000  # 2^-e must stay a finite fp64 for the tiniest fp64 rows
+
+
+def accumulate_dtype(rows: torch.dtype) -> torch.dtype:
+    """fp64 for fp64 rows, else fp32: the dtype the kernels form products and sums in, and the
+    dtype of their per-slot weights."""
+    return torch.float64 if rows == torch.float64 else torch.float32
+
+
+def inverse_index(index_M: torch.Tensor, size: int) -> torch.Tensor:
+    """``inverse[index[m]] = m`` for ``index[m] >= 0``; entries no ``m`` points at are -1.
+
+    ``index`` must not repeat a value >= 0 (a dispatch plan's rows and slots are one to one). The
+    entries -1 of ``index`` are written to a spare element that is dropped, so nothing here
+    depends on the data (no host synchronisation, no data-dependent shapes)."""
+    flat_M = index_M.reshape(-1)
+    target_M = torch.where(flat_M >= 0, flat_M, size)
+    positions_M = torch.arange(flat_M.numel(), device=flat_M.device, dtype=torch.int64)
+    return torch.full((size + 1,), -1, dtype=torch.int64, device=flat_M.device).scatter_(
+        0, target_M, positions_M
+    )[:size]
+
+
+def build_dispatch_plan(
+    expert_ids_TK: torch.Tensor,
+    priority_order_S: torch.Tensor | None,
+    num_experts: int,
+    capacity: int,
+    num_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Counting sort of the slots by expert by a stable sort; ``capacity < 0``: no cut;
+    ``num_rows``: ``slot_of_row``'s length, -1 after the kept rows (None: the kept rows).
+
+    ``queue_Q``: the slots in priority order (default choice-major, ``q -> (q % T) * K + q // T``).
+    A stable sort of ``queue_Q`` by expert lists each expert's slots in priority order; a slot's
+    rank inside its expert is ``position - routed_before_E[e]``, and it is kept iff
+    ``rank < kept_E[e]`` (``kept_E = min(routed_E, capacity)``). The kept slots, in that sorted
+    order, are ``slot_of_row_N``; ``row_of_slot`` is its inverse (-1 for dropped slots).
+    Counts use ``scatter_add_`` (``bincount`` would synchronise); the argument checks and N reach
+    the host in one copy, the only synchronisation. Bad arguments raise ``ValueError``.
+    """
+    if expert_ids_TK.dim() != 2 or expert_ids_TK.dtype != torch.int64:
+        raise ValueError(
+            "expert_ids must be a 2-D int64 tensor [tokens, k], "
+            f"got {expert_ids_TK.dim()}-D {expert_ids_TK.dtype}"
+        )
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    tokens, k = expert_ids_TK.shape
+    slots = tokens * k
+    device = expert_ids_TK.device
+    expert_S = expert_ids_TK.reshape(-1)
+    ones_S = torch.ones_like(expert_S)
+    checks = {
+        f"expert_ids contains values outside [0, {num_experts})": (expert_S < 0) | (expert_S >= num_experts)
+    }
+    if priority_order_S is None:
+        position_Q = torch.arange(slots, device=device)
+        queue_Q = (position_Q % max(tokens, 1)) * k + position_Q // max(tokens, 1)
+    else:
+        if priority_order_S.dtype != torch.int64 or priority_order_S.device != device:
+            raise ValueError(
+                f"priority_order must be an int64 tensor on {device}, got {priority_order_S.dtype} on "
+                f"{priority_order_S.device}"
+            )
+        if priority_order_S.numel() != slots:
+            raise ValueError(
+                f"priority_order must have tokens*k = {slots} elements, got {priority_order_S.numel()}"
+            )
+        queue_Q = priority_order_S.reshape(-1)
+        checks[f"priority_order contains values outside [0, {slots})"] = (queue_Q < 0) | (queue_Q >= slots)
+        seen_S = torch.zeros_like(expert_S).scatter_add_(0, queue_Q.clamp(0, max(slots - 1, 0)), ones_S)
+        checks["priority_order must be a permutation of the slots; some slot appears twice"] = seen_S > 1
+
+    routed_E = expert_S.new_zeros(num_experts).scatter_add_(0, expert_S.clamp(0, num_experts - 1), ones_S)
+    kept_E = routed_E.clone() if capacity < 0 else routed_E.clamp_max(capacity)
+    *failed, rows = torch.stack([*(bad.any().long() for bad in checks.values()), kept_E.sum()]).tolist()
+    for message, bad in zip(checks, failed, strict=True):
+        if bad:
+            raise ValueError(message)
+    if num_rows is not None and num_rows < rows:
+        raise ValueError(f"num_rows = {num_rows} is less than the {rows} rows the plan keeps")
+
+    expert_Q = expert_S[queue_Q]  # expert of each slot, in priority order
+    order_Q = torch.sort(expert_Q, stable=True).indices
+    sorted_slot_Q, sorted_expert_Q = queue_Q[order_Q], expert_Q[order_Q]
+    routed_before_E = torch.cumsum(routed_E, 0) - routed_E
+    rank_Q = torch.arange(slots, device=device) - routed_before_E[sorted_expert_Q]
+    dropped_Q = (rank_Q >= kept_E[sorted_expert_Q]).long()
+    kept_first_Q = torch.sort(dropped_Q, stable=True).indices  # kept slots first, in sorted order
+    slot_of_row_N = sorted_slot_Q[kept_first_Q[:rows]]
+    row_of_slot_S = inverse_index(slot_of_row_N, slots)
+    if num_rows is not None and num_rows > rows:
+        slot_of_row_N = torch.cat([slot_of_row_N, slot_of_row_N.new_full((num_rows - rows,), -1)])
+    return row_of_slot_S.view(tokens, k), slot_of_row_N, kept_E, routed_E
+
+
+def permute_rows(
+    x_TD: torch.Tensor, slot_of_row_N: torch.Tensor, k: int, weights_S: torch.Tensor | None
+) -> torch.Tensor:
+    """``out[r] = weights[s] * x[s // k]`` with ``s = slot_of_row[r]``; ``s = -1`` gives zeros.
+    Weighted rows are formed in the accumulate dtype and rounded once."""
+    slot_N = slot_of_row_N.reshape(-1)
+    if x_TD.shape[0] == 0:  # no token: every row is a zero row (slot -1); index a spare zero row
+        x_TD = torch.cat([x_TD, x_TD.new_zeros((1, x_TD.shape[1]))])
+        weights_S = None if weights_S is None else torch.cat([weights_S.reshape(-1), weights_S.new_zeros(k)])
+    source_N = slot_N.clamp_min(0)
+    out_ND = x_TD.index_select(0, source_N // k)
+    if weights_S is not None:
+        weight_N1 = weights_S.reshape(-1).index_select(0, source_N).unsqueeze(1)
+        out_ND = (out_ND.to(weights_S.dtype) * weight_N1).to(x_TD.dtype)
+    return out_ND.masked_fill((slot_N < 0).unsqueeze(1), 0)
+
+
+def unpermute_rows(
+    y_ND: torch.Tensor, row_of_slot_TK: torch.Tensor, weights_TK: torch.Tensor | None
+) -> torch.Tensor:
+    """``out[t] = sum_j weights[t, j] * y[row_of_slot[t, j]]``, dropped slots (-1) skipped; sums
+    in the accumulate dtype, rounded once. Works by scattering each row into its token, so an
+    empty ``y`` (every slot dropped) needs no special case."""
+    tokens, k = row_of_slot_TK.shape
+    rows = y_ND.shape[0]
+    acc = accumulate_dtype(y_ND.dtype)
+    slot_of_row_N = inverse_index(row_of_slot_TK, rows)
+    kept_N = slot_of_row_N >= 0
+    slot_N = slot_of_row_N.clamp_min(0)
+    contribution_ND = y_ND.to(acc)
+    if weights_TK is not None:
+        contribution_ND = contribution_ND * weights_TK.reshape(-1).index_select(0, slot_N).unsqueeze(1)
+    contribution_ND = contribution_ND.masked_fill(~kept_N.unsqueeze(1), 0)
+    out_TD = y_ND.new_zeros((tokens, y_ND.shape[1]), dtype=acc).index_add_(0, slot_N // k, contribution_ND)
+    return out_TD.to(y_ND.dtype)
+
+
+def unpermute_weight_grad(
+    grad_TD: torch.Tensor, y_ND: torch.Tensor, row_of_slot_TK: torch.Tensor
+) -> torch.Tensor:
+    """``gw[t, j] = <grad[t], y[row_of_slot[t, j]]>`` in the accumulate dtype, 0 for dropped slots."""
+    tokens, k = row_of_slot_TK.shape
+    acc = accumulate_dtype(grad_TD.dtype)
+    slot_of_row_N = inverse_index(row_of_slot_TK, y_ND.shape[0])
+    slot_N = slot_of_row_N.clamp_min(0)
+    dots_N = (grad_TD.index_select(0, slot_N // k).to(acc) * y_ND.to(acc)).sum(1)
+    target_N = torch.where(slot_of_row_N >= 0, slot_of_row_N, tokens * k)  # unused rows: a spare slot
+    gw_S = dots_N.new_zeros(tokens * k + 1).scatter_(0, target_N, dots_N)
+    return gw_S[: tokens * k].view(tokens, k)
+
+
+def transpose_chunks(x: torch.Tensor, sizes_AB: torch.Tensor) -> torch.Tensor:
+    """Rows stored as chunks ``[a][b]`` (``sizes[a, b]`` rows each) -> the same chunks in ``[b][a]``
+    order, by one ``index_select`` whose source rows are computed on ``x``'s device (no host
+    synchronisation): output chunk ``(b, a)`` starts at ``dst_start`` and copies the rows of
+    source chunk ``(a, b)`` from ``src_start`` on."""
+    a_count, b_count = sizes_AB.shape
+    rows = x.shape[0]
+    if sizes_AB.device.type == "cpu" and not torch.compiler.is_compiling():
+        if bool((sizes_AB < 0).any()):
+            raise ValueError(f"sizes must be >= 0, got {sizes_AB.tolist()}")
+        if int(sizes_AB.sum()) != rows:
+            raise ValueError(f"sizes sum to {int(sizes_AB.sum())} but x has {rows} rows")
+    sizes = sizes_AB.to(device=x.device, dtype=torch.int64)
+    src_start_AB = (torch.cumsum(sizes.reshape(-1), 0) - sizes.reshape(-1)).view(a_count, b_count)
+    sizes_BA = sizes.t().reshape(-1)
+    src_start_BA = src_start_AB.t().reshape(-1)
+    dst_start_BA = torch.cumsum(sizes_BA, 0) - sizes_BA
+    chunk_R = torch.repeat_interleave(
+        torch.arange(a_count * b_count, device=x.device), sizes_BA, output_size=rows
+    )
+    source_R = src_start_BA[chunk_R] + torch.arange(rows, device=x.device) - dst_start_BA[chunk_R]
+    return x.index_select(0, source_R)
+
+
+def _powers_of_two(exponent_N: torch.Tensor) -> torch.Tensor:
+    """``2.0 ** exponent`` as exact fp64 values, built from the bits (``|exponent| <= 1022``)."""
+    return ((exponent_N.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def scaled_fp16_exponent(x_ND: torch.Tensor) -> torch.Tensor:
+    """Per row, the smallest ``e`` with ``max|x| / 2^e <= 2^15`` (NaN ignored), from ``frexp``
+    (exact), at least ``SCALED_FP16_MIN_EXPONENT``; 0 for rows that are all zero or hold inf."""
+    rows, hidden = x_ND.shape
+    if hidden == 0:
+        return torch.zeros(rows, dtype=torch.int32, device=x_ND.device)
+    magnitude_ND = x_ND.abs()
+    amax_N = torch.where(torch.isnan(magnitude_ND), 0, magnitude_ND).amax(dim=1)
+    mantissa_N, power_N = torch.frexp(amax_N)
+    exponent_N = torch.where(mantissa_N == 0.5, power_N - 1, power_N) - 15
+    exponent_N = exponent_N.clamp_min(SCALED_FP16_MIN_EXPONENT)
+    return torch.where((amax_N > 0) & torch.isfinite(amax_N), exponent_N, 0)
+
+
+def pack_scaled_fp16(x_ND: torch.Tensor) -> torch.Tensor:
+    """``[N, D]`` fp32/fp64 -> ``[N, D + 1]`` int16: the fp16 bits of ``x / 2^e`` per row, then ``e``.
+    The division by a power of two is exact in fp64; the value then rounds to fp32 and to fp16,
+    as the C++ kernel does."""
+    if x_ND.dim() != 2 or x_ND.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"x must be a 2-D float32 or float64 tensor, got {x_ND.dim()}-D {x_ND.dtype}")
+    exponent_N = scaled_fp16_exponent(x_ND)
+    scaled_ND = x_ND.to(torch.float64) * _powers_of_two(-exponent_N).unsqueeze(1)
+    half_ND = scaled_ND.to(torch.float32).to(torch.float16)
+    return torch.cat([half_ND.view(torch.int16), exponent_N.to(torch.int16).unsqueeze(1)], dim=1)
+
+
+def unpack_scaled_fp16(packed_NW: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`pack_scaled_fp16` to fp32 or fp64 (``W = D + 1``)."""
+    if packed_NW.dim() != 2 or packed_NW.dtype != torch.int16 or packed_NW.shape[1] < 1:
+        raise ValueError(
+            f"packed must be a 2-D int16 tensor [N, D + 1], got {packed_NW.dtype} {tuple(packed_NW.shape)}"
+        )
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"dtype must be float32 or float64, got {dtype}")
+    values_ND = packed_NW[:, :-1].contiguous().view(torch.float16)
+    scale_N1 = _powers_of_two(packed_NW[:, -1]).unsqueeze(1)
+    return (values_ND.to(torch.float64) * scale_N1).to(dtype)
+
+
+@torch.no_grad()
+def adam_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool,
+    grad_scale: float = 1.0,
+    param_copy_out: torch.Tensor | None = None,
+) -> None:
+    """``adam_step_`` with torch ops in fp32, in torch.optim.Adam's (``adamw=False``) or AdamW's
+    order of operations; the C++ kernel agrees to about an ulp of the weight per step."""
+    g = grad.to(torch.float32).view_as(param) * (1.0 / grad_scale)
+    if adamw:
+        param.mul_(1.0 - lr * weight_decay)
+    elif weight_decay:
+        g = g.add(param, alpha=weight_decay)
+    exp_avg.lerp_(g, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    bias_correction1 = 1.0 - beta1**step
+    bias_correction2_sqrt = (1.0 - beta2**step) ** 0.5
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+    if param_copy_out is not None:
+        param_copy_out.copy_(param.view_as(param_copy_out))
+
+
+NATIVE_OPS = {
+    "build_dispatch_plan": build_dispatch_plan,
+    "permute_rows": permute_rows,
+    "unpermute_rows": unpermute_rows,
+    "unpermute_weight_grad": unpermute_weight_grad,
+    "transpose_chunks": transpose_chunks,
+    "pack_scaled_fp16": pack_scaled_fp16,
+    "unpack_scaled_fp16": unpack_scaled_fp16,
+    "adam_step_": adam_step_,
+}

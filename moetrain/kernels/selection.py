@@ -1,0 +1,196 @@
+"""Which implementation of each op a call runs: ``kernels: auto | custom | torch``.
+
+- ``custom``: the C++/CUDA kernel (``torch.ops.moetrain.<op>``) on every device.
+- ``torch``: the torch-native twin (:mod:`moetrain.kernels.native`), on every device.
+- ``auto`` (default): the custom kernel on the CPU and on ``meta`` (the C++ CPU kernels are tested
+  against the twins in CI); on a CUDA device the custom kernel only after it has matched the twin
+  on that device: the first call of each op in the process runs both on a small random input and
+  compares values and gradients. A mismatch or an error logs one warning naming the op and selects
+  the twin for the rest of the run (no GPU has run the CUDA kernels in this project's CI: this keeps
+  a user's first GPU run from trusting code no test executed).
+
+Under ``torch.compile`` the choice is made while tracing (the check runs eagerly then, as for
+``torch.compiler.assume_constant_result``) and baked into the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from moetrain._torch_compat import assume_constant_result
+from moetrain.config import KERNEL_CHOICES
+from moetrain.kernels import native
+
+logger = logging.getLogger("moetrain.kernels")
+
+__all__ = ["DEVICE_OPS", "KERNEL_CHOICES", "VERIFIER", "KernelVerifier", "compare_on_sample", "kernel"]
+# Ops with a CUDA kernel in csrc/ (the CPU Adam ops run on host tensors only).
+DEVICE_OPS = (
+    "build_dispatch_plan",
+    "permute_rows",
+    "unpermute_rows",
+    "unpermute_weight_grad",
+    "transpose_chunks",
+    "pack_scaled_fp16",
+    "unpack_scaled_fp16",
+)
+
+
+def _custom_ops() -> dict[str, Callable]:
+    return {name: getattr(torch.ops.moetrain, name) for name in DEVICE_OPS}
+
+
+def _torch_ops() -> dict[str, Callable]:
+    ops = {name: native.NATIVE_OPS[name] for name in DEVICE_OPS}
+    ops["build_dispatch_plan"] = torch.ops.moetrain.sort_dispatch_plan  # one opaque step when compiled
+    return ops
+
+
+class KernelVerifier:
+    """Checks each custom op once per process and device type against its torch-native twin.
+
+    ``custom`` / ``native``: the implementations by op name (default: the extension's operators
+    and the twins); ``checked_device_types``: where a custom kernel must earn trust ("cuda").
+    Tests build verifiers with a deliberately wrong ``custom`` entry and ``("cpu",)``.
+    """
+
+    def __init__(
+        self,
+        custom: dict[str, Callable] | None = None,
+        native_ops: dict[str, Callable] | None = None,
+        checked_device_types: tuple[str, ...] = ("cuda",),
+    ):
+        self.custom = {**_custom_ops(), **(custom or {})}
+        self.native = {**_torch_ops(), **(native_ops or {})}
+        self.checked_device_types = checked_device_types
+        self.verdicts: dict[tuple[str, str], bool] = {}
+
+    def trusts(self, op: str, device_type: str) -> bool:
+        """Whether ``op``'s custom kernel may run on ``device_type`` (checked on first use)."""
+        if device_type not in self.checked_device_types:
+            return True
+        key = (op, device_type)
+        if key not in self.verdicts:
+            problem = self._problem(op, torch.device(device_type))
+            self.verdicts[key] = problem is None
+            if problem is not None:
+                logger.warning(
+                    "moetrain kernel %s on %s: the custom kernel %s; using the torch-native implementation "
+                    "for the rest of this run",
+                    op,
+                    device_type,
+                    problem,
+                )
+        return self.verdicts[key]
+
+    def _problem(self, op: str, device: torch.device) -> str | None:
+        try:
+            return compare_on_sample(op, self.custom[op], self.native[op], device)
+        except Exception as error:  # a launch error, an unsupported device: anything counts  # noqa: BLE001
+            return f"raised {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
+VERIFIER = KernelVerifier()
+
+
+@assume_constant_result
+def _trusted(op: str, device_type: str) -> bool:
+    return VERIFIER.trusts(op, device_type)
+
+
+def kernel(op: str, device: torch.device, choice: str = "auto") -> Callable:
+    """The implementation of ``op`` for tensors on ``device`` under ``choice``."""
+    if choice == "torch":
+        return VERIFIER.native[op]
+    if choice == "custom" or _trusted(op, device.type):
+        return VERIFIER.custom[op]
+    return VERIFIER.native[op]
+
+
+# ------------------------------------------------------------------------------------------------
+# The start-up check.
+# ------------------------------------------------------------------------------------------------
+
+_SAMPLE = {"tokens": 37, "k": 2, "experts": 5, "hidden": 24, "capacity": 9}
+
+
+def _sample_plan(device: torch.device, generator: torch.Generator):
+    tokens, k, experts = _SAMPLE["tokens"], _SAMPLE["k"], _SAMPLE["experts"]
+    expert_ids_TK = torch.rand(tokens, experts, generator=generator).topk(k, dim=-1).indices
+    plan = native.build_dispatch_plan(expert_ids_TK, None, experts, _SAMPLE["capacity"])
+    return expert_ids_TK.to(device), [t.to(device) for t in plan]
+
+
+def _sample_inputs(op: str, device: torch.device) -> tuple[tuple, tuple[int, ...]]:
+    """(arguments, positions of the differentiable ones) for one call of ``op`` on ``device``."""
+    generator = torch.Generator().manual_seed(20261123)
+    tokens, k, hidden = _SAMPLE["tokens"], _SAMPLE["k"], _SAMPLE["hidden"]
+    expert_ids_TK, (row_of_slot_TK, slot_of_row_N, _, _) = _sample_plan(device, generator)
+    rows = slot_of_row_N.shape[0]
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(device)
+
+    if op == "build_dispatch_plan":
+        order_S = torch.randperm(tokens * k, generator=generator).to(device)
+        return (expert_ids_TK, order_S, _SAMPLE["experts"], _SAMPLE["capacity"]), ()
+    if op == "permute_rows":
+        return (randn(tokens, hidden), slot_of_row_N, k, randn(tokens * k)), (0, 3)
+    if op == "unpermute_rows":
+        return (randn(rows, hidden), row_of_slot_TK, randn(tokens, k)), (0, 2)
+    if op == "unpermute_weight_grad":
+        return (randn(tokens, hidden), randn(rows, hidden), row_of_slot_TK), (0, 1)
+    if op == "transpose_chunks":
+        sizes_AB = torch.randint(0, 4, (3, 5), generator=generator)
+        return (randn(int(sizes_AB.sum()), hidden), sizes_AB), (0,)
+    if op == "pack_scaled_fp16":
+        return (randn(rows, hidden) * 1e3,), ()
+    if op == "unpack_scaled_fp16":
+        return (native.pack_scaled_fp16(randn(rows, hidden) * 1e-3), torch.float32), ()
+    raise ValueError(f"no sample input for op {op!r}")
+
+
+def _flatten(result) -> list[torch.Tensor]:
+    return list(result) if isinstance(result, (tuple, list)) else [result]
+
+
+def compare_on_sample(op: str, custom: Callable, twin: Callable, device: torch.device) -> str | None:
+    """Runs ``custom`` and ``twin`` on the same sample input on ``device``; returns what differs
+    (values, or the gradients of the differentiable inputs for a random upstream gradient), or
+    None when they agree (integer and bit-pattern outputs exactly, floats within 1e-5)."""
+    args, differentiable = _sample_inputs(op, device)
+    results = []
+    for implementation in (custom, twin):
+        call_args = [
+            a.detach().clone().requires_grad_(True) if i in differentiable else a for i, a in enumerate(args)
+        ]
+        outputs = _flatten(implementation(*call_args))
+        grads = []
+        if differentiable and not outputs[0].requires_grad:
+            grads = [None] * len(differentiable)  # the output is cut off from its inputs
+        elif differentiable:
+            upstream = torch.randn(outputs[0].shape, generator=torch.Generator().manual_seed(7)).to(device)
+            inputs = [call_args[i] for i in differentiable]
+            grads = list(torch.autograd.grad(outputs[0], inputs, upstream, allow_unused=True))
+        results.append(([o.detach() for o in outputs], grads))
+    (got, got_grads), (want, want_grads) = results
+    for name, a_list, b_list in (("output", got, want), ("gradient", got_grads, want_grads)):
+        if len(a_list) != len(b_list):
+            return f"returned {len(a_list)} {name}s instead of {len(b_list)}"
+        for index, (a, b) in enumerate(zip(a_list, b_list, strict=True)):
+            if a is None or b is None:
+                if (a is None) != (b is None):
+                    return f"gives no {name} {index}" if a is None else f"gives an extra {name} {index}"
+                continue
+            if a.shape != b.shape or a.dtype != b.dtype:
+                return f"{name} {index} is {a.dtype} {tuple(a.shape)} instead of {b.dtype} {tuple(b.shape)}"
+            exact = not a.dtype.is_floating_point
+            if exact and not torch.equal(a, b):
+                return f"{name} {index} differs from the torch-native result"
+            if not exact and not torch.allclose(a, b, rtol=1e-5, atol=1e-5, equal_nan=True):
+                error = (a.double() - b.double()).abs().max().item()
+                return f"{name} {index} differs from the torch-native result by up to {error:.3g}"
+    return None
