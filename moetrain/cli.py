@@ -183,7 +183,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moetrain", description="Mixture-of-Experts training toolkit")
     parser.add_argument("--version", action="version", version=f"moetrain {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="train a model from a config file")
+    from moetrain.config_reference import train_config_reference
+
+    train = commands.add_parser(
+        "train",
+        help="train a model from a config file",
+        description="Trains a model from a config file (the keys are listed below).",
+        epilog=train_config_reference(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     train.add_argument("--config", required=True, help="YAML or JSON TrainConfig file")
     train.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"

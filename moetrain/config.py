@@ -5,7 +5,7 @@ Every invalid value raises ``ValueError`` naming the field, the value and what i
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 from moetrain.validation import (  # noqa: F401 - re-exported: models validate with the same helpers
     is_int,
@@ -16,6 +16,12 @@ from moetrain.validation import (  # noqa: F401 - re-exported: models validate w
     require_nonneg_float,
     require_positive_float,
 )
+
+
+def option(default=MISSING, help: str = ""):  # noqa: A002 - the name the reference shows
+    """A config field with its one-line meaning (``moetrain train --help`` lists every key from these)."""
+    return field(default=default, metadata={"help": help})
+
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ACTIVATIONS = ("relu", "gelu", "swiglu")
@@ -36,23 +42,52 @@ class MoEConfig:
     small input once per process, else the twin, with one warning). See ``docs/gpu.md``.
     """
 
-    d_model: int
-    d_ff: int
-    num_experts: int = 8
-    top_k: int = 2
-    capacity_factor: float | None = 1.25
-    eval_capacity_factor: float | None = 2.0
-    min_capacity: int = 4
-    score_function: str = "softmax"
-    normalize_gates: bool | None = None
-    router_jitter: float = 0.0
-    aux_loss_coef: float = 1e-2
-    z_loss_coef: float = 0.0
-    batch_prioritized_routing: bool = False
-    num_prototypes: int = 1
-    activation: str = "gelu"
-    shared_expert_d_ff: int | None = None
-    kernels: str = "auto"
+    d_model: int = option(help="input and output size of the layer")
+    d_ff: int = option(help="hidden size of each expert")
+    num_experts: int = option(8, "number of experts E")
+    top_k: int = option(2, "experts per token, 1 <= top_k <= num_experts")
+    capacity_factor: float | None = option(
+        1.25,
+        (
+            "training capacity per expert C = max(min_capacity, ceil(cf * T * top_k"
+            " / E)) for T tokens; None or 0: dropless"
+        ),
+    )
+    eval_capacity_factor: float | None = option(2.0, "the same in eval() mode")
+    min_capacity: int = option(4, "lower bound of the capacity C")
+    score_function: str = option("softmax", "'softmax' (per prototype group) or 'sigmoid'")
+    normalize_gates: bool | None = option(None, "divide the chosen gates by their sum; None: when top_k > 1")
+    router_jitter: float = option(
+        0.0, ("training-time multiplicative noise U(1-eps, 1+eps) on the router input, in [0, 1)")
+    )
+    aux_loss_coef: float = option(1e-2, "weight of the load-balancing loss E * sum_e f_e * P_e")
+    z_loss_coef: float = option(0.0, "weight of the router z-loss mean(logsumexp(logits)^2)")
+    batch_prioritized_routing: bool = option(
+        False,
+        (
+            "over capacity, drop the tokens with the lowest router score first "
+            "(instead of the last by position)"
+        ),
+    )
+    num_prototypes: int = option(
+        1,
+        (
+            "expert prototyping (M6-T 'k top-1'): experts split into this many "
+            "groups, each picks top_k / num_prototypes"
+        ),
+    )
+    activation: str = option("gelu", "'relu', 'gelu' or 'swiglu'")
+    shared_expert_d_ff: int | None = option(
+        None, ("hidden size of a dense expert every token also goes through; None: none")
+    )
+    kernels: str = option(
+        "auto",
+        (
+            "dispatch-plan and permutation kernels: 'custom' (C++/CUDA), 'torch' "
+            "(torch-native twins) or 'auto' (custom on CPU; on GPU after a once-"
+            "per-process check against the twin)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         require_int("d_model", self.d_model, 1)
@@ -134,12 +169,31 @@ class ParallelConfig:
       ``"auto"``, ``"custom"`` or ``"torch"`` (as :class:`MoEConfig`'s ``kernels``).
     """
 
-    ep_size: int = 1
-    ep_layout: str = "packed"
-    all_to_all: str = "auto"
-    comm_dtype: str | None = None
-    local_world_size: int | None = None
-    kernels: str = "auto"
+    ep_size: int = option(
+        1,
+        ("ranks that share one token exchange and split the experts; divides the world size and num_experts"),
+    )
+    ep_layout: str = option(
+        "packed",
+        (
+            "'packed' (an expert-parallel group on consecutive ranks) or 'spread' "
+            "(one rank every world/ep_size)"
+        ),
+    )
+    all_to_all: str = option(
+        "auto",
+        (
+            "'flat', 'hierarchical' (2-D: intra-node, then inter-node) or 'auto' "
+            "(hierarchical when a group spans > 1 node with > 1 rank each)"
+        ),
+    )
+    comm_dtype: str | None = option(
+        None, ("all-to-all payload: None (as is), 'bf16' or 'fp16' (per-row power-of-two scale)")
+    )
+    local_world_size: int | None = option(
+        None, ("ranks per node; None: from the launcher (LOCAL_WORLD_SIZE, SLURM); set it to emulate nodes")
+    )
+    kernels: str = option("auto", ("all-to-all layout kernels: 'auto', 'custom' or 'torch' (as moe.kernels)"))
 
     def __post_init__(self) -> None:
         require_int("ep_size", self.ep_size, 1)
@@ -169,10 +223,20 @@ class DataConfig:
     rank for models that load in workers (``m6_moe``), an integer >= 0 (0: load in the training
     process) or ``"auto"`` (from the CPUs each rank may use, see :mod:`moetrain.cpus`)."""
 
-    source: str | tuple[str, ...] = "embedded"
-    micro_batch_size: int = 8
-    seq_len: int = 64
-    num_workers: int | str = "auto"
+    source: str | tuple[str, ...] = option(
+        "embedded",
+        (
+            "'embedded' (the model's built-in data), a file (text for moe_lm, a "
+            "JSON-lines manifest for m6_moe) or, for m6_moe, a list of manifests / "
+            "glob patterns"
+        ),
+    )
+    micro_batch_size: int = option(8, "sequences per rank and micro-step")
+    seq_len: int = option(64, ("tokens per sequence (m6_moe: the longest prefix and the longest target)"))
+    num_workers: int | str = option(
+        "auto",
+        ("data-loader worker processes per rank (m6_moe): an integer >= 0 or 'auto' (from the rank's CPUs)"),
+    )
 
     def __post_init__(self) -> None:
         source = self.source
@@ -203,15 +267,30 @@ class OptimConfig:
     (torch's AdamW stepped ``num_apply_groups`` groups at a time) or ``"offload"`` (fp32 masters and
     moments in host memory, C++ Adam, ``num_apply_groups`` groups). ``grad_clip`` 0: no clipping."""
 
-    name: str = "adamw"
-    lr: float = 3e-3
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    warmup_steps: int = 10
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
-    num_apply_groups: int = 4
+    name: str = option(
+        "adamw",
+        (
+            "'adamw' (torch's), 'groupwise' (AdamW stepped num_apply_groups groups "
+            "at a time) or 'offload' (fp32 masters and moments in host memory, C++ "
+            "Adam)"
+        ),
+    )
+    lr: float = option(3e-3, "peak learning rate, reached after warmup_steps")
+    betas: tuple[float, float] = option((0.9, 0.95), "Adam's (beta1, beta2), each in [0, 1)")
+    eps: float = option(1e-8, "Adam's epsilon")
+    weight_decay: float = option(
+        0.01, ("decoupled weight decay of matrices (not of biases, norms, 1-D parameters)")
+    )
+    warmup_steps: int = option(
+        10, ("linear warm-up steps to lr, then cosine decay to min_lr_ratio * lr at the last step")
+    )
+    min_lr_ratio: float = option(0.1, "final learning rate / lr, in [0, 1]")
+    grad_clip: float = option(
+        1.0, ("clip the global gradient norm (each expert counted once) to this; 0: no clipping")
+    )
+    num_apply_groups: int = option(
+        4, ("parameter groups stepped one at a time by 'groupwise' and 'offload' (bounds temporary memory)")
+    )
 
     def __post_init__(self) -> None:
         require_choice("optim.name", self.name, OPTIMIZERS)
@@ -242,9 +321,15 @@ class BalanceConfig:
     gradient equals that of the uniform split. ``calibrate``: measure the speeds at start-up (a few
     timed forward+backward passes) instead of giving them. Off when neither is set."""
 
-    speeds: tuple[float, ...] | None = None
-    memory_limits: tuple[int, ...] | None = None
-    calibrate: bool = False
+    speeds: tuple[float, ...] | None = option(
+        None,
+        (
+            "hardware-aware batch balancing: one relative speed per rank; the "
+            "global micro-batch is split in proportion"
+        ),
+    )
+    memory_limits: tuple[int, ...] | None = option(None, "most sequences each rank can hold, one per rank")
+    calibrate: bool = option(False, "measure the ranks' speeds at start-up instead of giving them")
 
     def __post_init__(self) -> None:
         for name in ("speeds", "memory_limits"):
@@ -287,30 +372,88 @@ class TrainConfig:
     collective of any process group may wait for the other ranks before the run fails (seconds; it
     must cover the longest collective and a checkpoint's save)."""
 
-    model: object
-    imports: tuple[str, ...] = ()
-    parallel: ParallelConfig = ParallelConfig()
-    data: DataConfig = DataConfig()
-    optim: OptimConfig = OptimConfig()
-    balance: BalanceConfig = BalanceConfig()
-    steps: int = 100
-    grad_accum: int = 1
-    precision: str = "fp32"
-    seed: int = 0
-    out_dir: str = "runs/default"
-    log_every: int = 10
-    checkpoint_every: int = 0
-    checkpoint_every_minutes: float | None = None
-    async_checkpoint: bool = True
-    keep_last: int = 3
-    resume: bool = True
-    resume_from: str | int = "latest"
-    recompute_budget_mb: float | None = None
-    threads: int | None = None
-    device: str = "auto"
-    param_dtype: str = "fp32"
-    dist_timeout_s: float = 600.0
-    max_consecutive_skips: int = 10
+    model: object = option(
+        help=(
+            "the model: 'name' of a registered model, optionally 'preset', then its"
+            " own keys (listed below per model)"
+        )
+    )
+    imports: tuple[str, ...] = option(
+        (),
+        (
+            "modules imported before the model is read (user models that register "
+            "themselves; looked up beside the config file first)"
+        ),
+    )
+    parallel: ParallelConfig = option(ParallelConfig(), "expert-parallel layout")
+    data: DataConfig = option(DataConfig(), "input data")
+    optim: OptimConfig = option(OptimConfig(), "optimizer and learning-rate schedule")
+    balance: BalanceConfig = option(
+        BalanceConfig(),
+        ("hardware-aware batch balancing for mixed clusters (off unless speeds or calibrate)"),
+    )
+    steps: int = option(100, "optimizer steps of the run")
+    grad_accum: int = option(1, "micro-steps per optimizer step")
+    precision: str = option(
+        "fp32", ("compute precision: 'fp32', 'bf16' (autocast) or 'fp16' (autocast + loss scaling)")
+    )
+    seed: int = option(0, "seed of the weights (identical on every rank) and of the data stream")
+    out_dir: str = option(
+        "runs/default",
+        ("output directory: checkpoints/, logs/, metrics.jsonl, config.json, config_history.jsonl"),
+    )
+    log_every: int = option(
+        10, ("a metrics line (and the metrics' host synchronisation) every this many steps, and at the last")
+    )
+    checkpoint_every: int = option(0, "a checkpoint every this many steps; 0: only at the end and on SIGTERM")
+    checkpoint_every_minutes: float | None = option(
+        None, ("a checkpoint once this much wall-clock time passed since the last one; None: off")
+    )
+    async_checkpoint: bool = option(
+        True, ("write checkpoints in the background (the step waits only for the copy into host memory)")
+    )
+    keep_last: int = option(3, "complete checkpoints kept")
+    resume: bool = option(
+        True, ("resume from out_dir's checkpoints when there are any; false refuses an out_dir that has some")
+    )
+    resume_from: str | int = option(
+        "latest", ("which checkpoint: 'latest', 'latest-valid' (the newest that verifies) or a step")
+    )
+    recompute_budget_mb: float | None = option(
+        None,
+        (
+            "activation memory budget (MiB) for automatic recomputation; None: off;"
+            " 0: the least memory reachable"
+        ),
+    )
+    threads: int | None = option(
+        None,
+        (
+            "torch CPU threads per rank; None: chosen from the rank's CPUs and its "
+            "data-loader workers (logged)"
+        ),
+    )
+    device: str = option(
+        "auto",
+        ("'cuda' (GPU LOCAL_RANK, NCCL), 'cpu' (gloo) or 'auto' (cuda when torch sees a GPU per local rank)"),
+    )
+    param_dtype: str = option(
+        "fp32",
+        (
+            "dtype the weights and gradients are stored in: 'fp32', or the "
+            "precision itself with fp32 masters in the offloaded optimizer"
+        ),
+    )
+    dist_timeout_s: float = option(
+        600.0,
+        (
+            "seconds any collective of any process group may wait for the other "
+            "ranks; covers the longest collective and a checkpoint save"
+        ),
+    )
+    max_consecutive_skips: int = option(
+        10, ("steps in a row skipped for non-finite gradients after which the run stops")
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "imports", tuple(self.imports))

@@ -13,19 +13,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.config import MoEConfig
+from moetrain.config import MoEConfig, option
 from moetrain.layers import MoELayer
 from moetrain.validation import require_int
 
 
 @dataclass(frozen=True)
 class LMConfig:
-    vocab_size: int = 256
-    d_model: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    max_seq_len: int = 128
-    moe: MoEConfig = field(default_factory=lambda: MoEConfig(d_model=128, d_ff=256, num_experts=4, top_k=2))
+    vocab_size: int = option(256, "token ids [0, vocab_size) (bytes: 256)")
+    d_model: int = option(128, "model width")
+    num_layers: int = option(2, "transformer blocks, each with an MoE FFN")
+    num_heads: int = option(4, "attention heads (divide d_model)")
+    max_seq_len: int = option(128, "longest sequence (learned positions)")
+    moe: MoEConfig = field(
+        default_factory=lambda: MoEConfig(d_model=128, d_ff=256, num_experts=4, top_k=2),
+        metadata={"help": "the MoE FFN of every block (d_model inherited)"},
+    )
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len"):

@@ -71,7 +71,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 
 from m6_moe.tokenizer import ByteTokenizer
-from moetrain.config import MoEConfig, require_int
+from moetrain.config import MoEConfig, option, require_int
 
 BYTE_VOCAB_SIZE = ByteTokenizer().vocab_size
 
@@ -110,13 +110,15 @@ class M6TaskConfig:
     counted instead of stopping the run with a ``ValueError`` naming the file and line.
     """
 
-    caption_weight: float = 1.0
-    denoise_weight: float = 1.0
-    image_text_weight: float = 1.0
-    noise_density: float = 0.15
-    mean_span_length: float = 3.0
-    skip_bad_records: bool = False
-    max_image_pixels: int = 50_000_000
+    caption_weight: float = option(1.0, "weight of image -> caption")
+    denoise_weight: float = option(1.0, "weight of text span corruption (T5)")
+    image_text_weight: float = option(1.0, "weight of image + caption start -> the rest")
+    noise_density: float = option(0.15, "share of tokens corrupted by denoise, in (0, 1)")
+    mean_span_length: float = option(3.0, "mean corrupted span length (>= 1)")
+    skip_bad_records: bool = option(
+        False, ("skip and count bad records (missing/unreadable images, bad lines) instead of stopping")
+    )
+    max_image_pixels: int = option(50_000_000, "images with more pixels (from the header) are bad records")
 
     def __post_init__(self) -> None:
         for name in ("caption_weight", "denoise_weight", "image_text_weight"):
@@ -179,22 +181,28 @@ class M6Config:
     - ``tasks``: the pretraining-task mixture (:class:`M6TaskConfig`).
     """
 
-    vocab_size: int = BYTE_VOCAB_SIZE
-    d_model: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    d_ff: int = 256
-    max_text_len: int = 128
-    image_size: int = 32
-    patch_size: int = 8
-    image_channels: int = 3
-    stem_channels: tuple[int, ...] = (16, 32)
-    moe: MoEConfig = field(default_factory=_tiny_moe)
-    moe_every: int = 1
-    dropout: float = 0.0
-    tie_embeddings: bool = True
-    tokenizer: str = "bytes"
-    tasks: M6TaskConfig = field(default_factory=M6TaskConfig)
+    vocab_size: int = option(
+        BYTE_VOCAB_SIZE, "token ids [0, vocab_size); must cover the tokenizer's vocabulary"
+    )
+    d_model: int = option(128, "model width")
+    num_layers: int = option(4, "transformer blocks")
+    num_heads: int = option(4, "attention heads (divide d_model)")
+    d_ff: int = option(256, "hidden size of the dense FFN layers")
+    max_text_len: int = option(128, "text positions (prefix + target) of one sequence")
+    image_size: int = option(32, "square image side in pixels")
+    patch_size: int = option(8, "patch side in pixels (divides image_size)")
+    image_channels: int = option(3, "1 (grey) or 3 (RGB)")
+    stem_channels: tuple[int, ...] = option(
+        (16, 32), "widths of the 3x3 conv layers before the patchify conv"
+    )
+    moe: MoEConfig = field(default_factory=_tiny_moe, metadata={"help": "the MoE FFN (d_model inherited)"})
+    moe_every: int = option(1, "layer i has the MoE FFN when (i + 1) % moe_every == 0; 0: dense model")
+    dropout: float = option(0.0, "on attention and residual branches, in [0, 1)")
+    tie_embeddings: bool = option(True, "the output projection reuses the text embedding")
+    tokenizer: str = option("bytes", "'bytes' or the path of a tokenizers JSON file")
+    tasks: M6TaskConfig = field(
+        default_factory=M6TaskConfig, metadata={"help": "the pretraining-task mixture"}
+    )
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_text_len"):
