@@ -82,3 +82,31 @@ def test_an_occupied_rendezvous_port_is_named_on_every_rank(tmp_path):
     assert code1 == 1 and len(error_lines(err1)) == 1, err1
     assert f"rank 1 could not reach the rendezvous at 127.0.0.1:{port} within 4 s" in err1
     assert elapsed < 25
+
+
+@pytest.mark.timeout(60)
+def test_an_occupied_rendezvous_port_under_the_torchrun_launcher_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.faults.launch import ROOT
+
+    port = free_port()
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    squatter.bind(("0.0.0.0", port))
+    squatter.listen()
+    config = write_config(tmp_path, tiny_config(tmp_path / "run"))
+    command = [
+        sys.executable, "-m", "moetrain.cli", "launch", "--nproc-per-node", "2", "--master-port", str(port),
+        "-m", "moetrain.cli", "train", "--config", str(config),
+    ]  # fmt: skip
+    try:
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=50)
+    finally:
+        squatter.close()
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "moetrain: the launcher could not start the rendezvous: the rendezvous port is already in use (another "
+        "job?): choose a free --master-port / --rdzv-endpoint port"
+    )
