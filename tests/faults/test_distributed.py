@@ -107,6 +107,6 @@ def test_an_occupied_rendezvous_port_under_the_torchrun_launcher_is_one_line(tmp
         squatter.close()
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
-        "moetrain: the launcher could not start the rendezvous: the rendezvous port is already in use (another "
-        "job?): choose a free --master-port / --rdzv-endpoint port"
+        "moetrain: the launcher could not start the rendezvous: the rendezvous port is already in use "
+        "(another job?): choose a free --master-port / --rdzv-endpoint port"
     )
