@@ -42,6 +42,7 @@ and the all-to-all outputs and the recompute replays them.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import statistics
 import time
@@ -56,6 +57,8 @@ from torch.utils.checkpoint import checkpoint
 from moetrain.layers import MoELayer
 from moetrain.layers.dispatch import AllToAllTokenDispatcher
 from moetrain.validation import require_int
+
+log = logging.getLogger(__name__)
 
 StorageKey = tuple[str, int, int]  # (device type, device index, data pointer)
 
@@ -832,7 +835,7 @@ def auto_checkpoint(
 ) -> RecomputePlan:
     """Profiles ``model`` on ``example_batch``, picks the blocks to recompute so that the activations
     saved for backward fit ``memory_budget_bytes`` at the least expected recompute time, wraps them
-    and returns the plan (printed when ``verbose``).
+    and returns the plan (logged when ``verbose``).
 
     ``example_batch``: a tensor (``model(batch)``) or tuple of arguments (``model(*batch)``).
     ``loss_fn(output) -> scalar`` (default ``output.float().pow(2).mean()``) drives the warm-up
@@ -847,7 +850,7 @@ def auto_checkpoint(
     plan = plan_recompute(profile, memory_budget_bytes, model)
     apply_recompute_plan(model, plan)
     if verbose:
-        print(plan.summary())
+        log.info("%s", plan.summary())
     return plan
 
 
