@@ -129,8 +129,15 @@ def caption_manifest(
         label = description or f"eval {dataset.manifest.name}"
         bar = ProgressBar(len(starts), label, log_every=max(1, len(starts) // 10))
     device = next(model.parameters()).device
+
+    def caption(context: dict) -> list[list[int]]:
+        if strategy == "greedy":
+            return greedy_search(model, tokenizer, context, max_new_tokens, use_cache=use_cache)
+        return beam_search(model, tokenizer, context, max_new_tokens, num_beams, length_penalty, use_cache)
+
     was_training = model.training
     model.eval()
+    hits = 0
     try:
         for step, start in enumerate(starts, start=1):
             loaded = [
@@ -139,10 +146,12 @@ def caption_manifest(
             result.skipped_images += sum(pixels is None for _, pixels in loaded)
             loaded = [(indices, pixels) for indices, pixels in loaded if pixels is not None]
             if loaded:
-                _caption_batch(model, tokenizer, dataset, loaded, result, device, strategy, num_beams,
-                               length_penalty, max_new_tokens, use_cache)  # fmt: skip
+                done = len(result.predictions)
+                _caption_batch(model, tokenizer, dataset, loaded, result, device, caption)
+                new = len(result.predictions) - done
+                hits += round(new * exact_match(result.predictions[done:], result.references[done:]))
             if bar is not None:
-                so_far = exact_match(result.predictions, result.references) if result.predictions else 0.0
+                so_far = hits / max(len(result.predictions), 1)
                 bar.update(step, images=len(result.predictions), exact_match=so_far)
     finally:
         model.train(was_training)
@@ -153,14 +162,11 @@ def caption_manifest(
     return result
 
 
-def _caption_batch(model, tokenizer, dataset, loaded, result, device, strategy, num_beams, length_penalty,
-                   max_new_tokens, use_cache) -> None:  # fmt: skip
+def _caption_batch(model, tokenizer, dataset, loaded, result: CaptionResult, device, caption) -> None:
+    """Captions the ``(record indices, uint8 image)`` pairs of ``loaded`` (``caption(context) ->
+    token lists``), counts their token accuracy and appends both to ``result``."""
     images_BCHW = normalize_pixels(torch.stack([pixels for _, pixels in loaded])).to(device)
-    context = build_context(model, tokenizer, images=images_BCHW)
-    if strategy == "greedy":
-        ids = greedy_search(model, tokenizer, context, max_new_tokens, use_cache=use_cache)
-    else:
-        ids = beam_search(model, tokenizer, context, max_new_tokens, num_beams, length_penalty, use_cache)
+    ids = caption(build_context(model, tokenizer, images=images_BCHW))
     texts = [[dataset.records[i].text for i in indices] for indices, _ in loaded]
     with torch.no_grad():
         correct, total, truncated = _token_accuracy_batch(model, tokenizer, images_BCHW, texts)
