@@ -24,8 +24,13 @@ PACKAGE_LOGGER = "moetrain"
 _HANDLER_MARK = "_moetrain_cli_handler"
 
 
-def _package_logger() -> logging.Logger:
-    return logging.getLogger(PACKAGE_LOGGER)
+def _loggers() -> list[logging.Logger]:
+    """``moetrain`` and the top-level packages of the registered models (``m6_moe``, a user's
+    package): the command line shows their records alike."""
+    from moetrain.registry import registered_models
+
+    names = {spec.builder.__module__.split(".")[0] for spec in registered_models().values()}
+    return [logging.getLogger(name) for name in [PACKAGE_LOGGER, *sorted(names - {PACKAGE_LOGGER})]]
 
 
 def _drop_our_handlers(logger: logging.Logger, kind: str) -> None:
@@ -46,15 +51,15 @@ def configure_console(level: str = "INFO", rank: int = 0) -> None:
     """Sends the package's records to stderr: ``level`` and above on rank 0, errors elsewhere."""
     if level not in LEVELS:
         raise ValueError(f"log level must be one of {', '.join(LEVELS)}, got {level!r}")
-    logger = _package_logger()
-    _drop_our_handlers(logger, "console")
     handler = logging.StreamHandler(sys.stderr)
     handler.setLevel(getattr(logging, level) if rank == 0 else logging.ERROR)
     handler.setFormatter(OneLineFormatter())
     setattr(handler, _HANDLER_MARK, "console")
-    logger.addHandler(handler)
-    logger.setLevel(min(getattr(logging, level), logger.level or logging.WARNING))
-    logger.propagate = False
+    for logger in _loggers():
+        _drop_our_handlers(logger, "console")
+        logger.addHandler(handler)
+        logger.setLevel(min(getattr(logging, level), logger.level or logging.WARNING))
+        logger.propagate = False
 
 
 def attach_rank_log(out_dir: str | Path, rank: int, level: str = "INFO") -> Path:
@@ -63,19 +68,19 @@ def attach_rank_log(out_dir: str | Path, rank: int, level: str = "INFO") -> Path
         raise ValueError(f"log level must be one of {', '.join(LEVELS)}, got {level!r}")
     path = Path(out_dir) / "logs" / f"rank_{rank}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
-    logger = _package_logger()
-    _drop_our_handlers(logger, "file")
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setLevel(getattr(logging, level))
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"))
     setattr(handler, _HANDLER_MARK, "file")
-    logger.addHandler(handler)
-    logger.setLevel(min(getattr(logging, level), logger.level or logging.WARNING))
+    for logger in _loggers():
+        _drop_our_handlers(logger, "file")
+        logger.addHandler(handler)
+        logger.setLevel(min(getattr(logging, level), logger.level or logging.WARNING))
     return path
 
 
 def detach_handlers() -> None:
     """Removes the handlers the command line added (tests and repeated in-process runs)."""
-    logger = _package_logger()
-    for kind in ("console", "file"):
-        _drop_our_handlers(logger, kind)
+    for logger in _loggers():
+        for kind in ("console", "file"):
+            _drop_our_handlers(logger, kind)

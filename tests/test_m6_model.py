@@ -317,8 +317,19 @@ def test_batched_generation_equals_one_by_one(model):
     assert batched == alone
 
 
+class ScriptedCache:
+    """What :class:`ScriptedModel` caches: each row's tokens fed after bos."""
+
+    def __init__(self, rows: int):
+        self.fed = [[] for _ in range(rows)]
+
+    def reorder(self, rows_R: torch.Tensor) -> None:
+        self.fed = [list(self.fed[r]) for r in rows_R.tolist()]
+
+
 class ScriptedModel(nn.Module):
-    """Returns fixed next-token log-probabilities by the tokens generated so far (after bos)."""
+    """Returns fixed next-token log-probabilities by the tokens generated so far (after bos), as a
+    full forward and through the decoding interface (``start_decoding`` / ``decode_step``)."""
 
     def __init__(self, table: dict[tuple, dict[int, float]], vocab: int = TOKENIZER.vocab_size):
         super().__init__()
@@ -326,28 +337,39 @@ class ScriptedModel(nn.Module):
         self.table, self.vocab = table, vocab
         self.weight = nn.Parameter(torch.zeros(1))
 
+    def _logprobs(self, generated: list[int]) -> torch.Tensor:
+        probs = torch.full((self.vocab,), 1e-9)
+        for token, p in self.table.get(tuple(t for t in generated if t != TOKENIZER.pad_id), {}).items():
+            probs[token] = p
+        return probs.log()
+
     def forward(self, target_ids, **context):
-        rows = []
-        for row in target_ids[:, 1:].tolist():
-            probs = torch.full((self.vocab,), 1e-9)
-            for token, p in self.table.get(tuple(t for t in row if t != TOKENIZER.pad_id), {}).items():
-                probs[token] = p
-            rows.append(probs.log())
-        logits = torch.stack(rows)[:, None].expand(-1, target_ids.shape[1], -1)
-        return logits
+        rows = [self._logprobs(row) for row in target_ids[:, 1:].tolist()]
+        return torch.stack(rows)[:, None].expand(-1, target_ids.shape[1], -1)
+
+    def start_decoding(self, prefix_ids, *, max_target_len, **context):
+        return ScriptedCache(prefix_ids.shape[0])
+
+    def decode_step(self, cache, tokens_B):
+        for fed, token in zip(cache.fed, tokens_B.tolist(), strict=True):
+            fed.append(token)
+        return torch.stack([self._logprobs(fed[1:]) for fed in cache.fed])
 
 
-def test_beam_search_finds_the_likelier_sequence_and_stops_at_eos():
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_beam_search_finds_the_likelier_sequence_and_stops_at_eos(use_cache):
     eos, a, b = TOKENIZER.eos_id, 65, 66
     # greedy takes a (0.6) then a poor continuation (0.3 each); b (0.4) then eos (0.9) is likelier
     table = {(): {a: 0.6, b: 0.4}, (a,): {a: 0.3, b: 0.3, eos: 0.3}, (a, a): {eos: 1.0}, (a, b): {eos: 1.0},
              (b,): {eos: 0.9, a: 0.1}}  # fmt: skip
     model = ScriptedModel(table)
     context = build_context(model, TOKENIZER, prefixes=[""])
-    assert greedy_search(model, TOKENIZER, context, max_new_tokens=5) == [[a, a]]
-    assert beam_search(model, TOKENIZER, context, max_new_tokens=5, num_beams=2, length_penalty=0.0) == [[b]]
+    options = {"use_cache": use_cache}
+    assert greedy_search(model, TOKENIZER, context, max_new_tokens=5, **options) == [[a, a]]
+    beam = beam_search(model, TOKENIZER, context, 5, num_beams=2, length_penalty=0.0, **options)
+    assert beam == [[b]]
     # max length cuts an unfinished sequence
-    assert greedy_search(model, TOKENIZER, context, max_new_tokens=1) == [[a]]
+    assert greedy_search(model, TOKENIZER, context, max_new_tokens=1, **options) == [[a]]
 
 
 def kept(logits_BV: torch.Tensor) -> list[list[int]]:
@@ -464,7 +486,7 @@ def test_generation_validates_options(model):
         sample(model, TOKENIZER, context, max_new_tokens=2, temperature=0)
     with pytest.raises(ValueError, match="top_p must be a number in"):
         filter_logits(torch.zeros(1, 4), top_p=True)
-    with pytest.raises(ValueError, match="exceeds the model's max_text_len = 48"):
+    with pytest.raises(ValueError, match="max_text_len = 48 leaves room for 47 new tokens"):
         greedy_search(model, TOKENIZER, context, max_new_tokens=100)
     with pytest.raises(ValueError, match="strategy must be one of"):
         generate(model, TOKENIZER, prefixes=["x"], strategy="nucleus")
@@ -474,8 +496,10 @@ def test_evaluate_captioning_scores_and_shows_progress(model, tmp_path, capsys):
     data_dir = write_synthetic_dataset(tmp_path / "data", seed=2, num_train=4, num_heldout=5, progress=False)
     scores = evaluate_captioning(model, TOKENIZER, data_dir, batch_size=2, max_new_tokens=4)
     assert scores["images"] == 5 and 0 <= scores["accuracy"] <= 1 and len(scores["examples"]) == 5
+    assert 0 <= scores["bleu4"] <= 100 and 0 <= scores["token_accuracy"] <= 1
+    assert set(scores["attribute_accuracy"]) == {"colour", "shape", "position"}
     err = capsys.readouterr().err
-    assert "held-out captioning [" in err and "3/3 | images 5 | accuracy" in err
+    assert "held-out captioning [" in err and "3/3 | images 5 | exact_match" in err
     evaluate_captioning(model, TOKENIZER, data_dir, max_new_tokens=2, limit=2, progress=False)
     assert capsys.readouterr().err == ""
 

@@ -1,9 +1,14 @@
 """Text generation from an image and/or a text prefix: greedy, top-k / top-p sampling, beam search.
 
-Legend: B inputs, K beams, T generated so far, V vocabulary. Every strategy is batched over the
-B inputs (beam search over B * K rows). Each step runs the whole model on ``[image; prefix;
-bos + tokens so far]`` and reads the last position's logits; there is no key/value cache, which
-keeps MoE routing identical to training (enough for the small models this runs on in tests).
+Legend: B inputs, K beams, N = B * K beam rows, T generated so far, V vocabulary. Every strategy
+is batched over the B inputs (beam search over B * K rows). A decoder gives the next-token logits:
+
+- with the key/value cache (``use_cache=True``, the default): the model encodes image and prefix
+  once (:meth:`~m6_moe.model.M6Model.start_decoding`), then each step feeds only the newest
+  token (:meth:`~m6_moe.model.M6Model.decode_step`); the MoE layers route that token only. It
+  needs dropless MoE evaluation (``moe.eval_capacity_factor`` None, as in every preset);
+- without it: each step runs the whole model on ``[image; prefix; bos + tokens so far]`` and reads
+  the last position's logits. Same tokens, several times slower (``benchmarks/decode.py``).
 
 Results are token lists without bos and eos, stopping at the first eos or after
 ``max_new_tokens``. Rows of a batch do not influence each other when the model's MoE layers are
@@ -19,6 +24,7 @@ import contextlib
 import torch
 
 from m6_moe.data import normalize_pixels
+from m6_moe.tokenizer import encode_prefix
 
 STRATEGIES = ("greedy", "sample", "beam")
 
@@ -26,8 +32,9 @@ STRATEGIES = ("greedy", "sample", "beam")
 def build_context(model, tokenizer, images=None, prefixes=None) -> dict:
     """The model inputs shared by every step: ``prefix_ids``/``prefix_mask`` [B, L] and, when
     ``images`` is given, ``images`` [B, C, H, W] (uint8 pixels are normalised; float is taken as
-    already normalised) and ``image_mask`` [B]. ``prefixes``: strings or token-id lists (None:
-    empty prefixes)."""
+    already normalised) and ``image_mask`` [B]. ``prefixes``: strings (through
+    :func:`~m6_moe.tokenizer.encode_prefix`: ``<extra_id_i>`` is sentinel i, a text the tokenizer
+    cannot represent faithfully is a ``ValueError``) or token-id lists (None: empty prefixes)."""
     if images is None and prefixes is None:
         raise ValueError("give images, prefixes or both")
     batch = len(prefixes) if prefixes is not None else images.shape[0]
@@ -35,7 +42,7 @@ def build_context(model, tokenizer, images=None, prefixes=None) -> dict:
         raise ValueError(f"images has {images.shape[0]} rows but prefixes has {batch}")
     device = next(model.parameters()).device
     token_lists = [
-        tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
+        encode_prefix(tokenizer, p) if isinstance(p, str) else [int(t) for t in p]
         for p in (prefixes if prefixes is not None else [[]] * batch)
     ]
     length = max(len(t) for t in token_lists)
@@ -63,23 +70,76 @@ def _inference(model):
         model.train(was_training)
 
 
-def _check_length(model, context: dict, max_new_tokens: int) -> None:
+def room_for_new_tokens(model_config, prefix_len: int) -> int:
+    """How many tokens a model with ``model_config`` (an ``M6Config``) can generate after a
+    prefix of ``prefix_len`` tokens: the decoder inputs (bos, then every generated token but the
+    last) share the ``max_text_len`` text positions with the prefix, so ``max_text_len -
+    prefix_len``."""
+    return model_config.max_text_len - prefix_len
+
+
+def check_new_tokens(model_config, prefix_len: int, max_new_tokens: int) -> None:
+    """One-line ``ValueError`` unless ``1 <= max_new_tokens <=`` :func:`room_for_new_tokens`."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    limit = model.config.max_text_len
-    needed = context["prefix_ids"].shape[1] + 1 + max_new_tokens
-    if needed > limit:
+    limit = model_config.max_text_len
+    room = room_for_new_tokens(model_config, prefix_len)
+    if room < 1:
         raise ValueError(
-            f"prefix length {context['prefix_ids'].shape[1]} + bos + max_new_tokens {max_new_tokens} = "
-            f"{needed} exceeds the model's max_text_len = {limit}"
+            f"a prefix of {prefix_len} tokens leaves no room for new tokens: the model's max_text_len = "
+            f"{limit} text positions hold the prefix and bos; shorten the prefix"
+        )
+    if max_new_tokens > room:
+        raise ValueError(
+            f"max_new_tokens = {max_new_tokens} does not fit after a prefix of {prefix_len} tokens: the "
+            f"model's max_text_len = {limit} leaves room for {room} new tokens"
         )
 
 
-def _last_logits(model, context: dict, generated_BT: torch.Tensor, bos_id: int) -> torch.Tensor:
-    """Logits ``[B, V]`` (fp32) for the token after ``generated_BT``."""
-    bos_B1 = torch.full((generated_BT.shape[0], 1), bos_id, dtype=torch.long, device=generated_BT.device)
-    logits_BTV = model(target_ids=torch.cat([bos_B1, generated_BT], dim=1), **context)
-    return logits_BTV[:, -1].float()
+class CachedDecoder:
+    """Next-token logits through the model's key/value cache (image and prefix encoded once)."""
+
+    def __init__(self, model, context: dict, max_new_tokens: int):
+        self.model = model
+        self.cache = model.start_decoding(**context, max_target_len=max_new_tokens)
+
+    def step(self, tokens_R: torch.Tensor) -> torch.Tensor:
+        """Feeds one token per row; returns the next-token logits ``[R, V]`` in fp32."""
+        return self.model.decode_step(self.cache, tokens_R).float()
+
+    def reorder(self, rows_R: torch.Tensor) -> None:
+        self.cache.reorder(rows_R)
+
+
+class RecomputeDecoder:
+    """Next-token logits from a full forward over ``[image; prefix; every token fed so far]``."""
+
+    def __init__(self, model, context: dict, max_new_tokens: int):
+        self.model, self.context = model, dict(context)
+        self.fed_RT = torch.empty(context["prefix_ids"].shape[0], 0, dtype=torch.long,
+                                  device=context["prefix_ids"].device)  # fmt: skip
+
+    def step(self, tokens_R: torch.Tensor) -> torch.Tensor:
+        self.fed_RT = torch.cat([self.fed_RT, tokens_R[:, None]], dim=1)
+        return self.model(target_ids=self.fed_RT, **self.context)[:, -1].float()
+
+    def reorder(self, rows_R: torch.Tensor) -> None:
+        self.fed_RT = self.fed_RT[rows_R]
+        self.context = {name: value[rows_R] for name, value in self.context.items()}
+
+
+def make_decoder(model, context: dict, max_new_tokens: int, use_cache: bool = True):
+    """A :class:`CachedDecoder` (``use_cache``) or a :class:`RecomputeDecoder` for ``context``'s
+    rows, after checking that ``max_new_tokens`` fits (:func:`check_new_tokens`)."""
+    if not isinstance(use_cache, bool):
+        raise ValueError(f"use_cache must be True or False, got {use_cache!r}")
+    check_new_tokens(model.config, context["prefix_ids"].shape[1], max_new_tokens)
+    if use_cache and not (hasattr(model, "start_decoding") and hasattr(model, "decode_step")):
+        raise ValueError(
+            f"{type(model).__name__} has no key/value cache (start_decoding / decode_step): "
+            "pass use_cache=False"
+        )
+    return (CachedDecoder if use_cache else RecomputeDecoder)(model, context, max_new_tokens)
 
 
 # Top-p: a prefix of the sorted distribution whose mass is within this of ``top_p`` counts as
@@ -88,7 +148,8 @@ def _last_logits(model, context: dict, generated_BT: torch.Tensor, bos_id: int) 
 TOP_P_TOLERANCE = 1e-6
 
 
-def _check_sampling_options(top_k: int = 0, top_p: float = 1.0, temperature: float = 1.0) -> None:
+def check_sampling_options(top_k: int = 0, top_p: float = 1.0, temperature: float = 1.0) -> None:
+    """One-line ``ValueError`` naming the first option out of range (see :func:`sampling_probs`)."""
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise ValueError(f"top_k must be an integer >= 0, got {top_k!r}")
     if isinstance(top_p, bool) or not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
@@ -106,7 +167,7 @@ def filter_logits(logits_BV: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -
     that crosses ``top_p`` included (1: no limit; :data:`TOP_P_TOLERANCE`). The most likely token
     always survives. Example, probabilities 0.5 / 0.3 / 0.15 / 0.05: top_p 0.5 keeps 1 token, 0.7
     and 0.8 keep 2, 0.9 keeps 3."""
-    _check_sampling_options(top_k, top_p)
+    check_sampling_options(top_k, top_p)
     logits_BV = logits_BV.clone()
     if 0 < top_k < logits_BV.shape[-1]:
         kth_B1 = logits_BV.topk(top_k, dim=-1).values[:, -1:]
@@ -127,34 +188,39 @@ def sampling_probs(
     """The distribution :func:`sample` draws from, ``[B, V]`` fp32 rows summing to 1:
     ``softmax(filter_logits(logits / temperature, top_k, top_p))``. The temperature comes first,
     so it also changes which tokens top-p keeps (< 1 sharpens: fewer; > 1 flattens: more)."""
-    _check_sampling_options(top_k, top_p, temperature)
+    check_sampling_options(top_k, top_p, temperature)
     return filter_logits(logits_BV.float() / temperature, top_k, top_p).softmax(dim=-1)
 
 
-def _decode(model, tokenizer, context: dict, max_new_tokens: int, choose) -> list[list[int]]:
+def _decode(model, tokenizer, context: dict, max_new_tokens: int, choose, use_cache: bool) -> list[list[int]]:
     """Token-by-token decoding; ``choose(logits_BV) -> tokens_B``. Finished rows get pad."""
-    _check_length(model, context, max_new_tokens)
+    decoder = make_decoder(model, context, max_new_tokens, use_cache)
     batch = context["prefix_ids"].shape[0]
     device = context["prefix_ids"].device
-    generated_BT = torch.empty(batch, 0, dtype=torch.long, device=device)
+    tokens_B = torch.full((batch,), tokenizer.bos_id, dtype=torch.long, device=device)
+    generated = []
     finished_B = torch.zeros(batch, dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):
-        tokens_B = choose(_last_logits(model, context, generated_BT, tokenizer.bos_id))
+        tokens_B = choose(decoder.step(tokens_B))
         tokens_B = torch.where(finished_B, torch.full_like(tokens_B, tokenizer.pad_id), tokens_B)
-        generated_BT = torch.cat([generated_BT, tokens_B[:, None]], dim=1)
+        generated.append(tokens_B)
         finished_B |= tokens_B == tokenizer.eos_id
         if bool(finished_B.all()):
             break
     results = []
-    for row in generated_BT.tolist():
+    for row in torch.stack(generated, dim=1).tolist():
         results.append(row[: row.index(tokenizer.eos_id)] if tokenizer.eos_id in row else row)
     return results
 
 
-def greedy_search(model, tokenizer, context: dict, max_new_tokens: int) -> list[list[int]]:
+def greedy_search(
+    model, tokenizer, context: dict, max_new_tokens: int, use_cache: bool = True
+) -> list[list[int]]:
     """The most likely token at every step."""
     with _inference(model):
-        return _decode(model, tokenizer, context, max_new_tokens, lambda logits: logits.argmax(dim=-1))
+        return _decode(
+            model, tokenizer, context, max_new_tokens, lambda logits: logits.argmax(dim=-1), use_cache
+        )
 
 
 def sample(
@@ -166,42 +232,53 @@ def sample(
     top_p: float = 1.0,
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
+    use_cache: bool = True,
 ) -> list[list[int]]:
     """Samples each token from :func:`sampling_probs` (``top_k``, ``top_p``, ``temperature``);
     ``top_k=1`` is greedy search."""
-    _check_sampling_options(top_k, top_p, temperature)  # before the first forward
+    check_sampling_options(top_k, top_p, temperature)  # before the first forward
 
     def choose(logits_BV):
         probs_BV = sampling_probs(logits_BV, top_k, top_p, temperature)
         return torch.multinomial(probs_BV, 1, generator=generator).squeeze(1)
 
     with _inference(model):
-        return _decode(model, tokenizer, context, max_new_tokens, choose)
+        return _decode(model, tokenizer, context, max_new_tokens, choose, use_cache)
 
 
 def beam_search(
-    model, tokenizer, context: dict, max_new_tokens: int, num_beams: int = 4, length_penalty: float = 1.0
+    model,
+    tokenizer,
+    context: dict,
+    max_new_tokens: int,
+    num_beams: int = 4,
+    length_penalty: float = 1.0,
+    use_cache: bool = True,
 ) -> list[list[int]]:
     """Beam search with ``num_beams`` beams per input; a hypothesis' score is its summed token
     log-probability (eos included) divided by ``length ** length_penalty``. Each step takes the
     2K best continuations; an eos among the K best finishes a hypothesis, the best non-eos ones
     (up to K) stay alive. An input is done when K hypotheses have finished; at
-    ``max_new_tokens`` the alive beams count as finished. ``num_beams=1`` is greedy search."""
+    ``max_new_tokens`` the alive beams count as finished. ``num_beams=1`` is greedy search.
+    Image and prefix are encoded once per input, then their cache is copied to the K beams."""
     if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
         raise ValueError(f"num_beams must be an integer >= 1, got {num_beams!r}")
-    _check_length(model, context, max_new_tokens)
+    if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)):
+        raise ValueError(f"length_penalty must be a number, got {length_penalty!r}")
     beams = num_beams
     batch = context["prefix_ids"].shape[0]
     device = context["prefix_ids"].device
-    flat = {name: value.repeat_interleave(beams, dim=0) for name, value in context.items()}
     scores_BK = torch.full((batch, beams), float("-inf"), device=device)
     scores_BK[:, 0] = 0.0
     generated_NT = torch.empty(batch * beams, 0, dtype=torch.long, device=device)
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]
     done = [False] * batch
     with _inference(model):
+        decoder = make_decoder(model, context, max_new_tokens, use_cache)
+        decoder.reorder(torch.arange(batch, device=device).repeat_interleave(beams))
+        tokens_N = torch.full((batch * beams,), tokenizer.bos_id, dtype=torch.long, device=device)
         for step in range(max_new_tokens):
-            logprobs_NV = _last_logits(model, flat, generated_NT, tokenizer.bos_id).log_softmax(dim=-1)
+            logprobs_NV = decoder.step(tokens_N).log_softmax(dim=-1)
             vocab = logprobs_NV.shape[-1]
             candidates_BX = (scores_BK.reshape(-1, 1) + logprobs_NV).view(batch, beams * vocab)
             top_scores, top_index = candidates_BX.topk(min(2 * beams, beams * vocab), dim=1)
@@ -233,8 +310,9 @@ def beam_search(
             if all(done):
                 break
             index_N = torch.tensor(rows, device=device)
-            token_N1 = torch.tensor(tokens, device=device)[:, None]
-            generated_NT = torch.cat([generated_NT[index_N], token_N1], dim=1)
+            tokens_N = torch.tensor(tokens, device=device)
+            decoder.reorder(index_N)
+            generated_NT = torch.cat([generated_NT[index_N], tokens_N[:, None]], dim=1)
             scores_BK = torch.tensor(new_scores, device=device).view(batch, beams)
         else:
             length = generated_NT.shape[1]
@@ -261,12 +339,14 @@ def generate(
 ) -> list[str]:
     """Decoded texts for a batch of images and/or prefixes. ``strategy``: ``"greedy"``,
     ``"sample"`` (options ``top_k``, ``top_p``, ``temperature``, ``generator``) or ``"beam"``
-    (options ``num_beams``, ``length_penalty``)."""
+    (options ``num_beams``, ``length_penalty``); every strategy takes ``use_cache`` (default
+    True: decode with the key/value cache)."""
     context = build_context(model, tokenizer, images, prefixes)
     if strategy == "greedy":
-        if options:
-            raise ValueError(f"greedy search takes no options, got {sorted(options)}")
-        ids = greedy_search(model, tokenizer, context, max_new_tokens)
+        unknown = sorted(set(options) - {"use_cache"})
+        if unknown:
+            raise ValueError(f"greedy search takes no options but use_cache, got {unknown}")
+        ids = greedy_search(model, tokenizer, context, max_new_tokens, **options)
     elif strategy == "sample":
         ids = sample(model, tokenizer, context, max_new_tokens, **options)
     elif strategy == "beam":

@@ -16,6 +16,14 @@ T target length, S = P + L + T sequence length, D model dim, V vocabulary.
 - Pre-norm blocks ``x + attn(norm(x))``, ``x + ffn(norm(x))``; the FFN is a ``MoELayer`` where
   ``config.is_moe_layer(i)``, else dense. MoE layers route only the real (non-padding) tokens.
 - Output: logits ``[B, T, V]`` for the target positions only.
+
+Decoding with a key/value cache (:meth:`M6Model.start_decoding`, :meth:`M6Model.decode_step`):
+image and prefix never attend to targets, so their keys and values are computed once; each new
+target token then attends to the cached keys / values of the context and of the targets before
+it, and the MoE layers route that token only. With dropless evaluation (``eval_capacity_factor``
+None) a token's expert output does not depend on the other tokens, so the logits equal those of
+:meth:`M6Model.forward` on the whole sequence (tested, fp32); under a capacity cut they would not,
+and the cache is refused.
 """
 
 from __future__ import annotations
@@ -76,8 +84,62 @@ class PatchStem(nn.Module):
         return self.norm(features_BDhw.flatten(2).transpose(1, 2))
 
 
+class KVCache:
+    """Keys and values of every attention layer for the positions decoded so far, preallocated
+    for ``capacity`` positions (legend: N layers, B rows, H heads, S positions, d head dim).
+
+    - ``keys_NBHSd`` / ``values_NBHSd``: positions ``[0, length)`` hold the context (image patches
+      then prefix, as :meth:`M6Model.forward` orders them) followed by the target tokens fed so far;
+    - ``key_valid_BS``: which cached positions are real (padding is never attended);
+    - ``next_text_pos_B``: the text position of each row's next target token (its real prefix
+      tokens plus the targets fed so far, as in :meth:`M6Model.forward`).
+
+    Memory: ``2 * N * B * H * S * d`` elements, e.g. 4 layers x 16 rows x 128 wide x 60
+    positions = 3.9 MB in fp32 for the tiny preset."""
+
+    def __init__(self, num_layers: int, batch: int, capacity: int, device):
+        self.num_layers, self.batch, self.capacity = num_layers, batch, capacity
+        self.keys_NBHSd: torch.Tensor | None = None  # allocated by the first append (its dtype)
+        self.values_NBHSd: torch.Tensor | None = None
+        self.key_valid_BS = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
+        self.next_text_pos_B = torch.zeros(batch, dtype=torch.long, device=device)
+        self.length = 0
+
+    def append(self, layer: int, k_BHsd: torch.Tensor, v_BHsd: torch.Tensor):
+        """Writes layer ``layer``'s keys / values of ``s`` new positions after the ``length``
+        cached ones; returns that layer's keys and values ``[B, H, length + s, d]``.
+        :meth:`advance` moves ``length`` once every layer has appended."""
+        end = self.length + k_BHsd.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"the key/value cache holds {self.capacity} positions, {end} were asked for")
+        if self.keys_NBHSd is None:
+            batch, heads, _, head_dim = k_BHsd.shape
+            shape = (self.num_layers, batch, heads, self.capacity, head_dim)
+            self.keys_NBHSd = k_BHsd.new_zeros(shape)
+            self.values_NBHSd = v_BHsd.new_zeros(shape)
+        self.keys_NBHSd[layer, :, :, self.length : end] = k_BHsd
+        self.values_NBHSd[layer, :, :, self.length : end] = v_BHsd
+        return self.keys_NBHSd[layer, :, :, :end], self.values_NBHSd[layer, :, :, :end]
+
+    def advance(self, positions: int) -> None:
+        self.length += positions
+
+    def reorder(self, rows_R: torch.Tensor) -> None:
+        """Keeps row ``rows_R[r]`` of the cache as row ``r`` (``R`` may differ from ``B``: beam
+        search repeats each input's rows once per beam, then follows the surviving beams)."""
+        if self.keys_NBHSd is not None:
+            self.keys_NBHSd = self.keys_NBHSd.index_select(1, rows_R)
+            self.values_NBHSd = self.values_NBHSd.index_select(1, rows_R)
+        self.batch = rows_R.shape[0]
+        self.key_valid_BS = self.key_valid_BS.index_select(0, rows_R)
+        self.next_text_pos_B = self.next_text_pos_B.index_select(0, rows_R)
+
+
 class PrefixLMSelfAttention(nn.Module):
-    """Multi-head self-attention through ``F.scaled_dot_product_attention`` with a boolean mask."""
+    """Multi-head self-attention through ``F.scaled_dot_product_attention`` with a boolean mask.
+    With a :class:`KVCache`, the keys / values of the ``S`` input positions are appended to layer
+    ``layer``'s cache and the queries attend to every cached position (the mask is then
+    ``[B, 1, S, cached + S]``)."""
 
     def __init__(self, d_model: int, num_heads: int, dropout: float):
         super().__init__()
@@ -86,11 +148,15 @@ class PrefixLMSelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model, bias=False)
 
-    def forward(self, x_BSD: torch.Tensor, mask_B1SS: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_BSD: torch.Tensor, mask_B1SK: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
         batch, seq, d_model = x_BSD.shape
         q, k, v = self.qkv(x_BSD).view(batch, seq, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        if cache is not None:
+            k, v = cache.append(layer, k, v)
         p = self.dropout if self.training else 0.0
-        attn_BHSd = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1SS, dropout_p=p)
+        attn_BHSd = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1SK, dropout_p=p)
         return self.proj(attn_BHSd.transpose(1, 2).reshape(batch, seq, d_model))
 
 
@@ -109,12 +175,21 @@ class M6Block(nn.Module):
             self.ffn = DenseFFN(config.d_model, config.d_ff, config.moe.activation)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x_BSD: torch.Tensor, mask_B1SS: torch.Tensor, valid_BS: torch.Tensor) -> torch.Tensor:
-        x_BSD = x_BSD + self.dropout(self.attn(self.attn_norm(x_BSD), mask_B1SS))
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        mask_B1SK: torch.Tensor,
+        valid_BS: torch.Tensor | None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        """``valid_BS``: the real positions of ``x_BSD`` (None: all real); ``cache`` / ``layer``:
+        see :class:`PrefixLMSelfAttention`."""
+        x_BSD = x_BSD + self.dropout(self.attn(self.attn_norm(x_BSD), mask_B1SK, cache, layer))
         h_BSD = self.ffn_norm(x_BSD)
-        if self.is_moe and h_BSD.device.type == "meta":  # no mask values: route every position (the most)
-            y_BSD = self.ffn(h_BSD)
-        elif self.is_moe:  # route only real tokens: padding takes no expert capacity, no aux loss
+        if self.is_moe and valid_BS is not None and h_BSD.device.type != "meta":
+            # route only real tokens: padding takes no expert capacity, no aux loss (on meta there
+            # are no mask values: every position is routed, the most a batch can take)
             routed_ND = self.ffn(h_BSD[valid_BS])  # the compute dtype under autocast
             y_BSD = routed_ND.new_zeros(h_BSD.shape).index_put((valid_BS,), routed_ND)
         else:
@@ -130,6 +205,11 @@ class M6Model(nn.Module):
 
         with torch.device("meta"):
             model = M6Model(M6Config.preset("1T"))
+
+    Decoding token by token with a key/value cache (eval mode, no gradients)::
+
+        cache = model.start_decoding(prefix_ids, images=images, max_target_len=20)
+        logits_BV = model.decode_step(cache, bos_B)  # then decode_step(cache, next_tokens_B) ...
     """
 
     def __init__(self, config: M6Config, parallel=None):
@@ -181,32 +261,113 @@ class M6Model(nn.Module):
         prefix_mask_BL = self._mask(prefix_mask, (batch, prefix_len), "prefix_mask", device)
         target_mask_BT = self._mask(target_mask, (batch, target_len), "target_mask", device)
 
-        text_ids_BX = torch.cat([prefix_ids, target_ids], dim=1)
         text_valid_BX = torch.cat([prefix_mask_BL, target_mask_BT], dim=1)
         text_pos_BX = (text_valid_BX.long().cumsum(1) - 1).clamp(0, cfg.max_text_len - 1)
-        segments_X = torch.cat(
+        x_BXD = torch.cat(
             [
-                torch.full((prefix_len,), SEGMENT_PREFIX, device=device),
-                torch.full((target_len,), SEGMENT_TARGET, device=device),
-            ]
+                self._embed_text(prefix_ids, text_pos_BX[:, :prefix_len], SEGMENT_PREFIX),
+                self._embed_text(target_ids, text_pos_BX[:, prefix_len:], SEGMENT_TARGET),
+            ],
+            dim=1,
         )
-        x_BXD = self.text_embed(text_ids_BX) + self.text_pos[text_pos_BX] + self.segment_embed(segments_X)
-        parts, valid = [x_BXD], [text_valid_BX]
-        if images is not None:
-            if images.shape[0] != batch:
-                raise ValueError(f"images must have B = {batch} rows, got {tuple(images.shape)}")
-            image_valid_B = self._mask(image_mask, (batch,), "image_mask", device)
-            patches_BPD = self.stem(images) + self.patch_pos + self.segment_embed.weight[SEGMENT_IMAGE]
-            parts.insert(0, patches_BPD.to(x_BXD.dtype))
-            valid.insert(0, image_valid_B[:, None].expand(batch, cfg.num_patches))
-        x_BSD = self.embed_dropout(torch.cat(parts, dim=1))
-        valid_BS = torch.cat(valid, dim=1)
+        x_BSD, valid_BS = self._prepend_images(x_BXD, text_valid_BX, images, image_mask)
+        x_BSD = self.embed_dropout(x_BSD)
         target_start = x_BSD.shape[1] - target_len
         mask_B1SS = prefix_lm_mask(valid_BS, target_start)
 
         for block in self.blocks:
             x_BSD = block(x_BSD, mask_B1SS, valid_BS)
-        h_BTD = self.norm(x_BSD[:, target_start:])
+        return self._logits(x_BSD[:, target_start:])
+
+    def start_decoding(
+        self,
+        prefix_ids: torch.Tensor,
+        images: torch.Tensor | None = None,
+        prefix_mask: torch.Tensor | None = None,
+        image_mask: torch.Tensor | None = None,
+        *,
+        max_target_len: int,
+    ) -> KVCache:
+        """Encodes image and prefix (shapes as in :meth:`forward`) once and returns their
+        :class:`KVCache`, with room for ``max_target_len`` target tokens (bos included) fed to
+        :meth:`decode_step`. Eval mode only (dropout would make the cache disagree with
+        :meth:`forward`); MoE layers must be dropless in eval (``eval_capacity_factor`` None)."""
+        cfg = self.config
+        if self.training:
+            raise ValueError("decoding with a key/value cache needs eval mode: call model.eval() first")
+        for block in self.blocks:
+            factor = block.ffn.config.eval_capacity_factor if block.is_moe else None
+            if factor is not None:
+                raise ValueError(
+                    "decoding with a key/value cache needs dropless MoE evaluation: moe.eval_capacity_factor "
+                    f"must be null, got {factor} (or decode without the cache)"
+                )
+        batch, prefix_len = prefix_ids.shape
+        if isinstance(max_target_len, bool) or not isinstance(max_target_len, int) or max_target_len < 1:
+            raise ValueError(f"max_target_len must be an integer >= 1, got {max_target_len!r}")
+        if prefix_len + max_target_len > cfg.max_text_len:
+            raise ValueError(
+                f"prefix length {prefix_len} + target length {max_target_len} exceeds "
+                f"max_text_len = {cfg.max_text_len}"
+            )
+        device = prefix_ids.device
+        prefix_mask_BL = self._mask(prefix_mask, (batch, prefix_len), "prefix_mask", device)
+        prefix_pos_BL = (prefix_mask_BL.long().cumsum(1) - 1).clamp(0, cfg.max_text_len - 1)
+        x_BLD = self._embed_text(prefix_ids, prefix_pos_BL, SEGMENT_PREFIX)
+        x_BCD, valid_BC = self._prepend_images(x_BLD, prefix_mask_BL, images, image_mask)
+        context_len = x_BCD.shape[1]
+        cache = KVCache(len(self.blocks), batch, context_len + max_target_len, device)
+        cache.key_valid_BS[:, :context_len] = valid_BC
+        cache.next_text_pos_B = prefix_mask_BL.long().sum(1)
+        if context_len > 0:
+            mask_B1CC = prefix_lm_mask(valid_BC, context_len)  # the context attends both ways
+            for layer, block in enumerate(self.blocks):
+                x_BCD = block(x_BCD, mask_B1CC, valid_BC, cache, layer)
+            cache.advance(context_len)
+        return cache
+
+    def decode_step(self, cache: KVCache, tokens_B: torch.Tensor) -> torch.Tensor:
+        """Feeds one target token per row (bos first, then each chosen token) and returns the
+        logits ``[B, V]`` for the token after it: the new position attends to every cached one
+        (context and earlier targets) and is appended to ``cache``; MoE layers route these ``B``
+        tokens only."""
+        if tuple(tokens_B.shape) != (cache.batch,):
+            raise ValueError(f"tokens_B must be [B={cache.batch}], got {tuple(tokens_B.shape)}")
+        position = cache.length
+        if position >= cache.capacity:
+            raise ValueError(
+                f"the key/value cache holds {cache.capacity} positions, {position + 1} were asked for "
+                "(start_decoding's max_target_len is used up)"
+            )
+        text_pos_B1 = cache.next_text_pos_B.clamp(max=self.config.max_text_len - 1)[:, None]
+        x_B1D = self._embed_text(tokens_B[:, None], text_pos_B1, SEGMENT_TARGET)
+        cache.key_valid_BS[:, position] = True
+        mask_B11K = cache.key_valid_BS[:, None, None, : position + 1]
+        for layer, block in enumerate(self.blocks):
+            x_B1D = block(x_B1D, mask_B11K, None, cache, layer)
+        cache.advance(1)
+        cache.next_text_pos_B = cache.next_text_pos_B + 1
+        return self._logits(x_B1D)[:, 0]
+
+    def _embed_text(self, ids_BX: torch.Tensor, pos_BX: torch.Tensor, segment: int) -> torch.Tensor:
+        """Token + text-position + segment embeddings ``[B, X, D]``."""
+        return self.text_embed(ids_BX) + self.text_pos[pos_BX] + self.segment_embed.weight[segment]
+
+    def _prepend_images(self, x_BXD, valid_BX, images, image_mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[patches; x]`` and its valid mask when ``images`` is given, else ``x`` unchanged."""
+        if images is None:
+            return x_BXD, valid_BX
+        batch = x_BXD.shape[0]
+        if images.shape[0] != batch:
+            raise ValueError(f"images must have B = {batch} rows, got {tuple(images.shape)}")
+        image_valid_B = self._mask(image_mask, (batch,), "image_mask", x_BXD.device)
+        patches_BPD = self.stem(images) + self.patch_pos + self.segment_embed.weight[SEGMENT_IMAGE]
+        x_BSD = torch.cat([patches_BPD.to(x_BXD.dtype), x_BXD], dim=1)
+        patches_valid_BP = image_valid_B[:, None].expand(batch, self.config.num_patches)
+        return x_BSD, torch.cat([patches_valid_BP, valid_BX], dim=1)
+
+    def _logits(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        h_BTD = self.norm(x_BTD)
         if self.head is None:
             return F.linear(h_BTD, self.text_embed.weight.to(h_BTD.dtype))
         return self.head(h_BTD)

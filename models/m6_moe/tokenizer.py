@@ -10,10 +10,15 @@ Byte tokenizer ids (``num_sentinels`` = 16 unless given)::
 
 Both tokenizers expose the same interface: ``encode(str) -> list[int]``, ``decode(ids) -> str``,
 ``pad_id``, ``bos_id``, ``eos_id``, ``sentinel_ids`` and ``vocab_size``.
+
+Generation prefixes go through :func:`encode_prefix`: ``<extra_id_i>`` written in the text is
+sentinel ``i`` (to ask for the spans of a span-corrupted text, as the denoise task trains), and a
+text the tokenizer cannot give back unchanged is refused instead of silently altered.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 NUM_BYTES = 256
@@ -123,3 +128,43 @@ def load_tokenizer(spec: str):
     if isinstance(spec, str) and spec.endswith(".json"):
         return JSONTokenizer(spec)
     raise ValueError(f"tokenizer must be 'bytes' or the path of a tokenizers .json file, got {spec!r}")
+
+
+_SENTINEL_NAME = re.compile(r"<extra_id_(\d+)>")
+
+
+def encode_prefix(tokenizer, text: str) -> list[int]:
+    """Token ids of a generation prefix: ``text`` encoded by ``tokenizer``, except that each
+    ``<extra_id_i>`` in it becomes the tokenizer's sentinel ``i``. Raises a one-line
+    ``ValueError`` when the ids do not represent ``text`` faithfully, i.e. when decoding them
+    (special tokens written out) does not give back ``text`` exactly: characters the tokenizer
+    maps to an unknown token, normalises (case, accents, spacing) or cannot encode (a lone
+    surrogate from a non-UTF-8 command line), or a sentinel number the tokenizer does not have."""
+    if not isinstance(text, str):
+        raise ValueError(f"prefix must be a string, got {type(text).__name__}")
+    ids: list[int] = []
+    start = 0
+    try:
+        for match in _SENTINEL_NAME.finditer(text):
+            ids += tokenizer.encode(text[start : match.start()])
+            number = int(match.group(1))
+            if number >= len(tokenizer.sentinel_ids):
+                raise ValueError(
+                    f"prefix {text!r}: {match.group(0)} is not a sentinel of the tokenizer (it has "
+                    f"<extra_id_0> to <extra_id_{len(tokenizer.sentinel_ids) - 1}>)"
+                )
+            ids.append(tokenizer.sentinel_ids[number])
+            start = match.end()
+        ids += tokenizer.encode(text[start:])
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"prefix {text!r} is not valid Unicode text (character {error.start} cannot be encoded as "
+            "UTF-8; was the command line written in another encoding?)"
+        ) from None
+    decoded = tokenizer.decode(ids, skip_special=False)
+    if decoded != text:
+        raise ValueError(
+            f"prefix {text!r}: the tokenizer cannot represent it faithfully (its {len(ids)} tokens decode "
+            f"to {decoded!r}); write it as the tokenizer's training text does"
+        )
+    return ids

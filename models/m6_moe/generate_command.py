@@ -1,0 +1,137 @@
+"""``moetrain generate`` for M6: captions (from ``--image`` alone) or continuations (of
+``--prefix``, with or without an image) from a trained checkpoint, with the library's strategies
+(:func:`m6_moe.generate.generate`: greedy, sample with top-k / top-p / temperature, beam)::
+
+    moetrain generate --config run.yaml --checkpoint runs/x/checkpoints --image a.jpg [--prefix TEXT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from m6_moe.command_options import add_decoding_options, beam_options
+from m6_moe.data import image_to_tensor
+from m6_moe.generate import (
+    STRATEGIES,
+    check_new_tokens,
+    check_sampling_options,
+    generate,
+    room_for_new_tokens,
+)
+from m6_moe.tokenizer import encode_prefix
+from m6_moe.trained_model import load_trained_model, tokenizer_for
+
+log = logging.getLogger(__name__)
+
+
+def load_image_file(path: str | Path, model_config) -> torch.Tensor:
+    """An image file as ``uint8 [C, image_size, image_size]``, converted and resized as training
+    does (:func:`~m6_moe.data.image_to_tensor`); a missing, unreadable or oversized
+    (``tasks.max_image_pixels``) file is a one-line ``ValueError``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--image {path} does not exist")
+    try:
+        opened = Image.open(path)
+    except Exception as error:  # Pillow raises many types for bad files
+        raise ValueError(f"--image {path} cannot be read ({' '.join(str(error).split())})") from None
+    with opened:
+        width, height = opened.size
+        limit = model_config.tasks.max_image_pixels
+        if width * height > limit:
+            raise ValueError(
+                f"--image {path} has {width} x {height} pixels, more than tasks.max_image_pixels = {limit:,}"
+            )
+        try:
+            return image_to_tensor(opened, model_config.image_size, model_config.image_channels)
+        except Exception as error:  # truncated or corrupt pixel data
+            raise ValueError(f"--image {path} cannot be decoded ({' '.join(str(error).split())})") from None
+
+
+class GenerateCommand:
+    """``moetrain generate``: captions (from ``--image`` alone) or continuations (of ``--prefix``,
+    with or without an image) of a trained checkpoint, with the library's strategies
+    (:func:`m6_moe.generate.generate`)."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--image",
+            action="append",
+            default=[],
+            metavar="PATH",
+            help="an image file (repeat for several: one output line each, in order)",
+        )
+        parser.add_argument(
+            "--prefix",
+            metavar="TEXT",
+            help="text the output continues (the same for every image); <extra_id_N> is sentinel N, as in "
+            "the denoise task",
+        )
+        parser.add_argument(
+            "--strategy", choices=STRATEGIES, default="greedy", help="decoding (default greedy)"
+        )
+        parser.add_argument(
+            "--top-k", type=int, help="--strategy sample: keep the k most likely tokens (0: all)"
+        )
+        parser.add_argument("--top-p", type=float, help="--strategy sample: nucleus mass in (0, 1]")
+        parser.add_argument("--temperature", type=float, help="--strategy sample: logits / temperature (> 0)")
+        parser.add_argument("--seed", type=int, help="--strategy sample: seed of the draws (default 0)")
+        add_decoding_options(parser, "the config's data.seq_len, at most what fits after the prefix")
+
+    def run(self, args, config) -> int:
+        sampling = {
+            "top_k": args.top_k,
+            "top_p": args.top_p,
+            "temperature": args.temperature,
+            "seed": args.seed,
+        }
+        given = [f"--{name.replace('_', '-')}" for name, value in sampling.items() if value is not None]
+        if args.strategy != "sample" and given:
+            raise ValueError(f"only --strategy sample takes {', '.join(given)}")
+        options = {"use_cache": not args.no_cache, **beam_options(args)}
+        if not args.image and args.prefix is None:
+            raise ValueError("give --image, --prefix or both")
+        model_config = config.model
+        tokenizer = tokenizer_for(model_config)
+        prefix = args.prefix or ""
+        prefix_len = len(encode_prefix(tokenizer, prefix))  # an unfaithful prefix stops here
+        max_new_tokens = args.max_new_tokens
+        if max_new_tokens is None:
+            max_new_tokens = max(1, min(config.data.seq_len, room_for_new_tokens(model_config, prefix_len)))
+        check_new_tokens(model_config, prefix_len, max_new_tokens)  # before the checkpoint is read
+        chosen = {k: v for k, v in sampling.items() if k != "seed" and v is not None}
+        check_sampling_options(**chosen)
+        pixels = [load_image_file(path, model_config) for path in args.image]
+        model, _ = load_trained_model(config, args.checkpoint)
+        if args.strategy == "sample":
+            seed = 0 if args.seed is None else args.seed
+            device = next(model.parameters()).device
+            options["generator"] = torch.Generator(device=device).manual_seed(seed)
+            options.update(chosen)
+        log.info(
+            "%s decoding, at most %d new tokens, %s", args.strategy, max_new_tokens,
+            "key/value cache" if options["use_cache"] else "no cache (full recompute)",
+        )  # fmt: skip
+        images = torch.stack(pixels) if pixels else None
+        rows = len(pixels) or 1
+        texts = generate(
+            model, tokenizer, images=images, prefixes=[prefix] * rows, strategy=args.strategy,
+            max_new_tokens=max_new_tokens, **options,
+        )  # fmt: skip
+        if args.json:
+            outputs = [
+                {"image": str(path) if path is not None else None, "prefix": prefix, "text": text}
+                for path, text in zip(args.image or [None], texts, strict=True)
+            ]
+            report = {"strategy": args.strategy, "max_new_tokens": max_new_tokens, "outputs": outputs}
+            print(json.dumps(report, ensure_ascii=False))
+        else:
+            for text in texts:
+                print(text.replace("\n", "\\n").replace("\r", "\\r"))  # one line per input
+        return 0
