@@ -22,6 +22,20 @@ ROOT = Path(__file__).resolve().parent.parent
 BUILD_TOOLS = ["setuptools>=64", "wheel", "ninja", "pybind11", "numpy", "pyyaml", "pillow"]
 
 
+def test_every_package_directory_is_listed_for_the_wheel():
+    """A subpackage missing from pyproject's list imports here but not from the installed wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for init in (ROOT / "moetrain").rglob("__init__.py")
+        if "__pycache__" not in init.parts
+    }
+    assert found - listed == set(), f"add to [tool.setuptools] packages: {sorted(found - listed)}"
+    assert "m6_moe" in listed
+
+
 def _run(command: list[str], cwd: Path, timeout: float, env: dict | None = None) -> str:
     result = subprocess.run(
         command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
