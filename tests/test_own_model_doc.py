@@ -1,0 +1,58 @@
+"""docs/own_model.md run as written: every command of its bash blocks, in order, from a fresh working
+directory (the example's files are addressed by absolute path; nothing else changes), and what the
+page says about their results."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "own_model.md"
+EXAMPLE = "scripts/examples/own_model/"
+MOETRAIN = Path(sys.executable).parent / "moetrain"
+
+
+def documented_commands() -> list[list[str]]:
+    """Every line of every ```bash block, split as a shell would."""
+    commands = []
+    for block in DOC.read_text(encoding="utf-8").split("```bash\n")[1:]:
+        lines = block.split("```", 1)[0].replace("\\\n", " ").splitlines()
+        commands += [shlex.split(line, comments=True) for line in lines]
+    return [words for words in commands if words]
+
+
+def test_the_page_documents_training_and_resuming_on_two_ranks():
+    commands = documented_commands()
+    assert [words[:2] for words in commands[:2]] == [["moetrain", "train"], ["moetrain", "launch"]]
+    assert all(words[0] == "moetrain" for words in commands)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_documented_commands_train_resume_on_two_ranks(tmp_path):
+    assert MOETRAIN.is_file(), f"the moetrain command is not installed next to {sys.executable}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for words in documented_commands():
+        argv = [str(MOETRAIN), *(word.replace(EXAMPLE, f"{ROOT / EXAMPLE}/") for word in words[1:])]
+        result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
+        output = f"{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+        assert result.returncode == 0, f"{shlex.join(words)}\n{output}"
+
+    run = tmp_path / "runs" / "digit_sum"
+    assert sorted(path.name for path in (run / "checkpoints").iterdir())[-2:] == [
+        "step_00000300",
+        "step_00000400",
+    ]
+    assert "resumed from step 300" in (run / "logs" / "rank_0.log").read_text()
+    assert (run / "logs" / "rank_1.log").is_file()
+    assert len((run / "config_history.jsonl").read_text().splitlines()) == 2
+    losses = {record["step"]: record["loss"] for record in map(json.loads, (run / "metrics.jsonl").open())}
+    assert max(losses) == 400
+    assert losses[400] < 0.5 * losses[10], "the classifier did not learn"
