@@ -25,6 +25,7 @@ import torch
 
 from m6_moe.data import normalize_pixels
 from m6_moe.tokenizer import encode_prefix
+from moetrain.validation import require_int
 
 STRATEGIES = ("greedy", "sample", "beam")
 
@@ -80,8 +81,7 @@ def room_for_new_tokens(model_config, prefix_len: int) -> int:
 
 def check_new_tokens(model_config, prefix_len: int, max_new_tokens: int) -> None:
     """One-line ``ValueError`` unless ``1 <= max_new_tokens <=`` :func:`room_for_new_tokens`."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    require_int("max_new_tokens", max_new_tokens, 1)
     limit = model_config.max_text_len
     room = room_for_new_tokens(model_config, prefix_len)
     if room < 1:
@@ -150,8 +150,7 @@ TOP_P_TOLERANCE = 1e-6
 
 def check_sampling_options(top_k: int = 0, top_p: float = 1.0, temperature: float = 1.0) -> None:
     """One-line ``ValueError`` naming the first option out of range (see :func:`sampling_probs`)."""
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0, got {top_k!r}")
+    require_int("top_k", top_k, 0)
     if isinstance(top_p, bool) or not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
     if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and temperature > 0):
@@ -261,8 +260,7 @@ def beam_search(
     (up to K) stay alive. An input is done when K hypotheses have finished; at
     ``max_new_tokens`` the alive beams count as finished. ``num_beams=1`` is greedy search.
     Image and prefix are encoded once per input, then their cache is copied to the K beams."""
-    if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
-        raise ValueError(f"num_beams must be an integer >= 1, got {num_beams!r}")
+    require_int("num_beams", num_beams, 1)
     if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)):
         raise ValueError(f"length_penalty must be a number, got {length_penalty!r}")
     beams = num_beams

@@ -33,6 +33,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 from moetrain.progress import ProgressBar
+from moetrain.validation import require_int
 
 # name -> (Chinese, RGB)
 COLOURS = {
@@ -166,8 +167,7 @@ def write_synthetic_dataset(
         ("num_heldout", num_heldout, 1),
         ("size", size, 8),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        require_int(name, value, minimum)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if any(directory.iterdir()):

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from m6_moe.config import M6TaskConfig
 from m6_moe.data import ManifestDataset, normalize_pixels
 from m6_moe.shuffle import EpochPermutation, derive_seed
+from moetrain.validation import require_int
 
 IGNORE_INDEX = -100
 TASKS = ("caption", "denoise", "image_text")
@@ -128,8 +129,7 @@ class TaskSampler:
     ``epoch_size``: the records one epoch visits."""
 
     def __init__(self, dataset: ManifestDataset, tokenizer, tasks: M6TaskConfig, seq_len: int, seed: int = 0):
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
-            raise ValueError(f"seq_len must be an integer >= 2 (bos/eos + one token), got {seq_len!r}")
+        require_int("seq_len", seq_len, 2, note="(bos/eos + one token)")
         self.dataset, self.tokenizer, self.tasks, self.seq_len = dataset, tokenizer, tasks, seq_len
         self.seed = seed
         self.weights = tasks.weights

@@ -21,6 +21,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from moetrain.validation import require_int
+
 NUM_BYTES = 256
 DEFAULT_NUM_SENTINELS = 16
 
@@ -29,8 +31,7 @@ class ByteTokenizer:
     """UTF-8 bytes plus ``<pad>``, ``<bos>``, ``<eos>`` and ``num_sentinels`` sentinels."""
 
     def __init__(self, num_sentinels: int = DEFAULT_NUM_SENTINELS):
-        if isinstance(num_sentinels, bool) or not isinstance(num_sentinels, int) or num_sentinels < 1:
-            raise ValueError(f"num_sentinels must be an integer >= 1, got {num_sentinels!r}")
+        require_int("num_sentinels", num_sentinels, 1)
         self.pad_id = NUM_BYTES
         self.bos_id = NUM_BYTES + 1
         self.eos_id = NUM_BYTES + 2
