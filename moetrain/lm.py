@@ -101,6 +101,8 @@ def load_tiny_corpus() -> torch.Tensor:
 
 def load_text_corpus(source: str, min_bytes: int) -> torch.Tensor:
     """``"embedded"`` or a UTF-8 text file as byte values; errors name the file."""
+    if not isinstance(source, str):
+        raise ValueError(f"data.source of moe_lm must be 'embedded' or one text file, got {list(source)!r}")
     if source == "embedded":
         corpus = load_tiny_corpus()
     else:

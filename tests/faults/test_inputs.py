@@ -56,6 +56,15 @@ def test_a_binary_file_is_refused_as_a_text_corpus(tmp_path, capsys):
     assert f"data.source {corpus} is not UTF-8 text (byte 128 is not valid UTF-8)" in one_error(capsys)
 
 
+def test_a_list_of_files_is_refused_for_the_text_model(tmp_path, capsys):
+    overrides = {"data.source": ["a.txt", "b.txt"]}
+    config = write_config(tmp_path, tiny_config(tmp_path / "run", **overrides))
+    assert run_cli("--config", str(config)) == 2
+    assert "data.source of moe_lm must be 'embedded' or one text file, got ['a.txt', 'b.txt']" in one_error(
+        capsys
+    )
+
+
 @pytest.fixture
 def manifest_dir(tmp_path) -> Path:
     Image.new("RGB", (8, 8), "red").save(tmp_path / "ok.png")
