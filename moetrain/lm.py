@@ -185,8 +185,26 @@ def build_moe_lm(config, parallel, rank: int):
     return model, batches, loss_fn
 
 
+def describe_lm(config: LMConfig, name: str = "moe_lm"):
+    """The planner's description (:class:`moetrain.planner.model.ModelDescription`, family
+    ``"moe_lm"``) of an :class:`LMConfig` model: the registry's ``describe`` hook."""
+    from moetrain.planner.model import ModelArch, ModelDescription
+
+    arch = ModelArch(
+        family="moe_lm",
+        d_model=config.d_model,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        vocab_size=config.vocab_size,
+        max_seq_len=config.max_seq_len,
+        moe=config.moe,
+        moe_layers=tuple(range(config.num_layers)),
+    )
+    return ModelDescription(name, arch, config, lambda: MoETransformerLM(config))
+
+
 def register() -> None:
     """Registers ``moe_lm`` (the registry calls it; see :mod:`moetrain.registry`)."""
     from moetrain.registry import register_model
 
-    register_model("moe_lm", LMConfig, build_moe_lm)
+    register_model("moe_lm", LMConfig, build_moe_lm, describe=describe_lm)

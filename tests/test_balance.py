@@ -14,10 +14,9 @@ import torch.nn.functional as F
 from moetrain import balance
 from moetrain.balance import RankSpeed, balance_batch, calibrate, gather_speeds, loss_weight
 from moetrain.config import MoEConfig
-from moetrain.lm import LMConfig, MoETransformerLM
+from moetrain.lm import LMConfig, MoETransformerLM, describe_lm
 from moetrain.planner import PlanSettings
 from moetrain.planner.mixed import plan_mixed_cluster
-from moetrain.planner.model import describe_lm
 from tests.dist_utils import run_distributed
 
 

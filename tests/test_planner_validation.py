@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from m6_moe.planning import describe_m6
 from moetrain.config import MoEConfig
 from moetrain.layers import MoELayer
-from moetrain.lm import LMConfig, MoETransformerLM
+from moetrain.lm import LMConfig, MoETransformerLM, describe_lm
 from moetrain.planner import ClusterSpec, PlanSettings, make_plan
 from moetrain.planner.hardware import GPU_PRESETS
-from moetrain.planner.model import describe_lm, describe_m6, m6_available
 from moetrain.recompute import apply_recompute_plan, measure_saved_bytes, remove_recompute
 from tests.dist_utils import run_distributed
 
@@ -218,7 +218,6 @@ def test_world1_lm_autocast_estimate_matches_measurement():
     assert plan.gpu_memory["weights"] == tensor_bytes(model.parameters())
 
 
-@pytest.mark.skipif(not m6_available(), reason="m6_moe is not importable")
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_world1_m6_tiny_matches_measurement(precision):
     from m6_moe.config import M6Config

@@ -104,13 +104,16 @@ def build_m6(config, parallel, rank: int):
 
 def register() -> None:
     """Registers ``m6_moe`` with :mod:`moetrain.registry` (called through the entry point), with
-    its ``moetrain eval`` and ``moetrain generate`` commands (:mod:`m6_moe.eval_command`,
-    :mod:`m6_moe.generate_command`)."""
+    its planner description (:mod:`m6_moe.planning`) and its ``moetrain eval`` and ``moetrain
+    generate`` commands (:mod:`m6_moe.eval_command`, :mod:`m6_moe.generate_command`)."""
     from m6_moe.eval_command import EvalCommand
     from m6_moe.generate_command import GenerateCommand
+    from m6_moe.planning import describe_m6
     from moetrain.registry import register_model
 
-    register_model("m6_moe", M6Config, build_m6, evaluate=EvalCommand(), generate=GenerateCommand())
+    register_model(
+        "m6_moe", M6Config, build_m6, describe=describe_m6, evaluate=EvalCommand(), generate=GenerateCommand()
+    )
 
 
 __all__ = [

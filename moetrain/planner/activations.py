@@ -147,6 +147,7 @@ class LayerActivations:
     ffn_flops: float
     rows: MoERows | None
     balanced_rows: MoERows | None = None
+    module_name: str | None = None
 
     @property
     def saved_bytes(self) -> int:
@@ -160,6 +161,11 @@ class LayerActivations:
         base = t["norms"] + t["dispatch_index"]
         attn_kept, ffn_kept = self.attn_input, self.ffn_input + self.replay
         ms = 1e3 / flops_per_s
+        if self.module_name is not None:  # a generic model's MoELayer: kept whole or recomputed
+            return (
+                RecomputeOption((), base + t["attn"] + t["ffn"], 0.0),
+                RecomputeOption((self.module_name,), base + t["attn"] + ffn_kept, self.ffn_flops * ms),
+            )
         options = [
             RecomputeOption((), base + t["attn"] + t["ffn"], 0.0),
             RecomputeOption((f"{name}.attn",), base + attn_kept + t["ffn"], self.attn_flops * ms),
@@ -277,6 +283,8 @@ def moe_forward_flops(moe: MoEConfig, tokens: int, rows_computed: int) -> float:
 
 def activation_model(arch: ModelArch, work: Workload) -> ActivationModel:
     """The per-rank activation bytes and forward FLOPs of ``arch`` running ``work``."""
+    if arch.family == "generic":
+        return _generic_activation_model(arch, work)
     b, kernels = work.itemsize, work.kernels
     d, heads = arch.d_model, arch.num_heads
     seq = arch.image_tokens + work.seq_len
@@ -348,6 +356,50 @@ def activation_model(arch: ModelArch, work: Workload) -> ActivationModel:
         outside_flops=outside_flops,
         tokens=tokens,
         attention_mask_bytes=batch * seq * seq if m6 else 0,
+    )
+
+
+def _generic_activation_model(arch: ModelArch, work: Workload) -> ActivationModel:
+    """A model measured on ``meta`` (:mod:`moetrain.planner.generic`): what is saved outside the
+    MoE layers as measured (scaled to ``work.batch`` sequences and the compute itemsize), each MoE
+    layer by the MoE formulas; its ``T`` the tokens the layer routes."""
+    measured, moe, b = arch.measured, arch.moe, work.itemsize
+    if work.seq_len != measured.tokens_per_sequence:
+        raise ValueError(
+            f"seq_len = {work.seq_len}: a model planned without a describe hook is measured at the "
+            f"sequence length its data gives ({measured.tokens_per_sequence} tokens per sequence)"
+        )
+    tokens = work.batch * measured.tokens_per_sequence
+    bound = work.row_bound if work.capacity_factor else "balanced"
+    rows_memory = moe_rows(moe, tokens, work.ep_size, work.capacity_factor, bound)
+    rows_time = moe_rows(moe, tokens, work.ep_size, work.capacity_factor, "balanced")
+    layers = tuple(
+        LayerActivations(
+            index=index,
+            is_moe=True,
+            terms={
+                "norms": 0,
+                "attn": 0,
+                "ffn": moe_ffn_bytes(moe, rows_memory, b),
+                "dispatch_index": dispatch_index_bytes(moe, rows_memory, work.ep_size),
+            },
+            layer_input=tokens * moe.d_model * b,
+            attn_input=0,
+            ffn_input=tokens * moe.d_model * b,
+            replay=replay_bytes(moe, rows_memory, b, work.ep_size),
+            attn_flops=0.0,
+            ffn_flops=moe_forward_flops(moe, tokens, rows_time.received),
+            rows=rows_memory,
+            balanced_rows=rows_time,
+            module_name=name,
+        )
+        for index, name in enumerate(measured.moe_modules)
+    )
+    return ActivationModel(
+        outside={"measured_outside_moe": measured.saved_bytes(work.batch, b), "head_input": 0},
+        layers=layers,
+        outside_flops=measured.flops(work.batch),
+        tokens=tokens,
     )
 
 

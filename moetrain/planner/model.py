@@ -8,12 +8,17 @@ The model is built without expert parallelism (each GroupedExperts holds all ``E
 layer); under EP a rank holds ``E / ep_size`` of them, so its share of a stacked expert weight
 ``[E, ...]`` is exactly ``numel / E * (E / ep_size)``.
 
-Families (how a model's forward saves activations; see :mod:`moetrain.planner.activations`):
+Models are found through the registry (:mod:`moetrain.registry`): a model's ``describe`` hook
+gives its :class:`ModelDescription`; a model without one is measured on ``meta``
+(:mod:`moetrain.planner.generic`). Families (how a model's forward saves activations; see
+:mod:`moetrain.planner.activations`):
 
-- ``"moe_lm"``: :class:`moetrain.lm.MoETransformerLM` (causal attention, every FFN a MoELayer,
-  logits for every position).
-- ``"m6"``: ``m6_moe.model.M6Model`` (image patches through a conv stem, prefix-LM mask,
-  dropout, MoE every ``moe_every`` layers, MoE only on real tokens, logits for the targets).
+- ``"moe_lm"``: a decoder-only transformer such as :class:`moetrain.lm.MoETransformerLM` (causal
+  attention, every FFN a MoELayer, logits for every position);
+- ``"m6"``: an M6-style prefix-LM such as the ``m6_moe`` package's model (image patches through a
+  conv stem, prefix-LM mask, dropout, MoE every ``moe_every`` layers, MoE only on real tokens,
+  logits for the targets);
+- ``"generic"``: anything else with MoELayers, measured on ``meta``.
 """
 
 from __future__ import annotations
@@ -30,8 +35,7 @@ from torch import nn
 from moetrain.config import MoEConfig
 from moetrain.layers.experts import GroupedExperts
 
-FAMILIES = ("moe_lm", "m6")
-M6_PRESETS = ("tiny", "base", "10B", "100B", "1T")
+FAMILIES = ("moe_lm", "m6", "generic")
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,8 @@ class ModelArch:
       ``image_size``, ``image_channels``, ``patch_size``, ``stem_channels``: the conv stem.
     - ``dropout``: probability on each residual branch, the embeddings and the attention.
     - ``tied_head``: the output projection reuses the embedding matrix.
+    - ``measured``: family ``"generic"`` only, the
+      :class:`~moetrain.planner.generic.MeasuredModel` of a model without formulas.
     """
 
     family: str
@@ -62,6 +68,7 @@ class ModelArch:
     patch_size: int = 0
     stem_channels: tuple[int, ...] = ()
     tied_head: bool = False
+    measured: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -149,116 +156,79 @@ def count_parameters(model: nn.Module) -> ParameterCount:
     return ParameterCount(dense=dense, expert_stacks=tuple(stacks))
 
 
-# ---------------------------------------------------------------------------------------------
-# Families
-# ---------------------------------------------------------------------------------------------
+def describe(config, name: str | None = None, train_config=None) -> ModelDescription:
+    """The planner's description of a model config object, from its registry entry: the entry's
+    ``describe(config, name)`` hook when it has one (the LM, M6), otherwise measured on ``meta``
+    through its builder (:mod:`moetrain.planner.generic`; ``train_config``: the run it belongs to,
+    default: a :class:`~moetrain.config.TrainConfig` with this model and default settings)."""
+    from moetrain.registry import spec_for_config
+
+    spec = spec_for_config(config)
+    name = name or spec.name
+    if spec.describe is not None:
+        return spec.describe(config, name)
+    from moetrain.config import TrainConfig
+    from moetrain.planner.generic import describe_generic
+
+    return describe_generic(train_config or TrainConfig(model=config), spec, name)
 
 
-def describe_lm(config, name: str = "moe_lm") -> ModelDescription:
-    """A :class:`moetrain.lm.LMConfig` model."""
-    from moetrain.lm import MoETransformerLM
+def model_presets() -> dict[str, tuple]:
+    """``--model`` preset names (``<model>-<preset>``, lower case) -> (registry spec, preset): every
+    preset of every registered model, under the model's name and under its first word (``m6-1t``
+    for the ``1T`` preset of ``m6_moe``)."""
+    from moetrain.config import preset_names
+    from moetrain.registry import registered_models
 
-    arch = ModelArch(
-        family="moe_lm",
-        d_model=config.d_model,
-        num_layers=config.num_layers,
-        num_heads=config.num_heads,
-        vocab_size=config.vocab_size,
-        max_seq_len=config.max_seq_len,
-        moe=config.moe,
-        moe_layers=tuple(range(config.num_layers)),
-    )
-    return ModelDescription(name, arch, config, lambda: MoETransformerLM(config))
+    presets = {}
+    for spec in registered_models().values():
+        for preset in preset_names(spec.config_class):
+            for prefix in dict.fromkeys((spec.name, spec.name.split("_")[0])):
+                presets[f"{prefix}-{preset}".lower()] = (spec, preset)
+    return presets
 
 
-def describe_m6(config, name: str = "m6") -> ModelDescription:
-    """A ``m6_moe.config.M6Config`` model (needs the ``models`` package importable)."""
-    from m6_moe.model import M6Model
-
-    arch = ModelArch(
-        family="m6",
-        d_model=config.d_model,
-        num_layers=config.num_layers,
-        num_heads=config.num_heads,
-        vocab_size=config.vocab_size,
-        max_seq_len=config.max_text_len,
-        moe=config.moe,
-        moe_layers=tuple(i for i in range(config.num_layers) if config.is_moe_layer(i)),
-        dense_d_ff=config.d_ff,
-        dropout=float(config.dropout),
-        image_tokens=config.num_patches,
-        image_size=config.image_size,
-        image_channels=config.image_channels,
-        patch_size=config.patch_size,
-        stem_channels=tuple(config.stem_channels),
-        tied_head=bool(config.tie_embeddings),
-    )
-    return ModelDescription(name, arch, config, lambda: M6Model(config))
-
-
-def m6_available() -> bool:
-    """Whether ``m6_moe`` (config and model) can be imported here."""
-    try:
-        import m6_moe.config  # noqa: F401
-        import m6_moe.model  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def describe(config, name: str | None = None) -> ModelDescription:
-    """A description of a model config object (``LMConfig`` or ``M6Config``)."""
-    from moetrain.lm import LMConfig
-
-    if isinstance(config, LMConfig):
-        return describe_lm(config, name or "moe_lm")
-    if type(config).__name__ == "M6Config" and type(config).__module__.startswith("m6_moe"):
-        return describe_m6(config, name or "m6")
-    raise ValueError(
-        f"model config must be a moetrain.lm.LMConfig or m6_moe.config.M6Config, got {type(config).__name__}"
-    )
+def _preset_list(presets: dict[str, tuple]) -> str:
+    shown = {f"{spec.name.split('_')[0]}-{preset}": None for spec, preset in presets.values()}
+    return ", ".join(shown) or "none registered"
 
 
 def resolve_model(spec: str) -> tuple[ModelDescription, dict]:
-    """``--model`` of ``moetrain plan``: an M6 preset (``m6-1T``, ``m6-tiny``, ..., case-insensitive)
-    or a YAML/JSON file holding a training config (``model:`` with a ``name``; its ``data``,
+    """``--model`` of ``moetrain plan``: a registered model's preset (``m6-1T``, ``m6_moe-tiny``,
+    ``m6:base``, case-insensitive) or a YAML/JSON file holding a training config (``model:`` with a
+    ``name``; modules under ``imports:`` are imported as ``moetrain train`` does; its ``data``,
     ``parallel``, ``grad_accum`` and ``precision`` become default settings, returned as the second
     item; an M6 config's ``data.seq_len`` bounds the prefix and the target each, so it plans
     ``2 * data.seq_len`` text tokens) or a bare model config (a mapping with ``name``). Without a
     ``data`` section the sequence length is left to the settings (default: the model's maximum)."""
-    lowered = spec.lower()
-    if lowered.startswith("m6-") or lowered.startswith("m6:"):
-        preset = next((p for p in M6_PRESETS if p.lower() == lowered[3:]), None)
-        if preset is None:
-            raise ValueError(
-                f"model preset must be one of {', '.join('m6-' + p for p in M6_PRESETS)} or a config file, "
-                f"got {spec!r}"
-            )
-        if not m6_available():
-            raise ValueError(f"model {spec!r} needs the m6_moe package, which cannot be imported here")
-        from m6_moe.config import M6Config
-
-        return describe_m6(M6Config.preset(preset), f"m6-{preset}"), {}
     path = Path(spec)
-    if not path.is_file():
+    if path.is_file():
+        return _model_from_file(path)
+    presets = model_presets()
+    found = presets.get(spec.lower().replace(":", "-", 1))
+    if found is None:
         raise ValueError(
-            f"model must be an M6 preset ({', '.join('m6-' + p for p in M6_PRESETS)}) or an existing "
-            f"YAML/JSON config file, got {spec!r}"
+            f"model must be a model preset ({_preset_list(presets)}) or an existing YAML/JSON config file, "
+            f"got {spec!r}"
         )
-    return _model_from_file(path)
+    model_spec, preset = found
+    config = model_spec.config_class.preset(preset)
+    return describe(config, f"{model_spec.name.split('_')[0]}-{preset}"), {}
 
 
 def train_seq_len(arch: ModelArch, data_seq_len: int) -> int:
     """Text tokens per sequence a training config's ``data.seq_len`` means: itself for a language
     model; ``2 * data.seq_len`` for M6, whose prefix and target may each be that long (the engine
-    checks that both fit ``max_text_len``)."""
+    checks that both fit ``max_text_len``); a generic model's measured tokens per sequence."""
+    if arch.family == "generic":
+        return arch.max_seq_len  # measured from the model's own batches
     return 2 * data_seq_len if arch.family == "m6" else data_seq_len
 
 
 def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
     import yaml
 
-    from moetrain.config import TrainConfig, config_from_dict, model_config_classes
+    from moetrain.config import config_from_dict, model_config_classes
 
     text = path.read_text(encoding="utf-8")
     try:
@@ -270,8 +240,10 @@ def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
     if not isinstance(data, dict):
         raise ValueError(f"model config {path} must hold a mapping")
     if "model" in data:
-        train = config_from_dict(TrainConfig, data)
-        model = describe(train.model, path.stem)
+        from moetrain.cli import build_train_config
+
+        train = build_train_config(str(path), [])
+        model = describe(train.model, path.stem, train)
         defaults = {
             "micro_batch": train.data.micro_batch_size,
             "seq_len": train_seq_len(model.arch, train.data.seq_len),
