@@ -47,6 +47,7 @@ CLUSTER_FLAGS = (
     ("intra_node_latency_us", "--intra-node-latency-us", "us", True),
     ("inter_node_latency_us", "--inter-node-latency-us", "us", True),
     ("host_memory_gib", "--host-memory-gib", "GiB", False),
+    ("gpu_reserved_gib", "--gpu-reserved-gib", "GiB", True),
 )
 
 
@@ -88,6 +89,12 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     )
     plan.add_argument("--host-memory-gib", type=float, help="host memory per node, GiB > 0")
     plan.add_argument(
+        "--gpu-reserved-gib",
+        type=float,
+        help="GPU memory per GPU for the CUDA context, NCCL and fragmentation, GiB >= 0 "
+        "(default: modelled per communicator and GPU type)",
+    )
+    plan.add_argument(
         "--memory-headroom",
         type=float,
         help=f"fraction of GPU memory kept free, in [0, 1) (default {DEFAULT_MEMORY_HEADROOM:g})",
@@ -103,6 +110,11 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     )
     plan.add_argument("--autocast", action="store_true", help="fp32 weights with autocast compute")
     plan.add_argument("--offload", action="store_true", help="optimizer states in host memory")
+    plan.add_argument(
+        "--sync-checkpoint",
+        action="store_true",
+        help="checkpoints written synchronously: no host staging copy (default: a config's async_checkpoint)",
+    )
     plan.add_argument("--recompute", choices=RECOMPUTE_MODES)
     plan.add_argument("--recompute-fraction", type=float)
     plan.add_argument("--recompute-budget-gib", type=float)
@@ -145,6 +157,8 @@ def settings_from_args(args, defaults: dict) -> PlanSettings:
         values["autocast"] = True
     if args.offload:
         values["offload"] = True
+    if args.sync_checkpoint:
+        values["async_checkpoint"] = False
     if args.capacity_factor is not None:
         values["capacity_factor"] = args.capacity_factor or None
     if args.recompute_budget_gib is not None:
@@ -216,6 +230,8 @@ def link_overrides(args) -> dict:
         overrides["inter_node_latency"] = args.inter_node_latency_us * 1e-6
     if args.host_memory_gib is not None:
         overrides["host_memory_bytes"] = round(args.host_memory_gib * GiB)
+    if args.gpu_reserved_gib is not None:
+        overrides["gpu_reserved_bytes"] = round(args.gpu_reserved_gib * GiB)
     return overrides
 
 

@@ -175,7 +175,8 @@ class ClusterSpec:
       OS, the data loader and the CUDA runtime (assumption, default 32 GiB).
     - ``host_memory_bandwidth``: sustained bytes/s of a node's CPU sockets (the CPU Adam step).
     - ``gpu_reserved_bytes``: per GPU, what the CUDA context, NCCL and cuBLAS workspaces and the
-      allocator's fragmentation take before any tensor (assumption, default 2 GiB).
+      allocator's fragmentation take besides the tensors; None (default): modelled per
+      communicator and GPU type (:mod:`moetrain.planner.reserve`).
     """
 
     gpu: GPUSpec
@@ -188,7 +189,7 @@ class ClusterSpec:
     host_memory_bytes: int = 512 * GiB
     host_memory_bandwidth: float = 100e9
     host_reserved_bytes: int = 32 * GiB
-    gpu_reserved_bytes: int = 2 * GiB
+    gpu_reserved_bytes: int | None = None
     name: str = field(default="")
 
     def __post_init__(self) -> None:
@@ -202,7 +203,7 @@ class ClusterSpec:
             _require_positive(name, getattr(self, name), allow_zero=True)
         require_int("host_memory_bytes", self.host_memory_bytes, 0)
         require_int("host_reserved_bytes", self.host_reserved_bytes, 0)
-        require_int("gpu_reserved_bytes", self.gpu_reserved_bytes, 0)
+        require_int("gpu_reserved_bytes", self.gpu_reserved_bytes, 0, allow_none=True)
 
     @property
     def world_size(self) -> int:

@@ -81,6 +81,13 @@ class ModelArch:
     def is_moe_layer(self, index: int) -> bool:
         return index in self.moe_layers
 
+    def layer_module(self, index: int) -> str:
+        """The module name of layer ``index``: ``blocks.<index>``; a generic model's MoE layers by
+        their own names."""
+        if self.family == "generic":
+            return self.measured.moe_modules[index]
+        return f"blocks.{index}"
+
 
 @dataclass(frozen=True)
 class ParameterCount:
@@ -127,9 +134,24 @@ class ModelDescription:
     build: Callable[[], nn.Module] = field(repr=False, compare=False)
 
     @cached_property
+    def _counts(self) -> tuple[ParameterCount, tuple[ParameterCount, ...]]:
+        model = build_on_meta(self.build)
+        modules = dict(model.named_modules())
+        layers = tuple(
+            count_parameters(modules[self.arch.layer_module(i)]) for i in range(self.arch.num_layers)
+        )
+        return count_parameters(model), layers
+
+    @property
     def params(self) -> ParameterCount:
         """Counted once (model built on ``meta``) and cached."""
-        return count_parameters(build_on_meta(self.build))
+        return self._counts[0]
+
+    @property
+    def layer_params(self) -> tuple[ParameterCount, ...]:
+        """The parameters of each layer (module :meth:`ModelArch.layer_module`), counted with
+        :attr:`params`."""
+        return self._counts[1]
 
 
 def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
@@ -257,6 +279,7 @@ def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
             "comm_dtype": train.parallel.comm_dtype,
             "offload": train.optim.name == "offload",
             "offload_apply_groups": train.optim.num_apply_groups,
+            "async_checkpoint": train.async_checkpoint,
         }
         return model, defaults
     classes = model_config_classes()

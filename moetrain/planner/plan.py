@@ -3,9 +3,11 @@
 :func:`make_plan` puts the pieces together:
 
 - parameters per rank from the model built on ``meta`` (:mod:`moetrain.planner.model`);
-- GPU memory: weights + gradients + optimizer states (unless offloaded) + activations (with the
-  recompute plan) + all-to-all buffers + transient working memory + reserved, against the usable
-  memory ``memory_bytes * (1 - settings.memory_headroom)`` (the headroom is kept free);
+- GPU memory: weights + optimizer states (unless offloaded) + all-to-all buffers + DDP's gradient
+  buckets (the dense gradients once more, world > 1) + the step's
+  peak of activations (autocast's weight copies included), gradients and working memory
+  (:mod:`moetrain.planner.peak`, with the recompute plan) + reserved, against the usable memory
+  ``memory_bytes * (1 - settings.memory_headroom)`` (the headroom is kept free);
 - host memory per node: offloaded optimizer states (12 bytes/parameter: fp32 master and two
   moments) and pinned staging (two apply groups of gradients + weight copies) for each of the
   node's GPUs, plus the node's reserve;
@@ -18,8 +20,8 @@
   ``= max(params * max(grad, weight bytes) / PCIe, gpus_per_node * params * (24 + grad + weight
   bytes) / host memory bandwidth)`` (CPU Adam is bound by host memory; copies overlap it).
 
-Terms that are estimates, not validated by a test: all-to-all buffers, transient working memory,
-the reserve, and every time.
+Terms that are estimates, not validated by a test: all-to-all buffers, the reserve, and every time
+(the step peak is checked against measured peaks on the CPU).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from moetrain.planner.comm import (
 )
 from moetrain.planner.hardware import ClusterSpec
 from moetrain.planner.model import ModelDescription
+from moetrain.planner.peak import StepPeak, layer_working_bytes, loss_working_bytes, step_peak
+from moetrain.planner.reserve import FRAGMENTATION, Communicator, reserve_terms
 from moetrain.planner.settings import MODEL_CAPACITY, PlanSettings
 from moetrain.recompute import RecomputeOption, solve_recompute
 
@@ -49,12 +53,10 @@ CPU_ADAM_STATE_TRAFFIC = 24  # master, exp_avg, exp_avg_sq read and written: 3 x
 GPU_ADAM_TRAFFIC = 28  # bytes per parameter an Adam step moves on the GPU (states + grad + weight)
 GPU_MEMORY_TERMS = (
     "weights",
-    "gradients",
     "optimizer_states",
-    "activations",
-    "autocast_weight_copies",
     "all_to_all_buffers",
-    "transient",
+    "ddp_buckets",
+    "step_peak",
     "reserved",
 )
 
@@ -71,16 +73,22 @@ class RecomputeChoice:
     min_activation_bytes: int
     extra_flops: float
     feasible: bool
+    kept_per_layer: tuple[int, ...] = ()
+    layers_recomputed: int = 0
+    ffn_recomputed: tuple[bool, ...] = ()
 
     @property
     def layers_touched(self) -> int:
-        return len({name.split(".")[1] for name in self.recomputed})
+        return self.layers_recomputed
 
 
 @dataclass
 class Plan:
     """Everything :func:`make_plan` computed. Bytes per GPU in ``gpu_memory`` (named terms, see
-    ``GPU_MEMORY_TERMS``), per node in ``host_memory``; traffic per rank per step in ``traffic``;
+    ``GPU_MEMORY_TERMS``; ``step_memory`` breaks the step peak down, ``reserve`` the reserved
+    memory, ``gradient_bytes`` is every gradient of the rank, ``recompute.activation_bytes`` the
+    activations kept), per node in
+    ``host_memory``; traffic per rank per step in ``traffic``;
     seconds in ``time``; ``all_to_all_alternative``: rows and counts of the all-to-all algorithm not
     chosen, for comparison (not in the step time). ``gpu_capacity``: the GPU's memory (bytes);
     ``gpu_usable``: what a plan may fill, the capacity less ``settings.memory_headroom``. ``fits`` is
@@ -99,6 +107,10 @@ class Plan:
     capacity_factor: float | None
     params: dict[str, int]
     gpu_memory: dict[str, int]
+    gradient_bytes: int
+    step_memory: StepPeak
+    reserve: dict[str, int]
+    checkpoint: dict[str, int]
     gpu_capacity: int
     gpu_usable: int
     host_memory: dict[str, int]
@@ -172,6 +184,10 @@ class Plan:
             "capacity_factor": self.capacity_factor,
             "params": dict(self.params),
             "gpu_memory": dict(self.gpu_memory),
+            "gradient_bytes": self.gradient_bytes,
+            "step_peak": asdict(self.step_memory),
+            "reserve": dict(self.reserve),
+            "checkpoint": dict(self.checkpoint),
             "gpu_total": self.gpu_total,
             "gpu_capacity": self.gpu_capacity,
             "gpu_usable": self.gpu_usable,
@@ -253,10 +269,19 @@ def choose_recompute(
     def chosen(options: list[RecomputeOption], feasible: bool = True) -> RecomputeChoice:
         names = tuple(n for o in options for n in o.recomputed)
         bytes_ = outside + sum(o.activation_bytes for o in options)
-        if any(not n.endswith(".ffn") for n in names):  # a recomputed layer or attention block
-            bytes_ += acts.attention_mask_bytes
+        if acts.attention_mask_bytes and any(not n.endswith(".ffn") for n in names):
+            bytes_ += acts.attention_mask_bytes  # a recomputed layer or attention block keeps the mask
         ms = sum(o.recompute_ms for o in options)
-        return RecomputeChoice(mode, names, bytes_, baseline, minimum, ms * 1e-3 * flops_per_s, feasible)
+        kept = tuple(o.activation_bytes for o in options)
+        touched = sum(1 for o in options if o.recomputed)
+        # the whole layer (its last option) or its FFN: the FFN's weights are cast again in the backward
+        ffn = tuple(
+            o is g[-1] or any(n.endswith(".ffn") for n in o.recomputed)
+            for o, g in zip(options, groups, strict=True)
+        )
+        return RecomputeChoice(
+            mode, names, bytes_, baseline, minimum, ms * 1e-3 * flops_per_s, feasible, kept, touched, ffn
+        )
 
     if mode == "none":
         return chosen([g[0] for g in groups])
@@ -332,27 +357,101 @@ def make_plan(
         )
 
     # ---- GPU memory
+    gradient_bytes = per_rank * weight_b
+    copies = per_rank * 2 if settings.autocast else 0  # autocast's low-precision weights: in the peak
     gpu = {
         "weights": per_rank * weight_b,
-        "gradients": per_rank * weight_b,
         "optimizer_states": 0 if settings.offload else per_rank * optimizer_b,
-        "activations": 0,
-        "autocast_weight_copies": per_rank * 2 if settings.autocast else 0,
         "all_to_all_buffers": _all_to_all_buffers(moe_layers, arch.d_model, b, ep, algorithm, settings),
-        "transient": _transient(acts, arch, work, b),
-        "reserved": cluster.gpu_reserved_bytes,
+        # DDP's gradient buckets: a flat copy of the dense gradients, kept for the whole run
+        "ddp_buckets": dense * weight_b if world > 1 else 0,
+        "step_peak": 0,
+        "reserved": 0,
     }
+    communicators = plan_communicators(world, ep, world // ep, algorithm, ep_layout)
+    modelled = cluster.gpu_reserved_bytes is None
+    if modelled:
+        reserve = reserve_terms(cluster.gpu.name, cluster.gpus_per_node, communicators, 0)
+        fixed_reserve = sum(reserve.values())
+    else:
+        reserve = {"given": cluster.gpu_reserved_bytes}
+        fixed_reserve = cluster.gpu_reserved_bytes
     usable = settings.usable_memory(cluster.gpu.memory_bytes)
-    left = usable - sum(gpu.values())
-    recompute = choose_recompute(acts, settings, flops_per_s, max(left, 0))
-    gpu["activations"] = recompute.activation_bytes
+    working = max([loss_working_bytes(arch, acts, b), *layer_working_bytes(arch, acts, b)])
+    layer_elements = [count.per_rank(ep) for count in model.layer_params]
+    layer_gradients = [elements * weight_b for elements in layer_elements]
+    if settings.grad_accum > 1:  # micro-steps after the first start with every gradient allocated
+        layer_gradients, other_gradients = [0] * len(layer_gradients), gradient_bytes
+    else:
+        other_gradients = gradient_bytes - sum(layer_gradients)
+    cpu_buffers = kernels == "cpu" and copies > 0
+    if cpu_buffers:  # the CPU grouped GEMM keeps every layer's low-precision expert-gradient buffer
+        other_gradients += experts * 2
+    layer_copies = [2 * elements for elements in layer_elements] if copies else None
+    other_copies = copies - sum(layer_copies) if copies else 0
+
+    def peak_of(choice: RecomputeChoice) -> StepPeak:
+        kept_copies = None
+        if layer_copies:  # a recomputed layer's (or FFN's) weight copies are not kept from the forward
+            pairs = zip(layer_copies, choice.ffn_recomputed, strict=True)
+            kept_copies = [0 if rebuilt else c for c, rebuilt in pairs]
+        return step_peak(
+            arch,
+            acts,
+            work,
+            choice.kept_per_layer,
+            layer_gradients,
+            other_gradients,
+            layer_copies,
+            other_copies,
+            transient_low_precision_grads=not cpu_buffers,
+            kept_copies=kept_copies,
+        )
+
+    # "auto": the activation budget is what the rest leaves of the usable memory (fragmentation on
+    # the dynamic part included). A first choice assumes every gradient, copy and the largest
+    # working set on top of the kept activations; a second one uses what that choice's peak puts on
+    # top of them, and is taken when it fits.
+    fragmentation = FRAGMENTATION if modelled else 0.0  # of the step peak and the all-to-all buffers
+    room = int(
+        (usable - sum(gpu.values()) - fixed_reserve - fragmentation * gpu["all_to_all_buffers"])
+        / (1 + fragmentation)
+    )
+    recompute = choose_recompute(
+        acts, settings, flops_per_s, max(room - gradient_bytes - copies - working, 0)
+    )
+    memory_peak = peak_of(recompute)
+    if settings.recompute == "auto":
+        on_top = memory_peak.total - recompute.activation_bytes
+        second = choose_recompute(acts, settings, flops_per_s, max(room - on_top, 0))
+        second_peak = peak_of(second)
+        if second.feasible and second_peak.total <= room:
+            recompute, memory_peak = second, second_peak
+    gpu["step_peak"] = memory_peak.total
+    if modelled:
+        dynamic = memory_peak.total + gpu["all_to_all_buffers"]
+        reserve = reserve_terms(cluster.gpu.name, cluster.gpus_per_node, communicators, dynamic)
+    gpu["reserved"] = sum(reserve.values())
 
     # ---- host memory per node
-    host = {"offloaded_states": 0, "pinned_staging": 0, "reserved": cluster.host_reserved_bytes}
+    host = {
+        "offloaded_states": 0,
+        "pinned_staging": 0,
+        "checkpoint_staging": 0,
+        "reserved": cluster.host_reserved_bytes,
+    }
     if settings.offload:
         group_elements = math.ceil(per_rank / settings.offload_apply_groups)
         host["offloaded_states"] = cluster.gpus_per_node * per_rank * ADAM_STATE_BYTES
         host["pinned_staging"] = cluster.gpus_per_node * 2 * group_elements * (weight_b + weight_b)
+    # ---- checkpoints: every rank saves its weights and optimizer states (experts once each)
+    state_b = ADAM_STATE_BYTES if settings.offload else optimizer_b
+    checkpoint = {
+        "rank_bytes": per_rank * (weight_b + state_b),
+        "run_bytes": params.total * (weight_b + state_b),
+    }
+    if settings.async_checkpoint:
+        host["checkpoint_staging"] = cluster.gpus_per_node * checkpoint["rank_bytes"]
 
     # ---- traffic per optimizer step
     traffic = []
@@ -447,6 +546,10 @@ def make_plan(
             "experts_per_rank_per_layer": arch.moe.num_experts // ep if arch.moe_layers else 0,
         },
         gpu_memory=gpu,
+        gradient_bytes=gradient_bytes,
+        step_memory=memory_peak,
+        reserve=reserve,
+        checkpoint=checkpoint,
         gpu_capacity=cluster.gpu.memory_bytes,
         gpu_usable=usable,
         host_memory=host,
@@ -458,6 +561,23 @@ def make_plan(
         time=time,
         notes=notes,
     )
+
+
+def plan_communicators(world: int, ep: int, expert_dp: int, algorithm: str, ep_layout) -> list[Communicator]:
+    """The NCCL communicators a rank creates and uses (see :class:`moetrain.ParallelContext`): the
+    world (DDP's all-reduce), the expert-data-parallel group, the EP group and, for the 2-D
+    all-to-all, the EP group's members on this node and its peers on the other nodes."""
+    communicators = []
+    if world > 1:
+        communicators.append(Communicator("world", "all_reduce", 0, 0))
+    if ep > 1 and expert_dp > 1:
+        communicators.append(Communicator("expert_dp", "all_reduce", 0, 0))
+    if ep > 1:
+        communicators.append(Communicator("ep", "all_to_all", ep_layout.intra_peers, ep_layout.inter_peers))
+    if ep > 1 and algorithm == "hierarchical":
+        communicators.append(Communicator("ep_intra_node", "all_to_all", ep_layout.per_node - 1, 0))
+        communicators.append(Communicator("ep_inter_node", "all_to_all", 0, ep_layout.nodes - 1))
+    return communicators
 
 
 def _wire_row_bytes(d_model: int, b: int, comm_dtype: str | None) -> int:
@@ -479,18 +599,3 @@ def _all_to_all_buffers(moe_layers, d_model: int, b: int, ep: int, algorithm: st
     if settings.comm_dtype is not None and b != 2:
         total += (rows.sent + rows.received) * d_model * 2
     return total
-
-
-def _transient(acts: ActivationModel, arch, work: Workload, b: int) -> int:
-    """Working memory beyond the saved activations (estimate): the largest of the loss (logits in
-    the compute dtype and their fp32 gradient, ``T_loss*V*(b + 4)``), a MoE layer's backward
-    (gradients of the expert input and hidden rows, ``N_r*(D + 2F)*b``) and an attention backward
-    (gradients of q, k, v and the output, ``4*T*D*b``)."""
-    loss_tokens = acts.outside["head_input"] // (arch.d_model * b)
-    candidates = [loss_tokens * arch.vocab_size * (b + 4), 4 * acts.tokens * arch.d_model * b]
-    for layer in acts.layers:
-        if layer.is_moe:
-            candidates.append(layer.rows.received * (arch.d_model + 2 * arch.moe.d_ff) * b)
-        else:
-            candidates.append(acts.tokens * (arch.d_model + 2 * (arch.dense_d_ff or 0)) * b)
-    return max(candidates)

@@ -8,17 +8,16 @@ GiB = 2**30
 
 _GPU_LABELS = {
     "weights": "weights",
-    "gradients": "gradients",
     "optimizer_states": "optimizer states",
-    "activations": "activations",
-    "autocast_weight_copies": "autocast weight copies",
     "all_to_all_buffers": "all-to-all buffers",
-    "transient": "transient (backward working set)",
-    "reserved": "reserved (CUDA context, NCCL, fragmentation)",
+    "ddp_buckets": "DDP gradient buckets",
+    "step_peak": "step peak (activations, gradients, working)",
+    "reserved": "reserved",
 }
 _HOST_LABELS = {
     "offloaded_states": "offloaded optimizer states",
     "pinned_staging": "pinned staging",
+    "checkpoint_staging": "checkpoint staging (async)",
     "reserved": "reserved (OS, data loading, runtime)",
 }
 
@@ -35,7 +34,7 @@ def _count(value: float) -> str:
 
 
 def _bytes(value: float) -> str:
-    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, size in (("TiB", 2**40), ("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(value) >= size:
             return f"{value / size:.2f} {unit}"
     return f"{value:.0f} B"
@@ -81,6 +80,50 @@ def recompute_summary(plan) -> str:
     return "recompute " + ", ".join(pieces)
 
 
+def step_peak_lines(plan) -> list[str]:
+    """The step peak's parts, indented under it, and the activations kept with the recompute plan."""
+    step, r = plan.step_memory, plan.recompute
+    return [
+        f"    {'activations held at the peak':<44} {_gib(step.activations)}",
+        f"    {'gradients allocated at the peak':<44} {_gib(step.gradients)}  "
+        f"(of {plan.gradient_bytes / GiB:.2f})",
+        f"    {'working memory':<44} {_gib(step.working)}",
+        f"    {'activations kept by the forward':<44} {_gib(r.activation_bytes)}  (without recompute "
+        f"{r.baseline_bytes / GiB:.2f}; {recompute_summary(plan)})",
+    ]
+
+
+_RESERVE_LABELS = {
+    "cuda_context": "CUDA context, cuBLAS",
+    "fragmentation": "allocator fragmentation (5% of the step's)",
+    "given": "as given (--gpu-reserved-gib)",
+}
+
+
+def reserve_lines(plan) -> list[str]:
+    """The reserve by term: the CUDA context, NCCL per communicator, fragmentation."""
+    lines = []
+    for term, value in plan.reserve.items():
+        label = (
+            _RESERVE_LABELS.get(term) or f"NCCL, {term.removeprefix('nccl_').replace('_', ' ')} communicator"
+        )
+        lines.append(f"    {label:<44} {_gib(value)}")
+    return lines
+
+
+def checkpoint_line(plan) -> str:
+    """Checkpoint size per rank and per run, and how it is written."""
+    how = (
+        "written in the background from the host copy above"
+        if plan.settings.async_checkpoint
+        else "written synchronously (no host copy)"
+    )
+    return (
+        f"checkpoint: {_bytes(plan.checkpoint['rank_bytes'])} per GPU, "
+        f"{_bytes(plan.checkpoint['run_bytes'])} per run (weights and optimizer states), {how}"
+    )
+
+
 def gpu_total_line(plan) -> str:
     """``total / usable`` with the verdict, the GiB to spare (negative: over) and how the usable
     memory follows from the capacity and the headroom."""
@@ -111,11 +154,13 @@ def format_plan(plan) -> str:
         extra = ""
         if key == "optimizer_states" and plan.settings.offload:
             extra = "  (offloaded to host)"
-        if key == "activations":
-            extra = (
-                f"  (without recompute {plan.recompute.baseline_bytes / GiB:.2f}; {recompute_summary(plan)})"
-            )
+        if key == "step_peak":
+            extra = f"  (at the {plan.step_memory.where})"
         lines.append(f"  {label:<46} {_gib(value)}{extra}")
+        if key == "step_peak":
+            lines += step_peak_lines(plan)
+        if key == "reserved":
+            lines += reserve_lines(plan)
     lines.append(gpu_total_line(plan))
     lines += ["", f"{'host memory per node':<48} {'GiB':>8}"]
     for key, label in _HOST_LABELS.items():
@@ -124,6 +169,7 @@ def format_plan(plan) -> str:
     lines.append(
         f"  {'total / capacity':<46} {_gib(plan.host_total)} / {plan.host_capacity / GiB:.2f}  {verdict}"
     )
+    lines.append(checkpoint_line(plan))
     lines += [
         "",
         f"{'traffic per GPU per step':<28} {'calls':>7} {'intra-node':>12} {'inter-node':>12} "

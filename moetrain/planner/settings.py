@@ -54,6 +54,9 @@ class PlanSettings:
       model does not know: activations are validated to within 10%, the buffers, transient and
       reserved terms are estimates, and the driver shows less than the datasheet (~31.75 of a
       V100's 32 GiB).
+    - ``async_checkpoint``: checkpoints are written in the background (the engine's default),
+      from a host-memory copy (staging) of everything each rank saves: its weights and its
+      optimizer states, already offloaded or not.
     """
 
     ep_size: int = 1
@@ -74,6 +77,7 @@ class PlanSettings:
     capacity_factor: float | str | None = MODEL_CAPACITY
     compute_efficiency: float = 0.4
     memory_headroom: float = DEFAULT_MEMORY_HEADROOM
+    async_checkpoint: bool = True
 
     def __post_init__(self) -> None:
         require_int("ep_size", self.ep_size, 1)

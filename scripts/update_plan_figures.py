@@ -1,0 +1,180 @@
+"""One source for the M6-1T figures: the planner's output, pasted into the files that quote it.
+
+Runs ``moetrain plan`` on ``configs/m6_1t.yaml`` for the M6-T cluster (the command below) and
+writes, between ``plan-figures:begin`` / ``plan-figures:end`` marker lines, the plan in README.md
+("Plan a trillion-parameter run") and a summary in the header of configs/m6_1t.yaml and in the
+comments of scripts/slurm/m6_1t_480gpu.sbatch; it also sets the config's ``recompute_budget_mb``
+to the activation budget the planner chose. Nothing outside the markers and that one value is
+touched. ``--check`` changes nothing and exits 1 naming every file that is out of date
+(tests/test_plan_figures.py runs it).
+
+Usage: python scripts/update_plan_figures.py [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "m6_1t.yaml"
+README = ROOT / "README.md"
+SBATCH = ROOT / "scripts" / "slurm" / "m6_1t_480gpu.sbatch"
+CLUSTER_ARGS = ["--cluster", "v100-32gb", "--nodes", "60", "--inter-node-gbps", "35"]
+COMMAND = "moetrain plan --model configs/m6_1t.yaml " + " ".join(CLUSTER_ARGS)
+BEGIN, END = "plan-figures:begin", "plan-figures:end"
+GiB = 2**30
+
+
+def run_plan(json_output: bool) -> str:
+    """COMMAND's standard output."""
+    from moetrain.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["plan", "--model", str(CONFIG), *CLUSTER_ARGS, *(["--json"] if json_output else [])])
+    if code != 0:
+        raise SystemExit(f"{COMMAND} says the plan does not fit:\n{out.getvalue()}")
+    return out.getvalue()
+
+
+def gib(value: float) -> str:
+    return f"{value / GiB:.2f}"
+
+
+def summary(plan: dict) -> list[str]:
+    """The plan in a few sentences (the config's and the sbatch script's comments)."""
+    gpu, step, host = plan["gpu_memory"], plan["step_peak"], plan["host_memory"]
+    settings, recompute, reserve = plan["settings"], plan["recompute"], plan["reserve"]
+    nccl = [key for key in reserve if key.startswith("nccl_")]
+    staging = plan["checkpoint"]["rank_bytes"] * plan["cluster"]["gpus_per_node"]
+    return [
+        f"micro-batch {settings['micro_batch']} x grad_accum {settings['grad_accum']} -> "
+        f"{gib(plan['gpu_total'])} GiB per GPU of {gib(plan['gpu_usable'])} usable (32 GiB less the 10% "
+        "headroom):",
+        f"{gib(gpu['weights'])} fp32 weights, {gib(gpu['step_peak'])} step peak at the {step['where']} "
+        f"({gib(step['activations'])} activations held,",
+        f"{gib(step['gradients'])} gradients, {gib(step['working'])} working; "
+        f"{gib(recompute['activation_bytes'])} kept by the forward with {recompute['layers_recomputed']} "
+        "layers recomputed),",
+        f"{gib(gpu['reserved'])} reserved (CUDA context, NCCL for {len(nccl)} communicators, fragmentation).",
+        f"Host memory per node {gib(plan['host_total'])} of {gib(plan['host_capacity'])} GiB (offloaded Adam "
+        f"{gib(host['offloaded_states'])}, pinned staging {gib(host['pinned_staging'])}).",
+        f"Checkpoints: {gib(plan['checkpoint']['rank_bytes'])} GiB per GPU, "
+        f"{plan['checkpoint']['run_bytes'] / 2**40:.2f} TiB per run; "
+        + (
+            "written from a host copy in the background."
+            if settings["async_checkpoint"]
+            else f"written synchronously: a background write's host copy would add {gib(staging)} GiB "
+            "per node."
+        ),
+        f"{plan['time']['tokens_per_step']:,} tokens per step, "
+        f"~{plan['time']['tokens_per_s'] / 1e3:.0f}k tokens/s (the planner's model, not a measurement).",
+    ]
+
+
+def why_it_fits(plan: dict) -> list[str]:
+    """README's "Why it fits" paragraph with the plan's numbers, wrapped at 100 characters."""
+    step, recompute, host = plan["step_peak"], plan["recompute"], plan["host_memory"]
+    per_rank = plan["checkpoint"]["rank_bytes"]
+    staging = per_rank * plan["cluster"]["gpus_per_node"]
+    spare = plan["gpu_usable"] - plan["gpu_total"]
+    sentences = [
+        "Why it fits: with ep_size 480 each GPU holds 2 of the 960 experts per layer",
+        f"({plan['params']['per_rank'] / 1e9:.1f}B parameters); the Adam moments and fp32 masters go to",
+        f"host memory ({gib(host['offloaded_states'])} GiB per node) and are stepped by the C++ CPU Adam.",
+        f"The forward keeps {gib(recompute['activation_bytes'])} GiB of activations after recomputing",
+        f"{recompute['layers_recomputed']} of 24 layers in whole or part (the exact knapsack of",
+        "`auto_checkpoint`). The step's peak comes at the",
+        f"{step['where']}: {gib(step['activations'])} GiB of activations still held (the rebuilt layer",
+        f"included), {gib(step['gradients'])} GiB of gradients and {gib(step['working'])} GiB of working",
+        "memory. The reserve counts the CUDA context, NCCL's buffers for each communicator and",
+        f"fragmentation ({gib(plan['gpu_memory']['reserved'])} GiB), and {gib(spare)} GiB beyond the 10%",
+        "headroom stay free. Checkpoints are written synchronously: a background write would first copy",
+        f"every rank's {gib(per_rank)} GiB of state into host memory, {gib(staging)} GiB per node that the",
+        "512 GiB nodes do not have beside the offloaded optimizer. The step-peak model is checked against",
+        "measured peaks on the CPU ([docs/planner.md](docs/planner.md#validation)); time figures are a",
+        "model, not a measurement.",
+    ]
+    return wrap(sentences, "")
+
+
+def replace_between(text: str, lines: list[str], prefix: str, where: Path) -> str:
+    """``text`` with the lines between the marker lines (``prefix`` + BEGIN / END) replaced."""
+    begin, end = f"{prefix}{BEGIN}", f"{prefix}{END}"
+    pattern = re.compile(rf"(^{re.escape(begin)}[^\n]*\n)(.*?)(^{re.escape(end)}[^\n]*$)", re.S | re.M)
+    if not pattern.search(text):
+        raise SystemExit(f"{where}: the marker lines '{begin}' and '{end}' are missing")
+    body = "".join(f"{line}\n" for line in lines)
+    return pattern.sub(lambda match: match.group(1) + body + match.group(3), text, count=1)
+
+
+def wrap(sentences: list[str], prefix: str, width: int = 100) -> list[str]:
+    """Comment lines of at most ``width`` characters."""
+    words, lines, line = " ".join(sentences).split(), [], prefix
+    for word in words:
+        if len(line) + 1 + len(word) > width and line != prefix:
+            lines.append(line)
+            line = prefix
+        line = f"{line} {word}" if line != prefix else f"{prefix}{word}"
+    return [*lines, line]
+
+
+def expected_files() -> dict[Path, str]:
+    table = run_plan(json_output=False).rstrip("\n")
+    plan = json.loads(run_plan(json_output=True))
+    budget_mb = math.ceil(plan["recompute"]["activation_bytes"] / 2**20)
+
+    readme = README.read_text(encoding="utf-8")
+    block = ["```", f"$ {COMMAND}", *table.splitlines()[1:], "```", "", *why_it_fits(plan)]
+    readme = replace_between(readme, block, "<!-- ", README)
+
+    config = CONFIG.read_text(encoding="utf-8")
+    header = [
+        "# Sized with the planner (docs/planner.md) for the engine's layout (fp32 weights, fp16",
+        "# autocast):",
+    ]
+    header += [f"#   {COMMAND}", *wrap(summary(plan), "# ")]
+    config = replace_between(config, header, "# ", CONFIG)
+    config, count = re.subn(
+        r"^recompute_budget_mb: \d+", f"recompute_budget_mb: {budget_mb}", config, count=1, flags=re.M
+    )
+    if count != 1:
+        raise SystemExit(f"{CONFIG}: no 'recompute_budget_mb:' line")
+
+    sbatch = SBATCH.read_text(encoding="utf-8")
+    sbatch = replace_between(sbatch, [f"#   {COMMAND}", *wrap(summary(plan), "#   ")], "# ", SBATCH)
+    return {README: readme, CONFIG: config, SBATCH: sbatch}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="change nothing; exit 1 if a file is out of date"
+    )
+    args = parser.parse_args(argv)
+    stale = []
+    for path, text in expected_files().items():
+        if path.read_text(encoding="utf-8") != text:
+            stale.append(path)
+            if not args.check:
+                path.write_text(text, encoding="utf-8")
+    if args.check and stale:
+        names = ", ".join(str(path.relative_to(ROOT)) for path in stale)
+        print(f"out of date: {names}; run python scripts/update_plan_figures.py", file=sys.stderr)
+        return 1
+    for path in stale:
+        print(f"updated {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
