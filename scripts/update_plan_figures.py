@@ -99,8 +99,9 @@ def why_it_fits(plan: dict) -> list[str]:
         "headroom stay free. Checkpoints are written synchronously: a background write would first copy",
         f"every rank's {gib(per_rank)} GiB of state into host memory, {gib(staging)} GiB per node that the",
         "512 GiB nodes do not have beside the offloaded optimizer. The step-peak model is checked against",
-        "measured peaks on the CPU ([docs/planner.md](docs/planner.md#validation)); time figures are a",
-        "model, not a measurement.",
+        "measured peaks on the CPU",
+        "([docs/planner.md](docs/planner.md#validation-against-real-runs)); time figures are a model,",
+        "not a measurement.",
     ]
     return wrap(sentences, "")
 
