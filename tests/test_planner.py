@@ -500,3 +500,18 @@ def _m6_1t_and_cluster():
     from moetrain.planner.model import resolve_model
 
     return resolve_model("m6-1T")[0], m6_cluster()
+
+
+def test_the_commands_at_the_top_of_docs_planner_md_run(capsys, monkeypatch):
+    import shlex
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)  # the commands name files relative to the repository root
+    doc = (root / "docs" / "planner.md").read_text(encoding="utf-8")
+    block = doc.split("```\n", 2)[1].replace("\\\n", " ")
+    commands = [shlex.split(line, comments=True) for line in block.splitlines() if line.strip()]
+    assert len(commands) == 3 and all(words[:2] == ["moetrain", "plan"] for words in commands)
+    for words in commands:
+        assert _run(words[1:]) == 0, capsys.readouterr().out[-2000:]
+        assert capsys.readouterr().out
