@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
-DEPS := setuptools>=64 wheel ninja pybind11 pytest pytest-timeout ruff numpy pyyaml pillow sacrebleu>=2.6
+DEPS := setuptools>=64 wheel ninja pybind11 pytest pytest-timeout ruff numpy pyyaml pillow sacrebleu>=2.6 transformers>=5
 DEPS_STAMP := $(VENV)/.deps-$(shell printf '%s' '$(TORCH) $(DEPS)' | md5sum | cut -c1-12)
 BUILD_STAMP := $(VENV)/.moetrain-built
 SOURCES := setup.py pyproject.toml moetrain/_source_hash.py $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu csrc/*.cuh)

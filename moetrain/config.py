@@ -24,7 +24,7 @@ def option(default=MISSING, help: str = ""):  # noqa: A002 - the name the refere
 
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
-ACTIVATIONS = ("relu", "gelu", "swiglu")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu")
 KERNEL_CHOICES = ("auto", "custom", "torch")
 
 
@@ -76,7 +76,12 @@ class MoEConfig:
             "groups, each picks top_k / num_prototypes"
         ),
     )
-    activation: str = option("gelu", "'relu', 'gelu' or 'swiglu'")
+    activation: str = option(
+        "gelu", "'relu', 'gelu' (exact), 'gelu_tanh' (tanh approximation, GPT-2's) or 'swiglu'"
+    )
+    expert_bias: bool = option(
+        False, "experts add a bias after each of their two matrices (upcycled FFNs that have biases)"
+    )
     shared_expert_d_ff: int | None = option(
         None, ("hidden size of a dense expert every token also goes through; None: none")
     )
@@ -124,6 +129,7 @@ class MoEConfig:
         require_nonneg_float("z_loss_coef", self.z_loss_coef)
         require_bool("batch_prioritized_routing", self.batch_prioritized_routing)
         require_choice("activation", self.activation, ACTIVATIONS)
+        require_bool("expert_bias", self.expert_bias)
         if self.shared_expert_d_ff is not None:
             require_int("shared_expert_d_ff", self.shared_expert_d_ff, 1)
         require_choice("kernels", self.kernels, KERNEL_CHOICES)

@@ -30,6 +30,7 @@ CASES = {
     },
     "sigmoid_scores": {"score_function": "sigmoid", "top_k": 3},
     "torch_kernels": {"kernels": "torch", "capacity_factor": 0.75, "min_capacity": 1},
+    "expert_bias_gelu_tanh": {"expert_bias": True, "activation": "gelu_tanh", "capacity_factor": None},
 }
 
 

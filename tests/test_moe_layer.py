@@ -208,7 +208,7 @@ BAD_CONFIGS = [
     ({"capacity_factor": -1.0}, "capacity_factor"),
     ({"eval_capacity_factor": float("nan")}, "eval_capacity_factor"),
     ({"score_function": "tanh"}, "score_function.*'softmax', 'sigmoid'"),
-    ({"activation": "silu"}, "activation.*'relu', 'gelu', 'swiglu'"),
+    ({"activation": "silu"}, "activation.*'relu', 'gelu', 'gelu_tanh', 'swiglu'"),
     ({"num_prototypes": 3}, "num_prototypes"),
     ({"num_prototypes": 4, "top_k": 2}, "top_k must be a multiple of num_prototypes"),
     ({"router_jitter": 1.5}, "router_jitter"),

@@ -166,17 +166,21 @@ class _ExpertMLP(torch.autograd.Function):
 
 
 def apply_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """relu / gelu (tanh-free, exact) / swiglu (``silu(h[:, :F]) * h[:, F:]``)."""
+    """relu / gelu (exact) / gelu_tanh (the tanh approximation) / swiglu
+    (``silu(h[:, :F]) * h[:, F:]``)."""
     if activation == "relu":
         return F.relu(h)
     if activation == "gelu":
         return F.gelu(h)
+    if activation == "gelu_tanh":
+        return F.gelu(h, approximate="tanh")
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
 class GroupedExperts(nn.Module):
-    """E feed-forward experts ``y = act(x @ w1[e]) @ w2[e]`` stored as stacked weights.
+    """E feed-forward experts ``y = act(x @ w1[e] [+ b1[e]]) @ w2[e] [+ b2[e]]`` stored as stacked
+    weights (the biases ``b1_EF``, ``b2_ED`` only with ``bias=True``, initialised to zero).
 
     Under expert parallelism a rank holds the ``num_experts`` experts starting at global index
     ``first_expert``. Each expert is initialised from its own generator seeded with
@@ -191,6 +195,7 @@ class GroupedExperts(nn.Module):
         activation: str,
         first_expert: int = 0,
         seed: int | None = None,
+        bias: bool = False,
     ):
         super().__init__()
         self.num_experts = num_experts
@@ -198,6 +203,8 @@ class GroupedExperts(nn.Module):
         self.activation = activation
         inner = 2 * d_ff if activation == "swiglu" else d_ff
         self.w1_EDF = nn.Parameter(torch.empty(num_experts, d_model, inner))
+        self.b1_EF = nn.Parameter(torch.zeros(num_experts, inner)) if bias else None
+        self.b2_ED = nn.Parameter(torch.zeros(num_experts, d_model)) if bias else None
         self.w2_EFD = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
         self.seed = int(torch.randint(0, 2**62, (), device="cpu")) if seed is None else seed
         self._grad_buffers = (ReusableGradBuffer(), ReusableGradBuffer())
@@ -220,6 +227,8 @@ class GroupedExperts(nn.Module):
         ``y_ND``."""
         dtype = x_ND.dtype
         w1, w2 = self.w1_EDF.to(dtype), self.w2_EFD.to(dtype)
+        if self.b1_EF is not None:
+            return self._forward_with_biases(x_ND.contiguous(), w1, w2, rows_per_expert_E)
         if (
             torch.compiler.is_compiling()
             or x_ND.device.type == "meta"
@@ -230,11 +239,21 @@ class GroupedExperts(nn.Module):
         # A fresh buffer (used once) is a plain allocation: the gradient of a cast copy is
         # converted by autograd, so only the parameters' own gradients are worth keeping.
         buffers = self._grad_buffers if w1 is self.w1_EDF else (ReusableGradBuffer(), ReusableGradBuffer())
-        if self.activation != "swiglu":
+        if self.activation in ("relu", "gelu"):
             offsets = _row_offsets(rows_per_expert)
             return _ExpertMLP.apply(x_ND.contiguous(), w1, w2, offsets, self.activation, buffers)
         h_NF = grouped_matmul(x_ND, w1, rows_per_expert, buffers[0])
         return grouped_matmul(apply_activation(h_NF, self.activation), w2, rows_per_expert, buffers[1])
+
+    def _forward_with_biases(self, x_ND, w1_EDF, w2_EFD, rows_per_expert_E) -> torch.Tensor:
+        """The operator path plus each row's expert bias, gathered by the row's expert index."""
+        grouped_mm = torch.ops.moetrain.grouped_mm
+        expert_N = torch.repeat_interleave(
+            torch.arange(self.num_experts, device=x_ND.device), rows_per_expert_E, output_size=x_ND.shape[0]
+        )
+        b1_NF, b2_ND = self.b1_EF.to(x_ND.dtype)[expert_N], self.b2_ED.to(x_ND.dtype)[expert_N]
+        h_NF = grouped_mm(x_ND, w1_EDF, rows_per_expert_E, False) + b1_NF
+        return grouped_mm(apply_activation(h_NF, self.activation), w2_EFD, rows_per_expert_E, False) + b2_ND
 
     def _forward_by_operators(self, x_ND, w1_EDF, w2_EFD, rows_per_expert_E) -> torch.Tensor:
         grouped_mm = torch.ops.moetrain.grouped_mm

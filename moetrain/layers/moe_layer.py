@@ -99,7 +99,9 @@ class MoELayer(nn.Module):
         self.parallel = parallel
         self.router = TopKRouter(config)
         local = range(config.num_experts) if parallel is None else parallel.local_experts(config.num_experts)
-        self.experts = GroupedExperts(len(local), config.d_model, config.d_ff, config.activation, local.start)
+        self.experts = GroupedExperts(
+            len(local), config.d_model, config.d_ff, config.activation, local.start, bias=config.expert_bias
+        )
         self.shared_expert = (
             DenseFFN(config.d_model, config.shared_expert_d_ff, config.activation)
             if config.shared_expert_d_ff
