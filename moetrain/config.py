@@ -62,6 +62,16 @@ class MoEConfig:
     )
     aux_loss_coef: float = option(1e-2, "weight of the load-balancing loss E * sum_e f_e * P_e")
     z_loss_coef: float = option(0.0, "weight of the router z-loss mean(logsumexp(logits)^2)")
+    seq_aux_loss_coef: float = option(
+        0.0, "weight of the sequence-level balance loss (the balance loss within each sequence, averaged)"
+    )
+    score_bias_rate: float = option(
+        0.0,
+        (
+            "aux-loss-free balancing: a per-expert bias added to the scores for the choice only, moved by "
+            "rate * sign(mean load - load) after each optimizer step; 0: off"
+        ),
+    )
     batch_prioritized_routing: bool = option(
         False,
         (
@@ -127,6 +137,8 @@ class MoEConfig:
             )
         require_nonneg_float("aux_loss_coef", self.aux_loss_coef)
         require_nonneg_float("z_loss_coef", self.z_loss_coef)
+        require_nonneg_float("seq_aux_loss_coef", self.seq_aux_loss_coef)
+        require_nonneg_float("score_bias_rate", self.score_bias_rate)
         require_bool("batch_prioritized_routing", self.batch_prioritized_routing)
         require_choice("activation", self.activation, ACTIVATIONS)
         require_bool("expert_bias", self.expert_bias)

@@ -56,7 +56,7 @@ from moetrain.comm.grad_sync import ExpertGradReducer, clip_grad_norm_, global_g
 from moetrain.config import TrainConfig
 from moetrain.cpus import cpus_per_rank, default_threads
 from moetrain.failures import RunPosition
-from moetrain.layers import MoELayer, collect_moe_stats, set_aux_loss_scale
+from moetrain.layers import MoELayer, collect_moe_stats, set_aux_loss_scale, update_score_biases
 from moetrain.metrics import MetricsWriter
 from moetrain.offload import GroupwiseApply, OffloadOptimizer
 from moetrain.parallel import ParallelContext, init_distributed, read_launch_environment
@@ -539,6 +539,7 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         if not skipped:  # a skipped step does not advance the schedule (as in Megatron-LM)
             self.scheduler.step()
+            self._update_score_biases()
         self.step += 1
         self._window.append(
             {
@@ -552,6 +553,11 @@ class Trainer:
             return None
         self.position.phase = "metrics"
         return self._logged_metrics(lr, grad_norm, loss_scale, skipped)
+
+    def _update_score_biases(self) -> None:
+        """Aux-loss-free balancing: once per optimizer step, from the routed counts of its
+        ``grad_accum`` micro-steps summed over every rank (the routers are replicated on all)."""
+        update_score_biases(self.model)
 
     def _skip_step(self, loss_scale: float) -> None:
         """Drops the gradients; counts the skip; stops the run after too many in a row."""
@@ -632,7 +638,12 @@ class Trainer:
             routed, kept = both[0], both[1]
         cv = (routed.std(dim=1, unbiased=False) / routed.mean(dim=1).clamp_min(1e-12)).tolist()
         dropped = (1 - kept.sum(1) / routed.sum(1).clamp_min(1)).tolist()
-        return {"expert_load_cv": cv, "dropped_fraction": dropped}
+        metrics = {"expert_load_cv": cv, "dropped_fraction": dropped}
+        layers = [m for m in self.model.modules() if isinstance(m, MoELayer)]
+        biases = [m.router.score_bias_E for m in layers if m.router.score_bias_E is not None]
+        if biases:  # the spread of each layer's aux-free score biases (identical on every rank)
+            metrics["score_bias_range"] = [float(b.max() - b.min()) for b in biases]
+        return metrics
 
     def _data_metrics(self) -> dict:
         """Bad records the data pipeline skipped so far on this rank (datasets that count them)."""

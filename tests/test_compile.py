@@ -31,6 +31,7 @@ CASES = {
     "sigmoid_scores": {"score_function": "sigmoid", "top_k": 3},
     "torch_kernels": {"kernels": "torch", "capacity_factor": 0.75, "min_capacity": 1},
     "expert_bias_gelu_tanh": {"expert_bias": True, "activation": "gelu_tanh", "capacity_factor": None},
+    "aux_free_sequence_loss": {"score_bias_rate": 0.01, "seq_aux_loss_coef": 0.01},
 }
 
 

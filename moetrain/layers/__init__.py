@@ -1,5 +1,19 @@
 """MoE layer building blocks: router, losses, dispatch, experts and the layer itself."""
 
-from moetrain.layers.moe_layer import MoELayer, MoEModelStats, MoEStats, collect_moe_stats, set_aux_loss_scale
+from moetrain.layers.moe_layer import (
+    MoELayer,
+    MoEModelStats,
+    MoEStats,
+    collect_moe_stats,
+    set_aux_loss_scale,
+    update_score_biases,
+)
 
-__all__ = ["MoELayer", "MoEModelStats", "MoEStats", "collect_moe_stats", "set_aux_loss_scale"]
+__all__ = [
+    "MoELayer",
+    "MoEModelStats",
+    "MoEStats",
+    "collect_moe_stats",
+    "set_aux_loss_scale",
+    "update_score_biases",
+]

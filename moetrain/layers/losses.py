@@ -32,6 +32,29 @@ def load_balancing_loss(probs_TE: torch.Tensor, expert_ids_TK: torch.Tensor) -> 
     return num_experts * torch.dot(slot_share_E, mean_prob_E)
 
 
+def sequence_balance_loss(probs_TE: torch.Tensor, expert_ids_TK: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The load-balancing loss within each sequence, averaged over the ``B = T / seq_len``
+    sequences (DeepSeek-V3's sequence-wise balance loss): ``mean_b E * sum_e f_be * P_be`` with
+    ``f_be`` the share of sequence b's ``seq_len * K`` slots that chose expert e and ``P_be`` the
+    mean over its tokens of the normalised probability of e. Tokens are in sequence-major order
+    (``[B, S]`` flattened). 1 when every sequence is balanced, E when each sequence sends all its
+    tokens to one expert."""
+    num_tokens, num_experts = probs_TE.shape
+    if num_tokens == 0:
+        return probs_TE.sum() * 0.0
+    distribution_TE = probs_TE / probs_TE.sum(dim=-1, keepdim=True).clamp_min(
+        torch.finfo(probs_TE.dtype).tiny
+    )
+    sequences, top_k = num_tokens // seq_len, expert_ids_TK.shape[1]
+    mean_prob_BE = distribution_TE.view(sequences, seq_len, num_experts).mean(dim=1)
+    slots_BS = expert_ids_TK.reshape(sequences, seq_len * top_k)
+    counts_BE = probs_TE.new_zeros(sequences, num_experts).scatter_add_(
+        1, slots_BS, torch.ones_like(slots_BS, dtype=probs_TE.dtype)
+    )
+    share_BE = counts_BE / (seq_len * top_k)
+    return num_experts * (share_BE * mean_prob_BE).sum(dim=1).mean()
+
+
 def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
     """ST-MoE router z-loss ``mean_t (logsumexp_e logits[t, e])^2``; keeps router logits small."""
     if logits_TE.shape[0] == 0:

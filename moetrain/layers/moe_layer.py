@@ -31,7 +31,7 @@ from moetrain.layers.dispatch import (
     token_priority_order,
 )
 from moetrain.layers.experts import DenseFFN, GroupedExperts
-from moetrain.layers.losses import attach_aux_loss, load_balancing_loss, router_z_loss
+from moetrain.layers.losses import attach_aux_loss, load_balancing_loss, router_z_loss, sequence_balance_loss
 from moetrain.layers.precision import autocast_off, compute_dtype
 from moetrain.layers.replay import RoutingReplay, attach_to_graph, input_digest
 from moetrain.layers.router import RouterOutput, TopKRouter
@@ -158,6 +158,11 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         x_TD = self._tokens(x)
+        if cfg.seq_aux_loss_coef and x.dim() < 3:
+            raise ValueError(
+                f"seq_aux_loss_coef needs inputs [..., seq_len, d_model] (the balance is per sequence), "
+                f"got shape {tuple(x.shape)}"
+            )
         num_tokens = x_TD.shape[0]
         dtype = compute_dtype(x)
 
@@ -167,7 +172,8 @@ class MoELayer(nn.Module):
         expert_ids_TK = routing.expert_ids_TK
         # The aux loss rides on the gates (they feed the output, and under expert parallelism a
         # compiled graph ends at the exchange, so a tensor made before it must carry the loss).
-        gates_TK = self._attach_losses(routing.gates_TK, routing, expert_ids_TK, plan, capacity)
+        seq_len = x.shape[-2] if x.dim() >= 3 else num_tokens
+        gates_TK = self._attach_losses(routing.gates_TK, routing, expert_ids_TK, plan, capacity, seq_len)
         with autocast_off(x.device.type):
             x_ND, rows_per_local_expert_E, record = self.dispatcher.dispatch(x_TD.to(dtype), plan)
             y_ND = self.experts(x_ND, rows_per_local_expert_E)
@@ -213,9 +219,11 @@ class MoELayer(nn.Module):
         plan = build_dispatch_plan(
             routing.expert_ids_TK, cfg.num_experts, capacity, priority_S, cfg.kernels, padded
         )
+        if self.training and cfg.score_bias_rate > 0:
+            self.router.observe(plan.routed_per_expert_E)
         return routing, plan
 
-    def _attach_losses(self, gates_TK, routing, expert_ids_TK, plan, capacity) -> torch.Tensor:
+    def _attach_losses(self, gates_TK, routing, expert_ids_TK, plan, capacity, seq_len: int) -> torch.Tensor:
         """Records ``last_stats`` and returns ``gates_TK`` carrying the aux loss: backward through
         them adds ``aux_loss_scale * aux_loss``'s gradient."""
         cfg = self.config
@@ -223,6 +231,10 @@ class MoELayer(nn.Module):
         balance = load_balancing_loss(routing.probs_TE, expert_ids_TK) if cfg.aux_loss_coef else zero
         z_loss = router_z_loss(routing.logits_TE) if cfg.z_loss_coef else zero
         aux_loss = cfg.aux_loss_coef * balance + cfg.z_loss_coef * z_loss
+        if cfg.seq_aux_loss_coef:
+            aux_loss = aux_loss + cfg.seq_aux_loss_coef * sequence_balance_loss(
+                routing.probs_TE, expert_ids_TK, seq_len
+            )
         self.last_stats = MoEStats(
             aux_loss=aux_loss.detach(),
             load_balancing_loss=balance.detach(),
@@ -231,7 +243,7 @@ class MoELayer(nn.Module):
             kept_per_expert=plan.kept_per_expert_E,
             capacity=capacity,
         )
-        if not (cfg.aux_loss_coef or cfg.z_loss_coef):
+        if not (cfg.aux_loss_coef or cfg.z_loss_coef or cfg.seq_aux_loss_coef):
             return gates_TK
         return attach_aux_loss(gates_TK, aux_loss, self.aux_loss_scale)
 
@@ -256,6 +268,24 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     for module in model.modules():
         if isinstance(module, MoELayer):
             module.aux_loss_scale = float(scale)
+
+
+def update_score_biases(model: nn.Module, group=None) -> None:
+    """Aux-loss-free balancing, once per optimizer step: sums every MoELayer's routed counts since
+    the last call over the ranks of ``group`` (None: the default group, when torch.distributed is
+    initialised; every rank that routes with a replica of the same routers must be in it), in one
+    all-reduce for all layers, and moves each layer's score biases by
+    ``rate * sign(mean load - load_e)``. Layers without ``score_bias_rate`` are skipped."""
+    routers = [
+        m.router for m in model.modules() if isinstance(m, MoELayer) and m.router.score_bias_E is not None
+    ]
+    if not routers:
+        return
+    loads = torch.stack([router.load_E for router in routers])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(loads, group=group)
+    for router, load_E in zip(routers, loads, strict=True):
+        router.update_score_bias(load_E)
 
 
 def collect_moe_stats(model: nn.Module) -> MoEModelStats:

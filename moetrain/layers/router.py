@@ -32,6 +32,13 @@ class TopKRouter(nn.Module):
     over the K choices when ``normalize_gates`` (auto: when K > 1).
 
     Training-time jitter multiplies the router input by ``U(1 - eps, 1 + eps)`` (Switch).
+
+    Aux-loss-free balancing (``score_bias_rate > 0``, DeepSeek-V3): the choice is made on
+    ``probs_TE + score_bias_E`` while the gates stay the unbiased scores; ``load_E`` counts the
+    slots routed to each expert since the last :meth:`update_score_bias`, which moves each bias by
+    ``rate * sign(mean load - load_e)`` (see :func:`moetrain.layers.update_score_biases`, called
+    once per optimizer step with the counts summed over every rank that shares the router). The
+    bias is a buffer: it is saved with the model and identical on every replica.
     """
 
     def __init__(self, config: MoEConfig):
@@ -39,6 +46,13 @@ class TopKRouter(nn.Module):
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.d_model))
         nn.init.normal_(self.weight, std=0.02)  # small logits: near-uniform routing at the start
+        if config.score_bias_rate > 0:
+            self.register_buffer("score_bias_E", torch.zeros(config.num_experts, dtype=torch.float32))
+            self.register_buffer(
+                "load_E", torch.zeros(config.num_experts, dtype=torch.float64), persistent=False
+            )
+        else:
+            self.score_bias_E = self.load_E = None
 
     def router_dtype(self, x: torch.Tensor) -> torch.dtype:
         return torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -62,8 +76,11 @@ class TopKRouter(nn.Module):
                 probs_TE = logits_TE.sigmoid()
             if expert_ids_TK is None:  # the choice is not differentiable; the gates below are
                 with torch.no_grad():
+                    choice_TE = (
+                        probs_TE if self.score_bias_E is None else probs_TE + self.score_bias_E.to(dtype)
+                    )
                     top_index_TGk = (
-                        probs_TE.view(num_tokens, groups, per_group)
+                        choice_TE.view(num_tokens, groups, per_group)
                         .topk(cfg.top_k_per_prototype, dim=-1)
                         .indices
                     )
@@ -71,6 +88,18 @@ class TopKRouter(nn.Module):
                     expert_ids_TK = (top_index_TGk + group_offset_G1).reshape(num_tokens, cfg.top_k)
             gates_TK = self.gates(probs_TE, expert_ids_TK)
         return RouterOutput(logits_TE, probs_TE, expert_ids_TK, gates_TK)
+
+    def observe(self, routed_per_expert_E: torch.Tensor) -> None:
+        """Adds a forward's routed slots per expert to ``load_E`` (aux-free balancing only)."""
+        if self.load_E is not None:
+            self.load_E += routed_per_expert_E.to(self.load_E.device, torch.float64)
+
+    @torch.no_grad()
+    def update_score_bias(self, load_E: torch.Tensor) -> None:
+        """``score_bias_E += rate * sign(mean(load_E) - load_E)``; clears ``load_E``."""
+        step = torch.sign(load_E.mean() - load_E) * self.config.score_bias_rate
+        self.score_bias_E += step.to(self.score_bias_E)
+        self.load_E.zero_()
 
     def gates(self, probs_TE: torch.Tensor, expert_ids_TK: torch.Tensor) -> torch.Tensor:
         """The chosen experts' scores ``probs[t, expert_ids[t, j]]``, divided by their sum over the

@@ -1,0 +1,158 @@
+"""Aux-loss-free balancing (per-expert score biases) and the sequence-level balance loss."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moetrain import MoELayer
+from moetrain.config import TrainConfig, config_from_dict
+from moetrain.layers import update_score_biases
+from moetrain.layers.losses import sequence_balance_loss
+from tests.dist_utils import run_distributed
+
+E = 8
+
+
+def skewed_layer(rate: float, seed: int = 0) -> MoELayer:
+    """A router whose logits favour the low-numbered experts for every input."""
+    torch.manual_seed(seed)
+    layer = MoELayer(d_model=16, d_ff=16, num_experts=E, top_k=2, capacity_factor=None, aux_loss_coef=0.0,
+                     score_bias_rate=rate)  # fmt: skip
+    with torch.no_grad():
+        layer.router.weight.normal_(0.0, 0.5)
+        layer.router.weight[:, 0] = torch.linspace(3.0, 0.0, E)  # input feature 0 is always ~1 below
+    return layer
+
+
+def tokens(step: int, rank: int = 0) -> torch.Tensor:
+    x = torch.randn(512, 16, generator=torch.Generator().manual_seed(1000 * rank + step))
+    x[:, 0] = 1.0 + 0.1 * x[:, 0]
+    return x
+
+
+def load_cv(layer: MoELayer) -> float:
+    counts = layer.last_stats.routed_per_expert.double()
+    return float(counts.std(unbiased=False) / counts.mean())
+
+
+def test_aux_free_biases_even_out_a_skewed_router_without_any_aux_loss():
+    layer, plain = skewed_layer(rate=0.01), skewed_layer(rate=0.0)
+    with torch.no_grad():
+        layer(tokens(0))
+        plain(tokens(0))
+    start = load_cv(layer)
+    assert start > 0.5 and load_cv(plain) == start
+    cvs = []
+    for step in range(1, 301):
+        with torch.no_grad():
+            x = tokens(step)
+            out = layer(x)
+            plain(x)
+        update_score_biases(layer)
+        cvs.append(load_cv(layer))
+    final = sum(cvs[-20:]) / 20
+    print(f"expert load CV: {start:.3f} at the start, {final:.3f} after 300 updates (no aux loss)")
+    assert final < 0.15 and load_cv(plain) > 0.5
+    # the choice uses the biases, the gates do not: they are the chosen unbiased scores, normalised
+    routing = layer.router(x)
+    torch.testing.assert_close(layer.router.gates(routing.probs_TE, routing.expert_ids_TK), routing.gates_TK)
+    assert torch.allclose(routing.probs_TE, plain.router(x).probs_TE)
+    assert out.shape == x.shape
+
+
+def test_score_biases_are_state_and_counts_are_not():
+    layer = skewed_layer(rate=0.01)
+    state = layer.state_dict()
+    assert "router.score_bias_E" in state and "router.load_E" not in state
+    assert "router.score_bias_E" not in skewed_layer(rate=0.0).state_dict()
+    layer.train()
+    layer(tokens(0))
+    layer.eval()
+    layer(tokens(1))  # evaluation does not count
+    assert int(layer.router.load_E.sum()) == 512 * 2
+
+
+def _replica(rank, world, steps):
+    layer = skewed_layer(rate=0.01)
+    for step in range(steps):
+        with torch.no_grad():
+            layer(tokens(step, rank))
+        update_score_biases(layer)
+    return layer.router.score_bias_E.clone()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_replicas_stay_bit_identical_and_equal_one_process_on_four_ranks():
+    steps = 12
+    biases = run_distributed(_replica, 4, steps)
+    for bias in biases[1:]:
+        assert torch.equal(bias, biases[0])
+    single = skewed_layer(rate=0.01)
+    for step in range(steps):
+        for rank in range(4):  # the counts of all four ranks' batches accumulate, then one update
+            with torch.no_grad():
+                single(tokens(step, rank))
+        update_score_biases(single)
+    assert torch.equal(single.router.score_bias_E, biases[0]) and biases[0].abs().sum() > 0
+
+
+def test_sequence_balance_loss_matches_a_per_sequence_reference():
+    torch.manual_seed(2)
+    batch, seq, k = 3, 5, 2
+    probs = torch.rand(batch * seq, E, dtype=torch.float64).softmax(-1).requires_grad_(True)
+    ids = torch.randint(0, E, (batch * seq, k))
+    got = sequence_balance_loss(probs, ids, seq)
+    reference = 0.0
+    normalised = probs / probs.sum(dim=-1, keepdim=True)  # P: the normalised probabilities
+    for b in range(batch):
+        rows = slice(b * seq, (b + 1) * seq)
+        share = torch.bincount(ids[rows].reshape(-1), minlength=E).double() / (seq * k)
+        reference = reference + E * (share * normalised[rows].mean(0)).sum()
+    reference = reference / batch
+    torch.testing.assert_close(got, reference)
+    torch.testing.assert_close(torch.autograd.grad(got, probs)[0], torch.autograd.grad(reference, probs)[0])
+    uniform = torch.full((seq * E, E), 1.0 / E, dtype=torch.float64)
+    balanced = torch.arange(seq * E * k).remainder(E).view(seq * E, k)
+    assert float(sequence_balance_loss(uniform, balanced, seq * E)) == pytest.approx(1.0)
+
+
+def test_the_layer_adds_the_sequence_loss_to_its_aux_loss_and_needs_sequences():
+    torch.manual_seed(0)
+    layer = MoELayer(d_model=8, d_ff=8, num_experts=4, top_k=2, aux_loss_coef=0.0, seq_aux_loss_coef=0.1)
+    x = torch.randn(2, 6, 8)
+    layer(x)
+    routing = layer.router(x.reshape(-1, 8))
+    expected = 0.1 * sequence_balance_loss(routing.probs_TE, routing.expert_ids_TK, 6)
+    torch.testing.assert_close(layer.last_stats.aux_loss, expected.detach())
+    with pytest.raises(ValueError, match=r"seq_aux_loss_coef needs inputs \[..., seq_len, d_model\]"):
+        layer(torch.randn(12, 8))
+
+
+def test_engine_updates_saves_and_restores_the_score_biases(tmp_path):
+    from moetrain.engine import Trainer
+
+    config = {
+        "model": {"name": "moe_lm", "d_model": 32, "num_layers": 1, "num_heads": 2, "max_seq_len": 16,
+                  "moe": {"d_ff": 32, "num_experts": 4, "top_k": 2, "aux_loss_coef": 0.0,
+                          "score_bias_rate": 0.01}},
+        "data": {"micro_batch_size": 4, "seq_len": 16}, "optim": {"lr": 3e-3, "warmup_steps": 2}, "steps": 4,
+        "grad_accum": 2, "out_dir": str(tmp_path / "run"), "threads": 1, "log_every": 1, "device": "cpu",
+    }  # fmt: skip
+    trainer = Trainer(config_from_dict(TrainConfig, config))
+    trainer.train()
+    bias = trainer.model.blocks[0].ffn.router.score_bias_E.clone()
+    trainer.close()
+    assert bias.abs().sum() > 0 and bias.abs().max() <= 4 * 0.01 + 1e-9  # one update per optimizer step
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["score_bias_range"][0] == pytest.approx(float(bias.max() - bias.min()))
+    from moetrain.checkpoint import load_checkpoint
+    from moetrain.lm import MoETransformerLM
+
+    fresh = MoETransformerLM(config_from_dict(TrainConfig, config).model)
+    assert not torch.equal(fresh.blocks[0].ffn.router.score_bias_E, bias)
+    load_checkpoint(tmp_path / "run" / "checkpoints", model=fresh)
+    assert torch.equal(fresh.blocks[0].ffn.router.score_bias_E, bias)
