@@ -744,12 +744,16 @@ class Trainer:
 
     def release(self) -> None:
         """After a failure: lets a checkpoint still being written finish (it holds a good state; its
-        collectives end within ``dist_timeout_s`` if another rank is gone), stops the watchdog and
-        releases ``out_dir``. The process groups can then be destroyed safely."""
+        collectives end within ``dist_timeout_s`` if another rank is gone), stops the data loader's
+        workers (batches with a ``close()``) and the watchdog and releases ``out_dir``. The process
+        groups can then be destroyed safely."""
         try:
             self.writer.close()
         except Exception as error:  # noqa: BLE001 - the run has already failed; this is secondary
             log.error("checkpoint in flight when the run failed: %s", error)
+        close_batches = getattr(self.batches, "close", None)
+        if callable(close_batches):
+            close_batches()
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None

@@ -8,7 +8,8 @@ builder ``builder(train_config, parallel, rank) -> (model, batches, loss_fn)``:
 - ``model``: an ``nn.Module`` called as ``model(inputs)`` or ``model(**inputs)``;
 - ``batches``: ``next() -> (inputs, targets)``, ``probe(sequences, seed)``, ``state_dict()`` /
   ``load_state_dict()`` (the data position in checkpoints), ``reseed(seed, rank, step)``,
-  ``tokens_per_batch``, a settable ``batch`` (sequences per micro-batch);
+  ``tokens_per_batch``, a settable ``batch`` (sequences per micro-batch); optionally ``close()``
+  (stops loader workers; the engine calls it when a run ends);
 - ``loss_fn(output, targets) -> scalar`` (a mean), optionally with ``loss_units(targets)``.
 
 Optional hooks: ``describe`` (the planner's model description, see ``moetrain.planner``),
