@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
 from tests.dist_utils import free_port
-from tests.faults.launch import error_lines, finish, start_ranks, tiny_config, write_config
+from tests.faults.launch import ROOT, error_lines, finish, start_ranks, tiny_config, write_config
 
 
 @pytest.mark.timeout(60)
@@ -84,21 +86,26 @@ def test_an_occupied_rendezvous_port_is_named_on_every_rank(tmp_path):
     assert elapsed < 25
 
 
+@pytest.mark.parametrize(
+    "rendezvous",
+    [
+        pytest.param(("--master-port", "{port}"), id="static"),  # torchrun's static rendezvous
+        pytest.param(  # the SLURM templates' rendezvous
+            ("--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:{port}"), id="c10d", marks=pytest.mark.slow
+        ),
+    ],
+)
 @pytest.mark.timeout(60)
-def test_an_occupied_rendezvous_port_under_the_torchrun_launcher_is_one_line(tmp_path):
-    import subprocess
-    import sys
-
-    from tests.faults.launch import ROOT
-
+def test_an_occupied_rendezvous_port_under_the_torchrun_launcher_is_one_line(tmp_path, rendezvous):
     port = free_port()
-    squatter = socket.socket()
+    squatter = socket.socket()  # listens, never answers: torchrun's c10d client would wait forever
     squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     squatter.bind(("0.0.0.0", port))
     squatter.listen()
     config = write_config(tmp_path, tiny_config(tmp_path / "run"))
     command = [
-        sys.executable, "-m", "moetrain.cli", "launch", "--nproc-per-node", "2", "--master-port", str(port),
+        sys.executable, "-m", "moetrain.cli", "launch", "--nproc-per-node", "2",
+        *(arg.format(port=port) for arg in rendezvous),
         "-m", "moetrain.cli", "train", "--config", str(config),
     ]  # fmt: skip
     try:
@@ -110,3 +117,25 @@ def test_an_occupied_rendezvous_port_under_the_torchrun_launcher_is_one_line(tmp
         "moetrain: the launcher could not start the rendezvous: the rendezvous port is already in use "
         "(another job?): choose a free --master-port / --rdzv-endpoint port"
     )
+    assert not (tmp_path / "run").exists()  # no rank was started
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_c10d_rendezvous_store_already_on_the_port_is_joined(tmp_path):
+    """A second launcher of the same job on the endpoint's host finds the port taken by the first
+    one's store: it joins it (torchrun's own fallback) instead of failing."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, timeout=timedelta(seconds=30))
+    command = [
+        sys.executable, "-m", "moetrain.cli", "launch", "--nnodes", "1", "--nproc-per-node", "1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=probe", "--no-python",
+        sys.executable, "-c", "import os; print('rank', os.environ['RANK'])",
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert result.returncode == 0 and "rank 0" in result.stdout, result.stderr
+    assert store.num_keys() > 0  # the rendezvous went through this store
