@@ -199,6 +199,7 @@ def describe_lm(config: LMConfig, name: str = "moe_lm"):
         max_seq_len=config.max_seq_len,
         moe=config.moe,
         moe_layers=tuple(range(config.num_layers)),
+        input_modules=("embed", "pos"),
     )
     return ModelDescription(name, arch, config, lambda: MoETransformerLM(config))
 

@@ -48,6 +48,9 @@ class ModelArch:
       ``image_size``, ``image_channels``, ``patch_size``, ``stem_channels``: the conv stem.
     - ``dropout``: probability on each residual branch, the embeddings and the attention.
     - ``tied_head``: the output projection reuses the embedding matrix.
+    - ``input_modules``: names of the modules and parameters used only before the first layer
+      (embeddings, positions, an image stem): their gradients arrive after layer 0's backward,
+      the other parameters' outside the layers (head, final norm) before the layers'.
     - ``measured``: family ``"generic"`` only, the
       :class:`~moetrain.planner.generic.MeasuredModel` of a model without formulas.
     """
@@ -68,6 +71,7 @@ class ModelArch:
     patch_size: int = 0
     stem_channels: tuple[int, ...] = ()
     tied_head: bool = False
+    input_modules: tuple[str, ...] = ()
     measured: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -134,13 +138,19 @@ class ModelDescription:
     build: Callable[[], nn.Module] = field(repr=False, compare=False)
 
     @cached_property
-    def _counts(self) -> tuple[ParameterCount, tuple[ParameterCount, ...]]:
+    def _counts(self) -> tuple[ParameterCount, tuple[ParameterCount, ...], int]:
         model = build_on_meta(self.build)
         modules = dict(model.named_modules())
         layers = tuple(
             count_parameters(modules[self.arch.layer_module(i)]) for i in range(self.arch.num_layers)
         )
-        return count_parameters(model), layers
+        prefixes = self.arch.input_modules
+        inputs = sum(
+            p.numel()
+            for name, p in model.named_parameters()  # tied parameters once, under their first name
+            if any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
+        )
+        return count_parameters(model), layers, inputs
 
     @property
     def params(self) -> ParameterCount:
@@ -152,6 +162,11 @@ class ModelDescription:
         """The parameters of each layer (module :meth:`ModelArch.layer_module`), counted with
         :attr:`params`."""
         return self._counts[1]
+
+    @property
+    def input_params(self) -> int:
+        """Elements of the parameters of ``arch.input_modules`` (dense, counted with :attr:`params`)."""
+        return self._counts[2]
 
 
 def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:

@@ -20,8 +20,8 @@
   ``= max(params * max(grad, weight bytes) / PCIe, gpus_per_node * params * (24 + grad + weight
   bytes) / host memory bandwidth)`` (CPU Adam is bound by host memory; copies overlap it).
 
-Terms that are estimates, not validated by a test: all-to-all buffers, the reserve, and every time
-(the step peak is checked against measured peaks on the CPU).
+Terms that are estimates, not validated by a test: the reserve and every time (the step peak and
+the all-to-all buffers are checked against measured peaks on the CPU, tests/test_planner_validation.py).
 """
 
 from __future__ import annotations
@@ -381,9 +381,10 @@ def make_plan(
     layer_elements = [count.per_rank(ep) for count in model.layer_params]
     layer_gradients = [elements * weight_b for elements in layer_elements]
     if settings.grad_accum > 1:  # micro-steps after the first start with every gradient allocated
-        layer_gradients, other_gradients = [0] * len(layer_gradients), gradient_bytes
+        layer_gradients, other_gradients, input_gradients = [0] * len(layer_gradients), gradient_bytes, 0
     else:
-        other_gradients = gradient_bytes - sum(layer_gradients)
+        input_gradients = model.input_params * weight_b  # after layer 0's backward
+        other_gradients = gradient_bytes - sum(layer_gradients) - input_gradients
     cpu_buffers = kernels == "cpu" and copies > 0
     if cpu_buffers:  # the CPU grouped GEMM keeps every layer's low-precision expert-gradient buffer
         other_gradients += experts * 2
@@ -406,6 +407,8 @@ def make_plan(
             other_copies,
             transient_low_precision_grads=not cpu_buffers,
             kept_copies=kept_copies,
+            replayed=choice.ffn_recomputed,
+            input_gradients=input_gradients,
         )
 
     # "auto": the activation budget is what the rest leaves of the usable memory (fragmentation on
@@ -587,9 +590,10 @@ def _wire_row_bytes(d_model: int, b: int, comm_dtype: str | None) -> int:
 
 
 def _all_to_all_buffers(moe_layers, d_model: int, b: int, ep: int, algorithm: str, settings) -> int:
-    """Transient rows of one MoE layer's exchange (estimate): the permuted rows ``N_s*D*b`` and the
-    received rows before regrouping ``N_r*D*b``; the 2-D algorithm adds its chunk transposes and
-    stage buffer (``3*N_s*D*b``); a bf16/fp16 wire adds the encoded copies ``(N_s + N_r)*D*2``."""
+    """Transient rows of one MoE layer's exchange: the permuted rows ``N_s*D*b`` and the received
+    rows before regrouping ``N_r*D*b``; the 2-D algorithm adds its chunk transposes and stage buffer
+    (``3*N_s*D*b``) (both measured); a bf16/fp16 wire adds the encoded copies ``(N_s + N_r)*D*2``
+    (an estimate)."""
     if not moe_layers or ep == 1:
         return 0
     rows = moe_layers[0].rows
