@@ -1,10 +1,15 @@
 """`moetrain` with a fault injected, for the fault tests: python inject.py FAULT ARGS...
 
 FAULT: ``none``; ``inf-loss@S`` (the loss of optimizer step S is inf); ``nan-loss-from@S`` (every
-loss from step S on is NaN). Only this process is affected (the tests pass it to one rank)."""
+loss from step S on is NaN); ``stop-in-moe@S`` (the first MoE layer's forward of step S, before
+its all-to-all, waits 2 s, long enough for the watchdog to publish where the rank is, then stops
+the process with SIGSTOP). Only this process is affected (the tests pass it to one rank)."""
 
 import math
+import os
+import signal
 import sys
+import time
 
 from moetrain.registry import get_model, register_model
 
@@ -15,8 +20,26 @@ if fault != "none":
     spec = get_model("moe_lm")
     original_builder = spec.builder
 
+    def stop_in_moe(model, config) -> None:
+        from moetrain.layers import MoELayer
+
+        layer = next(module for module in model.modules() if isinstance(module, MoELayer))
+        original_forward, calls = layer.forward, {"n": 0}
+
+        def forward(*args, **kwargs):
+            calls["n"] += 1
+            if (calls["n"] - 1) // config.grad_accum + 1 == start:
+                time.sleep(2)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return original_forward(*args, **kwargs)
+
+        layer.forward = forward
+
     def faulty_builder(config, parallel, rank):
         model, batches, loss_fn = original_builder(config, parallel, rank)
+        if kind == "stop-in-moe":
+            stop_in_moe(model, config)
+            return model, batches, loss_fn
         calls = {"n": 0}
 
         def faulty_loss(logits, targets):

@@ -1,10 +1,13 @@
 """Faults between ranks end within a bounded time, with one line on every surviving rank naming the
-cause: a stopped rank (the watchdog names it, the collective times out after ``dist_timeout_s``),
+cause: a stopped rank (the watchdog names it in that line, the collective times out after
+``dist_timeout_s``, also in an expert-parallel subgroup),
 ranks started with different ``ep_size`` or ``steps`` (the start-up check names the key before any
-group is built), an occupied rendezvous port under a per-task (srun-style) launch."""
+group is built), an occupied rendezvous port under a per-task (srun-style) launch and under the
+launcher with its static and its c10d rendezvous."""
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -26,6 +29,7 @@ def test_a_stopped_rank_is_named_and_the_others_end_within_the_timeout(tmp_path)
     deadline = time.monotonic() + 40
     while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
         time.sleep(0.1)
+    time.sleep(2)  # steps take milliseconds: let rank 1's watchdog publish a training step first
     procs[1].send_signal(signal.SIGSTOP)
     stopped_at = time.monotonic()
     try:
@@ -37,8 +41,42 @@ def test_a_stopped_rank_is_named_and_the_others_end_within_the_timeout(tmp_path)
     lines = error_lines(err)
     assert code == 1 and len(lines) == 1, err
     assert lines[0].startswith("moetrain: error: rank 0, step "), lines
+    assert re.search(r": rank 1 stopped making progress at step \d+, ", lines[0]), lines  # the cause
     assert "stopped or gone: rank 1 (last heard" in err, err  # the watchdog's line
     assert elapsed < 6 + 10, elapsed  # the timeout, plus start-up slack
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_rank_stopped_inside_an_expert_parallel_exchange_ends_the_others_within_the_timeout(tmp_path):
+    """Rank 1 stops as its MoE layer's forward of step 3 begins, so rank 0 waits in the exchange of
+    the expert-parallel group (a subgroup, not the world): the subgroups get ``dist_timeout_s`` too."""
+    settings = {"steps": 100, "dist_timeout_s": 6, "parallel.ep_size": 2}
+    config = write_config(tmp_path, tiny_config(tmp_path / "run", **settings))
+    procs = start_ranks([config, config], faults={1: "stop-in-moe@3"})
+    try:
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline and not _is_stopped(procs[1].pid):
+            time.sleep(0.05)
+        assert _is_stopped(procs[1].pid), "rank 1 did not reach step 3"
+        stopped_at = time.monotonic()
+        code, err = finish(procs[:1], timeout=30)[0]
+        elapsed = time.monotonic() - stopped_at
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    lines = error_lines(err)
+    assert code == 1 and len(lines) == 1, err
+    where = "moetrain: error: rank 0, step 3, forward of module blocks.0.ffn (MoELayer): "
+    assert lines[0].startswith(where), lines
+    assert "rank 1 stopped making progress at step 3, forward (last heard" in lines[0], lines
+    assert elapsed < 6 + 10, elapsed  # dist_timeout_s, plus slack; torch's default would be 30 min
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state T in /proc)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
 @pytest.mark.parametrize("key,values", [("parallel.ep_size", (2, 1)), ("steps", (4, 5))])
