@@ -504,8 +504,10 @@ class Trainer:
         A step whose global gradient norm is not finite (inf / NaN anywhere, known on every rank
         from the all-reduced norm) is skipped on every rank: weights, optimizer state and LR
         schedule stay as they were (fp16 also lowers the loss scale). ``max_consecutive_skips``
-        skipped steps in a row stop the run; with fp16, skips while the loss scale is still above
-        1 are the scaler's calibration and do not count toward that limit."""
+        skipped steps in a row stop the run; with fp16, a skip whose losses were finite on every
+        rank while the loss scale is still above 1 is the scaler's calibration (the scaled
+        backward overflowed) and does not count toward that limit; a non-finite loss always
+        counts (no loss scale made it)."""
         config = self.config
         start = time.perf_counter()
         loss_scale = self.scaler.get_scale() if self.scaler is not None else 1.0
@@ -528,7 +530,7 @@ class Trainer:
         self.position.phase = "optimizer step"
         skipped = not math.isfinite(scaled_norm)
         if skipped:
-            self._skip_step(loss_scale)
+            self._skip_step(loss_scale, losses)
         else:
             self.consecutive_skips = 0
             if self.scaler is None:
@@ -559,11 +561,12 @@ class Trainer:
         ``grad_accum`` micro-steps summed over every rank (the routers are replicated on all)."""
         update_score_biases(self.model)
 
-    def _skip_step(self, loss_scale: float) -> None:
-        """Drops the gradients; counts the skip; stops the run after too many in a row."""
+    def _skip_step(self, loss_scale: float, losses: list[torch.Tensor]) -> None:
+        """Drops the gradients; counts the skip (not an fp16 calibration skip: finite losses on
+        every rank, loss scale above 1); stops the run after too many in a row."""
         self.optimizer.zero_grad(set_to_none=True)
         self.skipped_steps += 1
-        calibrating = self.scaler is not None and loss_scale > 1.0
+        calibrating = self.scaler is not None and loss_scale > 1.0 and self._losses_finite(losses)
         if self.scaler is not None:
             self._back_off_loss_scale()
         if not calibrating:
@@ -580,6 +583,14 @@ class Trainer:
                 "step %d skipped: non-finite gradient norm%s", self.step + 1,
                 f" (fp16 loss scale {loss_scale:g} lowered)" if self.scaler is not None else "",
             )  # fmt: skip
+
+    def _losses_finite(self, losses: list[torch.Tensor]) -> bool:
+        """Whether this step's losses were finite on every rank (one all-reduce; every rank calls it
+        on the same skipped step, so all of them count it alike)."""
+        finite = torch.stack(losses).isfinite().all().to(torch.float32).reshape(1)
+        if dist.is_initialized() and self.parallel.world_size > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        return bool(finite.item())
 
     def _back_off_loss_scale(self) -> None:
         """Lowers the fp16 scale exactly as ``GradScaler.update`` does after an overflow (scale *

@@ -1,7 +1,8 @@
 """`moetrain` with a fault injected, for the fault tests: python inject.py FAULT ARGS...
 
 FAULT: ``none``; ``inf-loss@S`` (the loss of optimizer step S is inf); ``nan-loss-from@S`` (every
-loss from step S on is NaN); ``stop-in-moe@S`` (the first MoE layer's forward of step S, before
+loss from step S on is NaN); ``overflow-grad@S`` (the loss of step S is finite, its gradient
+inf: an fp16 overflow in the backward); ``stop-in-moe@S`` (the first MoE layer's forward of step S, before
 its all-to-all, waits 2 s, long enough for the watchdog to publish where the rank is, then stops
 the process with SIGSTOP). Only this process is affected (the tests pass it to one rank)."""
 
@@ -11,7 +12,22 @@ import signal
 import sys
 import time
 
+import torch
+
 from moetrain.registry import get_model, register_model
+
+
+class _InfGradient(torch.autograd.Function):
+    """Identity whose backward returns an inf gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * math.inf
+
 
 fault, args = sys.argv[1], sys.argv[2:]
 if fault != "none":
@@ -46,7 +62,9 @@ if fault != "none":
             calls["n"] += 1
             step = (calls["n"] - 1) // config.grad_accum + 1
             loss = loss_fn(logits, targets)
-            hit = step == start if kind == "inf-loss" else step >= start
+            hit = step >= start if kind == "nan-loss-from" else step == start
+            if hit and kind == "overflow-grad":
+                return _InfGradient.apply(loss)
             return loss * (math.inf if kind == "inf-loss" else math.nan) if hit else loss
 
         return model, batches, faulty_loss
