@@ -492,16 +492,19 @@ def test_generation_validates_options(model):
         generate(model, TOKENIZER, prefixes=["x"], strategy="nucleus")
 
 
-def test_evaluate_captioning_scores_and_shows_progress(model, tmp_path, capsys):
+def test_evaluate_captioning_scores_and_shows_progress(model, tmp_path, progress_log):
+    stream = progress_log()
     data_dir = write_synthetic_dataset(tmp_path / "data", seed=2, num_train=4, num_heldout=5, progress=False)
     scores = evaluate_captioning(model, TOKENIZER, data_dir, batch_size=2, max_new_tokens=4)
     assert scores["images"] == 5 and 0 <= scores["accuracy"] <= 1 and len(scores["examples"]) == 5
     assert 0 <= scores["bleu4"] <= 100 and 0 <= scores["token_accuracy"] <= 1
     assert set(scores["attribute_accuracy"]) == {"colour", "shape", "position"}
-    err = capsys.readouterr().err
+    err = stream.getvalue()
     assert "held-out captioning [" in err and "3/3 | images 5 | exact_match" in err
+    stream.seek(0)
+    stream.truncate()
     evaluate_captioning(model, TOKENIZER, data_dir, max_new_tokens=2, limit=2, progress=False)
-    assert capsys.readouterr().err == ""
+    assert stream.getvalue() == ""
 
 
 def test_example_yaml_is_the_tiny_preset():

@@ -96,12 +96,13 @@ def test_index_is_cached_and_rebuilt_when_the_manifest_changes(tmp_path, caplog)
     assert len(dataset) == 6 and dataset.record(5).image is None and dataset.record(5).line == 6
 
 
-def test_concurrent_builders_leave_one_index_and_a_progress_bar(tmp_path, capsys):
+def test_concurrent_builders_leave_one_index_and_a_progress_bar(tmp_path, progress_log):
+    stream = progress_log()
     manifest = write_corpus(tmp_path, 50)
     with ThreadPoolExecutor(3) as pool:
         found = list(pool.map(lambda _: ensure_index(manifest, progress=True), range(3)))
     assert len(set(found)) == 1 and [p.name for p in found[0].parent.iterdir()] == [found[0].name]
-    assert "indexing train.jsonl (MB)" in capsys.readouterr().err
+    assert "indexing train.jsonl (MB)" in stream.getvalue()
 
 
 def test_index_goes_to_the_fallback_directory_when_the_manifest_directory_is_not_writable(tmp_path, caplog):

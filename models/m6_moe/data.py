@@ -325,8 +325,8 @@ class ManifestDataset:
 
     def verify_images(self, progress: bool = True) -> int:
         """Checks every image file now (exists, header identifiable, pixel count; pixels are not
-        decoded) instead of at first load, with a :class:`~moetrain.progress.ProgressBar` on stderr
-        (``progress``). A bad one raises, or (skip mode) is marked and counted as :meth:`load_image`
+        decoded) instead of at first load, with a :class:`~moetrain.progress.ProgressBar` (logged)
+        when ``progress``. A bad one raises, or (skip mode) is marked and counted as :meth:`load_image`
         would. Returns the number of bad images found. Costs one file open per image record: run it
         once, in one process, to vet a manifest before a long run, not on every rank (what it finds
         stays in this process; training ranks still find a bad file when they draw it)."""

@@ -109,8 +109,8 @@ def caption_manifest(
     """Captions the images of ``dataset`` (its first ``limit`` images when given) in batches of
     ``batch_size`` with ``strategy`` (``"greedy"`` or ``"beam"`` with ``num_beams`` and
     ``length_penalty``) and measures token accuracy on their references (see the module
-    docstring). ``progress``: a :class:`~moetrain.progress.ProgressBar` over the batches on
-    stderr with the exact match so far. A bad image file raises ``ValueError`` naming the
+    docstring). ``progress``: a :class:`~moetrain.progress.ProgressBar` over the batches (logged)
+    with the exact match so far. A bad image file raises ``ValueError`` naming the
     manifest line, or is skipped and counted when the dataset skips bad records."""
     if strategy not in EVAL_STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(map(repr, EVAL_STRATEGIES))}, got {strategy!r}")

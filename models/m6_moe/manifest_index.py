@@ -235,7 +235,7 @@ def ensure_index(
     manifest: str | Path, fallback_dir: str | Path | None = None, progress: bool | None = None
 ) -> Path:
     """The directory of ``manifest``'s current index, building it first when there is none (see
-    the module docstring; one log line per build). ``progress``: a progress bar on stderr while
+    the module docstring; one log line per build). ``progress``: a progress bar (logged) while
     building (None: for manifests of 8 MiB or more). ``ValueError`` when the manifest cannot be
     read."""
     manifest = Path(manifest)

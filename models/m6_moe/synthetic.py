@@ -160,8 +160,8 @@ def write_synthetic_dataset(
 ) -> Path:
     """Writes the dataset into ``directory`` (created; must not exist or be empty): ``num_train``
     training and ``num_heldout`` held-out images of ``size`` pixels, two records each.
-    ``progress``: a :class:`~moetrain.progress.ProgressBar` over the images on stderr (in a log
-    file, ten lines; a few thousand 64-pixel images per second on one core)."""
+    ``progress``: a :class:`~moetrain.progress.ProgressBar` over the images, logged (ten lines
+    in a log file; a few thousand 64-pixel images per second on one core)."""
     for name, value, minimum in (
         ("num_train", num_train, 1),
         ("num_heldout", num_heldout, 1),
