@@ -30,7 +30,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 
 from m6_moe.manifest_index import (
     MAX_STORED_REASONS,
@@ -39,6 +38,7 @@ from m6_moe.manifest_index import (
     one_line,
     parse_manifest_line,
 )
+from m6_moe.optional import pillow
 from moetrain.progress import ProgressBar
 
 # Larger images are bad records: decoding one costs width * height * 4 bytes and is redone on every
@@ -88,7 +88,7 @@ def image_to_tensor(image, size: int, channels: int) -> torch.Tensor:
     """A Pillow image -> ``uint8 [channels, size, size]``: converted to RGB (3) or grey (1), then
     resized with bicubic filtering."""
     mode = "RGB" if channels == 3 else "L"
-    image = image.convert(mode).resize((size, size), Image.Resampling.BICUBIC)
+    image = image.convert(mode).resize((size, size), pillow().Image.Resampling.BICUBIC)
     pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
     return pixels.view(size, size, channels).permute(2, 0, 1).contiguous()
 
@@ -385,8 +385,9 @@ def _check_header(path: Path, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> str
     has at most ``max_pixels`` pixels, else the one-line reason."""
     if not path.is_file():
         return f"image {path} does not exist"
+    open_image = pillow().Image.open
     try:
-        with Image.open(path) as opened:
+        with open_image(path) as opened:
             return _too_large(path, opened, max_pixels)
     except Exception as error:  # Pillow raises many types for bad files
         return f"image {path} cannot be read ({one_line(error)})"
@@ -399,8 +400,9 @@ def _decode(
     unidentifiable header ("cannot be read"), more than ``max_pixels`` pixels (checked on the
     header, before any pixel is decoded) or truncated / corrupt pixel data ("cannot be
     decoded")."""
+    open_image = pillow().Image.open
     try:
-        opened = Image.open(path)
+        opened = open_image(path)
     except FileNotFoundError:
         return None, f"image {path} does not exist"
     except Exception as error:  # Pillow raises many types for bad files

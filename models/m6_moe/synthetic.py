@@ -30,8 +30,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from PIL import Image, ImageDraw
-
+from m6_moe.optional import pillow
 from moetrain.progress import ProgressBar
 from moetrain.validation import require_int
 
@@ -96,8 +95,9 @@ def parse_caption(text: str) -> CaptionFacts | None:
 def draw_shape(size: int, colour: str, shape: str, position: str, rng: random.Random):
     """A ``size`` x ``size`` RGB Pillow image of one shape; radius ``U(0.12, 0.18) * size``,
     centre offset ``U(-0.05, 0.05) * size`` per axis, background drawn from ``BACKGROUNDS``."""
-    image = Image.new("RGB", (size, size), BACKGROUNDS[rng.randrange(len(BACKGROUNDS))])
-    draw = ImageDraw.Draw(image)
+    pil = pillow()
+    image = pil.Image.new("RGB", (size, size), BACKGROUNDS[rng.randrange(len(BACKGROUNDS))])
+    draw = pil.ImageDraw.Draw(image)
     fx, fy = POSITIONS[position][2]
     cx = (fx + rng.uniform(-0.05, 0.05)) * size
     cy = (fy + rng.uniform(-0.05, 0.05)) * size
