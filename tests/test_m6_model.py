@@ -482,7 +482,7 @@ def test_generation_validates_options(model):
         sample(model, TOKENIZER, context, max_new_tokens=2, top_p=0.0)
     with pytest.raises(ValueError, match="top_k must be an integer >= 0"):
         sample(model, TOKENIZER, context, max_new_tokens=2, top_k=-1)
-    with pytest.raises(ValueError, match="temperature must be a number > 0"):
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
         sample(model, TOKENIZER, context, max_new_tokens=2, temperature=0)
     with pytest.raises(ValueError, match="top_p must be a number in"):
         filter_logits(torch.zeros(1, 4), top_p=True)

@@ -35,6 +35,7 @@ from torch import nn
 from m6_moe.config import M6Config
 from moetrain.layers import MoELayer
 from moetrain.layers.experts import DenseFFN
+from moetrain.validation import require_int
 
 SEGMENT_IMAGE, SEGMENT_PREFIX, SEGMENT_TARGET = 0, 1, 2
 
@@ -303,8 +304,7 @@ class M6Model(nn.Module):
                     f"must be null, got {factor} (or decode without the cache)"
                 )
         batch, prefix_len = prefix_ids.shape
-        if isinstance(max_target_len, bool) or not isinstance(max_target_len, int) or max_target_len < 1:
-            raise ValueError(f"max_target_len must be an integer >= 1, got {max_target_len!r}")
+        require_int("max_target_len", max_target_len, 1)
         if prefix_len + max_target_len > cfg.max_text_len:
             raise ValueError(
                 f"prefix length {prefix_len} + target length {max_target_len} exceeds "

@@ -36,6 +36,7 @@ from moetrain.layers.precision import autocast_off, compute_dtype
 from moetrain.layers.replay import RoutingReplay, attach_to_graph, input_digest
 from moetrain.layers.router import RouterOutput, TopKRouter
 from moetrain.parallel import ParallelContext
+from moetrain.validation import require_nonneg_float
 
 INPUT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -263,8 +264,7 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     you call ``backward()`` on is scaled: ``1 / accumulation_steps`` under gradient accumulation,
     ``1 / n`` when averaging n separate forward calls, or the fp16 loss scale. Default 1.
     """
-    if not (isinstance(scale, (int, float)) and scale >= 0):
-        raise ValueError(f"scale must be a number >= 0, got {scale!r}")
+    require_nonneg_float("scale", scale)
     for module in model.modules():
         if isinstance(module, MoELayer):
             module.aux_loss_scale = float(scale)
