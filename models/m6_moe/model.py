@@ -190,8 +190,10 @@ class M6Block(nn.Module):
         h_BSD = self.ffn_norm(x_BSD)
         if self.is_moe and valid_BS is not None and h_BSD.device.type != "meta":
             # route only real tokens: padding takes no expert capacity, no aux loss (on meta there
-            # are no mask values: every position is routed, the most a batch can take)
-            routed_ND = self.ffn(h_BSD[valid_BS])  # the compute dtype under autocast
+            # are no mask values: every position is routed, the most a batch can take); the
+            # sequence-level balance loss balances within each sample's real tokens
+            lengths_B = valid_BS.sum(dim=1) if self.ffn.config.seq_aux_loss_coef else None
+            routed_ND = self.ffn(h_BSD[valid_BS], sequence_lengths=lengths_B)  # compute dtype under autocast
             y_BSD = routed_ND.new_zeros(h_BSD.shape).index_put((valid_BS,), routed_ND)
         else:
             y_BSD = self.ffn(h_BSD)
