@@ -189,3 +189,41 @@ def test_engine_updates_saves_and_restores_the_score_biases(tmp_path):
     assert not torch.equal(fresh.blocks[0].ffn.router.score_bias_E, bias)
     load_checkpoint(tmp_path / "run" / "checkpoints", model=fresh)
     assert torch.equal(fresh.blocks[0].ffn.router.score_bias_E, bias)
+
+
+def test_a_skipped_step_discards_its_routed_counts_and_leaves_the_biases(tmp_path, monkeypatch):
+    """A step skipped for a non-finite gradient norm changes nothing, the routing state included:
+    the next update moves the biases by the next step's counts alone."""
+    import moetrain.engine as engine
+    from moetrain.engine import Trainer
+
+    config = {
+        "model": {"name": "moe_lm", "d_model": 32, "num_layers": 1, "num_heads": 2, "max_seq_len": 16,
+                  "moe": {"d_ff": 32, "num_experts": 4, "top_k": 2, "aux_loss_coef": 0.0,
+                          "score_bias_rate": 0.01}},
+        "data": {"micro_batch_size": 4, "seq_len": 16}, "steps": 4, "grad_accum": 2,
+        "out_dir": str(tmp_path / "run"), "threads": 1, "device": "cpu",
+    }  # fmt: skip
+    real_clip = engine.clip_grad_norm_
+    calls = []
+
+    def clip_with_an_overflow_first(*args, **kwargs):
+        calls.append(1)
+        norm = real_clip(*args, **kwargs)
+        return torch.full_like(norm, float("inf")) if len(calls) == 1 else norm
+
+    monkeypatch.setattr(engine, "clip_grad_norm_", clip_with_an_overflow_first)
+    trainer = Trainer(config_from_dict(TrainConfig, config))
+    router = trainer.model.blocks[0].ffn.router
+    observed = []
+    observe = router.observe
+    router.observe = lambda counts_E: (observed.append(counts_E.double().clone()), observe(counts_E))
+    trainer.train_step()
+    assert trainer.skipped_steps == 1 and len(observed) == 2  # two micro-steps routed
+    assert router.load_E.abs().sum() == 0 and router.score_bias_E.abs().sum() == 0
+    trainer.train_step()
+    assert trainer.skipped_steps == 1 and len(observed) == 4
+    load_E = observed[2] + observed[3]  # the second step's micro-steps only
+    expected = (0.01 * torch.sign(load_E.mean() - load_E)).float()
+    assert torch.equal(router.score_bias_E, expected) and expected.abs().sum() > 0
+    trainer.close()

@@ -298,6 +298,14 @@ def update_score_biases(model: nn.Module, group=None) -> None:
         router.update_score_bias(load_E)
 
 
+def discard_routed_counts(model: nn.Module) -> None:
+    """Drops the routed counts gathered since the last :func:`update_score_biases` (a skipped
+    optimizer step: its routing leaves no trace, and the next update sees only its own step)."""
+    for module in model.modules():
+        if isinstance(module, MoELayer) and module.router.load_E is not None:
+            module.router.load_E.zero_()
+
+
 def collect_moe_stats(model: nn.Module) -> MoEModelStats:
     """Sums the aux losses of every MoELayer's last forward in ``model`` and lists their stats."""
     layers = [m.last_stats for m in model.modules() if isinstance(m, MoELayer) and m.last_stats is not None]
