@@ -416,7 +416,11 @@ class TrainConfig:
         ("output directory: checkpoints/, logs/, metrics.jsonl, config.json, config_history.jsonl"),
     )
     log_every: int = option(
-        10, ("a metrics line (and the metrics' host synchronisation) every this many steps, and at the last")
+        10,
+        (
+            "a metrics line (and the metrics' host synchronisation) every this many steps, and at the last; "
+            "the all-reduced gradient norm alone is read every step (the skip decision on inf/NaN)"
+        ),
     )
     checkpoint_every: int = option(0, "a checkpoint every this many steps; 0: only at the end and on SIGTERM")
     checkpoint_every_minutes: float | None = option(
