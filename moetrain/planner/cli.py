@@ -6,9 +6,10 @@
     moetrain plan --model configs/tiny_lm.yaml --cluster a100-80gb --nodes 2 --json
     moetrain plan --model m6-base --cluster v100-32gb --nodes 4 --mixed p100-16gb:4 --precision fp16
 
-``--model``: an M6 preset (``m6-tiny``, ``m6-base``, ``m6-10B``, ``m6-100B``, ``m6-1T``) or a YAML/JSON
-training config (its batch, precision, parallel and optimizer settings become the defaults) or a
-bare model config with a ``name``. Cluster figures default to the ``--cluster`` preset's and
+``--model``: a preset of a registered model, ``<model>-<preset>`` (the installed M6 example's:
+``m6-tiny``, ``m6-base``, ``m6-10B``, ``m6-100B``, ``m6-1T``; an unknown name lists them all) or a
+YAML/JSON training config (its batch, precision, parallel and optimizer settings become the
+defaults) or a bare model config with a ``name``. Cluster figures default to the ``--cluster`` preset's and
 each can be overridden (``--gpu-memory-gib``, ``--peak-tflops``, ``--intra-node-gbs``,
 ``--inter-node-gbps``, ``--intra-node-latency-us``, ``--inter-node-latency-us``,
 ``--host-memory-gib``, ``--gpus-per-node``). ``--seq-len`` defaults to the config's
@@ -59,7 +60,11 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    plan.add_argument("--model", required=True, help="M6 preset (m6-1T, ...) or a YAML/JSON config file")
+    plan.add_argument(
+        "--model",
+        required=True,
+        help="a registered model's preset (<model>-<preset>: m6-1T, ...) or a YAML/JSON config file",
+    )
     plan.add_argument(
         "--cluster", required=True, choices=sorted(GPU_PRESETS), type=str.lower, help="GPU type"
     )
