@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,6 +35,27 @@ def test_every_package_directory_is_listed_for_the_wheel():
     }
     assert found - listed == set(), f"add to [tool.setuptools] packages: {sorted(found - listed)}"
     assert "m6_moe" in listed
+
+
+def test_version_floors_agree_between_the_makefile_and_pyproject():
+    """A package pinned in both the Makefile's DEPS (what `make test` installs) and pyproject's
+    extras carries the same version specifier in each."""
+    import tomllib
+
+    line = next(t for t in (ROOT / "Makefile").read_text().splitlines() if t.startswith("DEPS :="))
+    split = re.compile(r"^([A-Za-z0-9_.-]+)\s*(.*)$")
+
+    def specifiers(requirements) -> dict[str, str]:
+        parsed = (split.match(r.strip()).groups() for r in requirements)
+        return {name.lower(): spec for name, spec in parsed if spec}
+
+    make = specifiers(line.split(":=", 1)[1].split())
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra, requirements in extras.items():
+        for name, spec in specifiers(requirements).items():
+            if name in make:
+                assert spec == make[name], f"{name}: [{extra}] has {spec}, Makefile DEPS {make[name]}"
+    assert "sacrebleu" in make
 
 
 WITHOUT_M6_EXTRA = """

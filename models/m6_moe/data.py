@@ -46,8 +46,9 @@ from moetrain.progress import ProgressBar
 # corpus resizes to a few hundred pixels.
 DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
 
-# Manifests whose index files (memory maps, one descriptor each) a process keeps open at once;
-# a corpus of thousands of shard manifests reopens the least recently used ones.
+# Manifests whose files (the manifest and its index arrays, read with pread: one descriptor each) a
+# process keeps open at once; a corpus of thousands of shard manifests reopens the least recently
+# used ones.
 MAX_OPEN_MANIFESTS = 64
 
 # Which records an epoch runs over (see TaskSampler): all, those with an image, or those with an
