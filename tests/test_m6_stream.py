@@ -125,6 +125,7 @@ def test_the_index_command_builds_and_reports(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert f"{manifest}: 3 records (3 with an image), 1 bad lines; index " in done.stdout
+    assert f"indexed {manifest}: 3 records" in done.stderr  # the build's log line, on stderr
     assert ensure_index(manifest) == Path(done.stdout.split("; index ")[1].strip())
     missing = subprocess.run(
         [sys.executable, "-m", "m6_moe.manifest_index", str(tmp_path / "nope.jsonl")],

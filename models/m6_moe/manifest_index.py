@@ -47,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moetrain.logs import configure_console
 from moetrain.progress import ProgressBar
 
 log = logging.getLogger("moetrain.m6_moe.manifest_index")
@@ -412,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("manifests", nargs="+", help="manifest files")
     parser.add_argument("--fallback-dir", help="where indexes go when a manifest's directory is read-only")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    configure_console("INFO")  # the build's log line and progress bar (redrawn on a terminal) on stderr
     try:
         for manifest in args.manifests:
             directory = ensure_index(manifest, args.fallback_dir)
