@@ -14,6 +14,7 @@ from moetrain.validation import (  # noqa: F401 - re-exported: models validate w
     require_fraction,
     require_int,
     require_nonneg_float,
+    require_numbers,
     require_positive_float,
 )
 
@@ -313,14 +314,8 @@ class OptimConfig:
     def __post_init__(self) -> None:
         require_choice("optim.name", self.name, OPTIMIZERS)
         require_nonneg_float("optim.lr", self.lr)
-        betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else None
-        if (
-            betas is None
-            or len(betas) != 2
-            or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)
-        ):
-            raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas!r}")
-        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
+        betas = require_numbers("optim.betas", self.betas, count=2, low=0, high=1, high_open=True)
+        object.__setattr__(self, "betas", betas)
         require_nonneg_float("optim.eps", self.eps)
         require_nonneg_float("optim.weight_decay", self.weight_decay)
         require_int("optim.warmup_steps", self.warmup_steps, 0)
@@ -421,7 +416,11 @@ class TrainConfig:
         ("output directory: checkpoints/, logs/, metrics.jsonl, config.json, config_history.jsonl"),
     )
     log_every: int = option(
-        10, ("a metrics line (and the metrics' host synchronisation) every this many steps, and at the last")
+        10,
+        (
+            "a metrics line (and the metrics' host synchronisation) every this many steps, and at the last; "
+            "the all-reduced gradient norm alone is read every step (the skip decision on inf/NaN)"
+        ),
     )
     checkpoint_every: int = option(0, "a checkpoint every this many steps; 0: only at the end and on SIGTERM")
     checkpoint_every_minutes: float | None = option(

@@ -56,7 +56,13 @@ from moetrain.comm.grad_sync import ExpertGradReducer, clip_grad_norm_, global_g
 from moetrain.config import TrainConfig
 from moetrain.cpus import cpus_per_rank, default_threads
 from moetrain.failures import RunPosition
-from moetrain.layers import MoELayer, collect_moe_stats, set_aux_loss_scale, update_score_biases
+from moetrain.layers import (
+    MoELayer,
+    collect_moe_stats,
+    discard_routed_counts,
+    set_aux_loss_scale,
+    update_score_biases,
+)
 from moetrain.metrics import MetricsWriter
 from moetrain.offload import GroupwiseApply, OffloadOptimizer
 from moetrain.parallel import ParallelContext, init_distributed, read_launch_environment
@@ -562,9 +568,11 @@ class Trainer:
         update_score_biases(self.model)
 
     def _skip_step(self, loss_scale: float, losses: list[torch.Tensor]) -> None:
-        """Drops the gradients; counts the skip (not an fp16 calibration skip: finite losses on
-        every rank, loss scale above 1); stops the run after too many in a row."""
+        """Drops the gradients and the step's routed counts (aux-free balancing); counts the skip
+        (not an fp16 calibration skip: finite losses on every rank, loss scale above 1); stops the
+        run after too many in a row."""
         self.optimizer.zero_grad(set_to_none=True)
+        discard_routed_counts(self.model)
         self.skipped_steps += 1
         calibrating = self.scaler is not None and loss_scale > 1.0 and self._losses_finite(losses)
         if self.scaler is not None:

@@ -60,7 +60,7 @@ def test_greedy_split_minimises_the_slowest_rank():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ((2, [1.0, 1.0, 1.0]), "global_batch must be an integer >= the number of ranks 3"),
+        ((2, [1.0, 1.0, 1.0]), "global_batch must be an integer >= 3 \\(the ranks: each takes at least one"),
         ((10, []), "speeds must hold one speed per data-parallel rank"),
         ((10, [1.0, 0.0]), "speeds\\[1\\] must be a finite number > 0"),
         ((10, [1.0, 1.0], [4, 4]), "global_batch = 10 exceeds the sum of memory_limits = 8"),

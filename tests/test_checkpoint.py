@@ -334,11 +334,12 @@ def test_damaged_checkpoint_raises_naming_the_file(tmp_path, damage):
         assert torch.equal(p.detach(), q)  # nothing was loaded
 
 
-def test_large_checkpoints_show_hashing_progress(tmp_path, monkeypatch, capsys):
+def test_large_checkpoints_show_hashing_progress(tmp_path, monkeypatch, progress_log):
+    stream = progress_log()
     monkeypatch.setattr(ckpt.integrity, "PROGRESS_MIN_BYTES", 1)  # every checkpoint counts as large
     path, model = _small_checkpoint(tmp_path)
     load_checkpoint(tmp_path, model=model)
-    err = capsys.readouterr().err
+    err = stream.getvalue()
     assert "checkpoint: hashing (rank 0's share, MiB)" in err
     assert "checkpoint: verifying (rank 0's share, MiB)" in err
 

@@ -283,23 +283,6 @@ def test_device_choice():
             resolve_device("cuda", 1, 2)
 
 
-def test_progress_bar_logs_every_n_steps_and_times_only_this_run(monkeypatch):
-    import io
-
-    from moetrain import progress
-
-    now = {"t": 0.0}
-    monkeypatch.setattr(progress.time, "perf_counter", lambda: now["t"])
-    stream = io.StringIO()  # not a terminal: one line every log_every steps
-    bar = progress.ProgressBar(100, "train", stream=stream, log_every=5, initial=90)
-    for step in range(91, 96):
-        now["t"] += 2.0
-        bar.update(step, loss=1.0)
-    lines = stream.getvalue().splitlines()
-    assert len(lines) == 1 and "95/100" in lines[0]
-    assert lines[0].endswith("eta   10s")  # 5 steps in 10 s since the resume, 5 to go
-
-
 def test_skipped_bad_records_are_reported_and_logged(tmp_path, caplog):
     from m6_moe import ensure_synthetic_dataset
 

@@ -75,3 +75,24 @@ def test_assume_constant_result_marks_what_torch_compiler_marks():
     assert float(compiled(torch.ones(()))) == 2.0 and len(calls) == 1  # called while tracing
     assert float(compiled(torch.ones(()))) == 2.0 and len(calls) == 1  # baked into the graph
     torch._dynamo.reset()
+
+
+def test_tree_map_and_tree_flatten_walk_nested_containers_in_order():
+    tree = {"a": (1, [2, 3]), "b": {"c": 4}}
+    assert _torch_compat.tree_flatten(tree) == [1, 2, 3, 4]
+    assert _torch_compat.tree_map(lambda v: v * 10, tree) == {"a": (10, [20, 30]), "b": {"c": 40}}
+
+
+def test_torch_dispatch_mode_sees_every_aten_operator():
+    assert _torch_compat.TorchDispatchMode is not _torch_compat._MissingDispatchMode
+    seen = []
+
+    class Record(_torch_compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.ones(3)
+    with Record():
+        y = (x + 1).mul(2)
+    assert torch.equal(y, torch.full((3,), 4.0)) and seen == ["aten.add", "aten.mul"]

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from m6_moe.tasks import TASKS, TaskSampler, collate
+from moetrain.validation import require_int
 
 log = logging.getLogger("moetrain.m6_moe.loader")
 
@@ -119,8 +120,7 @@ class M6Batches:
         prefetch_factor: int = 2,
     ):
         for name, value, low in (("batch", batch, 1), ("num_workers", num_workers, 0), ("rank", rank, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+            require_int(name, value, low)
         if not rank < world_size:
             raise ValueError(f"rank must be in [0, world_size = {world_size}), got {rank}")
         self.sampler = sampler
@@ -149,8 +149,7 @@ class M6Batches:
 
     @batch.setter
     def batch(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"batch must be an integer >= 1, got {value!r}")
+        require_int("batch", value, 1)
         if value != self._batch:
             self._batch = value
             self._restart()

@@ -35,6 +35,7 @@ from torch import nn
 from m6_moe.config import M6Config
 from moetrain.layers import MoELayer
 from moetrain.layers.experts import DenseFFN
+from moetrain.validation import require_int
 
 SEGMENT_IMAGE, SEGMENT_PREFIX, SEGMENT_TARGET = 0, 1, 2
 
@@ -189,8 +190,10 @@ class M6Block(nn.Module):
         h_BSD = self.ffn_norm(x_BSD)
         if self.is_moe and valid_BS is not None and h_BSD.device.type != "meta":
             # route only real tokens: padding takes no expert capacity, no aux loss (on meta there
-            # are no mask values: every position is routed, the most a batch can take)
-            routed_ND = self.ffn(h_BSD[valid_BS])  # the compute dtype under autocast
+            # are no mask values: every position is routed, the most a batch can take); the
+            # sequence-level balance loss balances within each sample's real tokens
+            lengths_B = valid_BS.sum(dim=1) if self.ffn.config.seq_aux_loss_coef else None
+            routed_ND = self.ffn(h_BSD[valid_BS], sequence_lengths=lengths_B)  # compute dtype under autocast
             y_BSD = routed_ND.new_zeros(h_BSD.shape).index_put((valid_BS,), routed_ND)
         else:
             y_BSD = self.ffn(h_BSD)
@@ -303,8 +306,7 @@ class M6Model(nn.Module):
                     f"must be null, got {factor} (or decode without the cache)"
                 )
         batch, prefix_len = prefix_ids.shape
-        if isinstance(max_target_len, bool) or not isinstance(max_target_len, int) or max_target_len < 1:
-            raise ValueError(f"max_target_len must be an integer >= 1, got {max_target_len!r}")
+        require_int("max_target_len", max_target_len, 1)
         if prefix_len + max_target_len > cfg.max_text_len:
             raise ValueError(
                 f"prefix length {prefix_len} + target length {max_target_len} exceeds "

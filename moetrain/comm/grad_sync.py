@@ -13,14 +13,13 @@ the global batch is ``(1/W) * sum_r grad(loss_r)``:
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from moetrain.layers.experts import GroupedExperts
+from moetrain.validation import require_positive_float
 
 DDP_COMM_HOOKS = (None, "bf16", "fp16")
 
@@ -126,8 +125,7 @@ def global_grad_norm(model: nn.Module, parallel=None) -> torch.Tensor:
 def clip_grad_norm_(model: nn.Module, max_norm: float, parallel=None) -> torch.Tensor:
     """Scales every gradient by ``min(1, max_norm / (norm + 1e-6))`` with the true global norm;
     returns the norm before clipping."""
-    if not (isinstance(max_norm, (int, float)) and max_norm > 0 and math.isfinite(max_norm)):
-        raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
+    require_positive_float("max_norm", max_norm)
     norm = global_grad_norm(model, parallel)
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
     return norm

@@ -5,6 +5,7 @@ from moetrain.layers.moe_layer import (
     MoEModelStats,
     MoEStats,
     collect_moe_stats,
+    discard_routed_counts,
     set_aux_loss_scale,
     update_score_biases,
 )
@@ -14,6 +15,7 @@ __all__ = [
     "MoEModelStats",
     "MoEStats",
     "collect_moe_stats",
+    "discard_routed_counts",
     "set_aux_loss_scale",
     "update_score_biases",
 ]

@@ -36,6 +36,7 @@ from moetrain.layers.precision import autocast_off, compute_dtype
 from moetrain.layers.replay import RoutingReplay, attach_to_graph, input_digest
 from moetrain.layers.router import RouterOutput, TopKRouter
 from moetrain.parallel import ParallelContext
+from moetrain.validation import require_nonneg_float
 
 INPUT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -155,13 +156,17 @@ class MoELayer(nn.Module):
             )
         return x.reshape(-1, d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sequence_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., d_model]``. ``sequence_lengths``: for tokens of several sequences flattened to
+        ``x [T, d_model]`` in sequence-major order (e.g. the real tokens of padded samples), the
+        integer ``[B]`` lengths of the sequences (summing to T); only the sequence-level balance
+        loss uses them, which needs them or inputs ``[..., seq_len, d_model]``."""
         cfg = self.config
         x_TD = self._tokens(x)
-        if cfg.seq_aux_loss_coef and x.dim() < 3:
+        if cfg.seq_aux_loss_coef and x.dim() < 3 and sequence_lengths is None:
             raise ValueError(
-                f"seq_aux_loss_coef needs inputs [..., seq_len, d_model] (the balance is per sequence), "
-                f"got shape {tuple(x.shape)}"
+                f"seq_aux_loss_coef needs inputs [..., seq_len, d_model] or sequence_lengths (the balance "
+                f"is per sequence), got shape {tuple(x.shape)}"
             )
         num_tokens = x_TD.shape[0]
         dtype = compute_dtype(x)
@@ -172,8 +177,9 @@ class MoELayer(nn.Module):
         expert_ids_TK = routing.expert_ids_TK
         # The aux loss rides on the gates (they feed the output, and under expert parallelism a
         # compiled graph ends at the exchange, so a tensor made before it must carry the loss).
-        seq_len = x.shape[-2] if x.dim() >= 3 else num_tokens
-        gates_TK = self._attach_losses(routing.gates_TK, routing, expert_ids_TK, plan, capacity, seq_len)
+        sequences = x.shape[-2] if x.dim() >= 3 else None
+        sequences = sequence_lengths if sequence_lengths is not None else sequences
+        gates_TK = self._attach_losses(routing.gates_TK, routing, expert_ids_TK, plan, capacity, sequences)
         with autocast_off(x.device.type):
             x_ND, rows_per_local_expert_E, record = self.dispatcher.dispatch(x_TD.to(dtype), plan)
             y_ND = self.experts(x_ND, rows_per_local_expert_E)
@@ -223,17 +229,22 @@ class MoELayer(nn.Module):
             self.router.observe(plan.routed_per_expert_E)
         return routing, plan
 
-    def _attach_losses(self, gates_TK, routing, expert_ids_TK, plan, capacity, seq_len: int) -> torch.Tensor:
+    def _attach_losses(self, gates_TK, routing, expert_ids_TK, plan, capacity, sequences) -> torch.Tensor:
         """Records ``last_stats`` and returns ``gates_TK`` carrying the aux loss: backward through
-        them adds ``aux_loss_scale * aux_loss``'s gradient."""
+        them adds ``aux_loss_scale * aux_loss``'s gradient. ``sequences``: the sequence length
+        (int) or the lengths tensor, for the sequence-level loss."""
         cfg = self.config
         zero = routing.probs_TE.new_zeros(())
         balance = load_balancing_loss(routing.probs_TE, expert_ids_TK) if cfg.aux_loss_coef else zero
         z_loss = router_z_loss(routing.logits_TE) if cfg.z_loss_coef else zero
         aux_loss = cfg.aux_loss_coef * balance + cfg.z_loss_coef * z_loss
         if cfg.seq_aux_loss_coef:
+            by_length = isinstance(sequences, torch.Tensor)
             aux_loss = aux_loss + cfg.seq_aux_loss_coef * sequence_balance_loss(
-                routing.probs_TE, expert_ids_TK, seq_len
+                routing.probs_TE,
+                expert_ids_TK,
+                None if by_length else sequences,
+                sequences if by_length else None,
             )
         self.last_stats = MoEStats(
             aux_loss=aux_loss.detach(),
@@ -263,8 +274,7 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     you call ``backward()`` on is scaled: ``1 / accumulation_steps`` under gradient accumulation,
     ``1 / n`` when averaging n separate forward calls, or the fp16 loss scale. Default 1.
     """
-    if not (isinstance(scale, (int, float)) and scale >= 0):
-        raise ValueError(f"scale must be a number >= 0, got {scale!r}")
+    require_nonneg_float("scale", scale)
     for module in model.modules():
         if isinstance(module, MoELayer):
             module.aux_loss_scale = float(scale)
@@ -286,6 +296,14 @@ def update_score_biases(model: nn.Module, group=None) -> None:
         torch.distributed.all_reduce(loads, group=group)
     for router, load_E in zip(routers, loads, strict=True):
         router.update_score_bias(load_E)
+
+
+def discard_routed_counts(model: nn.Module) -> None:
+    """Drops the routed counts gathered since the last :func:`update_score_biases` (a skipped
+    optimizer step: its routing leaves no trace, and the next update sees only its own step)."""
+    for module in model.modules():
+        if isinstance(module, MoELayer) and module.router.load_E is not None:
+            module.router.load_E.zero_()
 
 
 def collect_moe_stats(model: nn.Module) -> MoEModelStats:

@@ -6,9 +6,10 @@
     moetrain plan --model configs/tiny_lm.yaml --cluster a100-80gb --nodes 2 --json
     moetrain plan --model m6-base --cluster v100-32gb --nodes 4 --mixed p100-16gb:4 --precision fp16
 
-``--model``: an M6 preset (``m6-tiny``, ``m6-base``, ``m6-10B``, ``m6-100B``, ``m6-1T``) or a YAML/JSON
-training config (its batch, precision, parallel and optimizer settings become the defaults) or a
-bare model config with a ``name``. Cluster figures default to the ``--cluster`` preset's and
+``--model``: a preset of a registered model, ``<model>-<preset>`` (the installed M6 example's:
+``m6-tiny``, ``m6-base``, ``m6-10B``, ``m6-100B``, ``m6-1T``; an unknown name lists them all) or a
+YAML/JSON training config (its batch, precision, parallel and optimizer settings become the
+defaults) or a bare model config with a ``name``. Cluster figures default to the ``--cluster`` preset's and
 each can be overridden (``--gpu-memory-gib``, ``--peak-tflops``, ``--intra-node-gbs``,
 ``--inter-node-gbps``, ``--intra-node-latency-us``, ``--inter-node-latency-us``,
 ``--host-memory-gib``, ``--gpus-per-node``). ``--seq-len`` defaults to the config's
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import replace
 
 from moetrain.planner.hardware import GPU_PRESETS, ClusterSpec, GiB, GPUSpec, cluster_preset, gbps_to_bytes
@@ -36,6 +36,7 @@ from moetrain.planner.model import resolve_model
 from moetrain.planner.plan import make_plan
 from moetrain.planner.search import recommend
 from moetrain.planner.settings import DEFAULT_MEMORY_HEADROOM, RECOMPUTE_MODES, PlanSettings
+from moetrain.validation import require_int, require_number
 
 # Cluster flags: (argparse dest, flag, unit, zero allowed). Each must be a finite number > 0
 # (>= 0 where zero is allowed); check_cluster_flags says which flag and range when not.
@@ -59,7 +60,11 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    plan.add_argument("--model", required=True, help="M6 preset (m6-1T, ...) or a YAML/JSON config file")
+    plan.add_argument(
+        "--model",
+        required=True,
+        help="a registered model's preset (<model>-<preset>: m6-1T, ...) or a YAML/JSON config file",
+    )
     plan.add_argument(
         "--cluster", required=True, choices=sorted(GPU_PRESETS), type=str.lower, help="GPU type"
     )
@@ -166,28 +171,19 @@ def settings_from_args(args, defaults: dict) -> PlanSettings:
     return PlanSettings(**values)
 
 
-def _is_number(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-
-
 def check_cluster_flags(args) -> None:
     """ValueError naming the flag and its allowed range for a cluster flag out of range (see
     ``CLUSTER_FLAGS``; ``--gpus-per-node``: an integer >= 1; ``--memory-headroom``: [0, 1))."""
     for dest, flag, unit, allow_zero in CLUSTER_FLAGS:
-        value = getattr(args, dest)
-        if value is not None and not (_is_number(value) and (value >= 0 if allow_zero else value > 0)):
-            raise ValueError(
-                f"{flag} must be a finite number {'>= 0' if allow_zero else '> 0'} ({unit}), got {value!r}"
-            )
-    gpus = args.gpus_per_node
-    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
-        raise ValueError(f"--gpus-per-node must be an integer >= 1, got {gpus!r}")
-    headroom = args.memory_headroom
-    if headroom is not None and not (_is_number(headroom) and 0 <= headroom < 1):
-        raise ValueError(
-            "--memory-headroom must be a number in [0, 1) (fraction of GPU memory kept free), "
-            f"got {headroom!r}"
-        )
+        if getattr(args, dest) is not None:
+            require_number(flag, getattr(args, dest), low=0, low_open=not allow_zero, note=f"({unit})")
+    if args.gpus_per_node is not None:
+        require_int("--gpus-per-node", args.gpus_per_node, 1)
+    if args.memory_headroom is not None:
+        require_number(
+            "--memory-headroom", args.memory_headroom, low=0, high=1, high_open=True,
+            note="(fraction of GPU memory kept free)",
+        )  # fmt: skip
 
 
 def default_precision(gpu: GPUSpec) -> str:

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+from moetrain._torch_compat import tree_map
 from moetrain.layers.moe_layer import MoELayer
 
 PROBE_SEED = 0

@@ -130,12 +130,16 @@ class ParameterCount:
 
 @dataclass(frozen=True)
 class ModelDescription:
-    """A model for the planner: its name, architecture, config and how to build it (any device)."""
+    """A model for the planner: its name, architecture, config and how to build it (any device).
+    ``seq_len_from_data``: the text tokens per sequence a training config's ``data.seq_len`` means
+    for this model, when it is not ``data.seq_len`` itself (a model whose prefix and target may each
+    be that long plans twice as many)."""
 
     name: str
     arch: ModelArch
     config: object
     build: Callable[[], nn.Module] = field(repr=False, compare=False)
+    seq_len_from_data: Callable[[int], int] | None = field(default=None, repr=False, compare=False)
 
     @cached_property
     def _counts(self) -> tuple[ParameterCount, tuple[ParameterCount, ...], int]:
@@ -235,8 +239,8 @@ def resolve_model(spec: str) -> tuple[ModelDescription, dict]:
     ``m6:base``, case-insensitive) or a YAML/JSON file holding a training config (``model:`` with a
     ``name``; modules under ``imports:`` are imported as ``moetrain train`` does; its ``data``,
     ``parallel``, ``grad_accum`` and ``precision`` become default settings, returned as the second
-    item; an M6 config's ``data.seq_len`` bounds the prefix and the target each, so it plans
-    ``2 * data.seq_len`` text tokens) or a bare model config (a mapping with ``name``). Without a
+    item; ``data.seq_len`` becomes the sequence length through the description's
+    ``seq_len_from_data``) or a bare model config (a mapping with ``name``). Without a
     ``data`` section the sequence length is left to the settings (default: the model's maximum)."""
     path = Path(spec)
     if path.is_file():
@@ -253,13 +257,13 @@ def resolve_model(spec: str) -> tuple[ModelDescription, dict]:
     return describe(config, f"{model_spec.name.split('_')[0]}-{preset}"), {}
 
 
-def train_seq_len(arch: ModelArch, data_seq_len: int) -> int:
-    """Text tokens per sequence a training config's ``data.seq_len`` means: itself for a language
-    model; ``2 * data.seq_len`` for M6, whose prefix and target may each be that long (the engine
-    checks that both fit ``max_text_len``); a generic model's measured tokens per sequence."""
-    if arch.family == "generic":
-        return arch.max_seq_len  # measured from the model's own batches
-    return 2 * data_seq_len if arch.family == "m6" else data_seq_len
+def train_seq_len(model: ModelDescription, data_seq_len: int) -> int:
+    """Text tokens per sequence a training config's ``data.seq_len`` means: the description's
+    ``seq_len_from_data(data.seq_len)`` when it has one, else ``data.seq_len`` itself; a generic
+    model's measured tokens per sequence."""
+    if model.arch.family == "generic":
+        return model.arch.max_seq_len  # measured from the model's own batches
+    return data_seq_len if model.seq_len_from_data is None else model.seq_len_from_data(data_seq_len)
 
 
 def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
@@ -283,7 +287,7 @@ def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
         model = describe(train.model, path.stem, train)
         defaults = {
             "micro_batch": train.data.micro_batch_size,
-            "seq_len": train_seq_len(model.arch, train.data.seq_len),
+            "seq_len": train_seq_len(model, train.data.seq_len),
             "grad_accum": train.grad_accum,
             "precision": train.precision,
             # the engine: fp32 weights with autocast compute, unless param_dtype stores them low
