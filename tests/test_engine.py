@@ -17,6 +17,7 @@ import torch
 from moetrain.cli import build_train_config, main
 from moetrain.config import TrainConfig, config_from_dict
 from moetrain.engine import Trainer, check_fits, lr_at
+from moetrain.registry import DataShard
 from tests.dist_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -418,7 +419,7 @@ def test_balanced_m6_step_has_the_gradient_of_the_mean_over_all_target_tokens(tm
     )
     model = Trainer(config).model
     sums, tokens = [], []
-    batches = build_m6(config, None, 0)[1]
+    batches = build_m6(config, DataShard())[1]
     for start, n in ((0, n0), (n0, n1)):  # rank r reads its slice of the global stream's first 8
         inputs, labels = batches.draw(start, n)
         tokens.append(count_target_tokens(labels))

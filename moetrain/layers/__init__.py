@@ -6,6 +6,7 @@ from moetrain.layers.moe_layer import (
     MoEStats,
     collect_moe_stats,
     set_aux_loss_scale,
+    shard_experts,
     update_score_biases,
 )
 
@@ -15,5 +16,6 @@ __all__ = [
     "MoEStats",
     "collect_moe_stats",
     "set_aux_loss_scale",
+    "shard_experts",
     "update_score_biases",
 ]

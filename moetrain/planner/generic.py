@@ -19,7 +19,9 @@ FLOPs) are modelled by the same formulas as the built-in families, from each lay
 :class:`~moetrain.config.MoEConfig`. Assumptions: saved memory grows linearly with the number of
 sequences, the sequence length is the one the model's data gives, every MoE layer shares one
 ``MoEConfig`` and routes the same number of tokens, and what ``meta`` saves is what the GPU saves
-(it is what the CPU kernels save: fused CUDA attention saves less, so this errs high there).
+(it is what the CPU kernels save, except attention: ``meta`` takes the math path of
+``scaled_dot_product_attention`` and counts its ``[B, H, S, S]`` probabilities, which the fused
+CPU and CUDA kernels do not keep, so this errs high there).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from moetrain.layers.moe_layer import MoELayer
+from moetrain.registry import DataShard
 
 PROBE_SEED = 0
 
@@ -153,7 +156,7 @@ def describe_generic(train_config, spec, name: str):
     from moetrain.planner.model import ModelArch, ModelDescription
 
     with torch.device("meta"):
-        model, batches, loss_fn = spec.builder(train_config, None, 0)
+        model, batches, loss_fn = spec.builder(train_config, DataShard())
     measured = measure_generic(model, batches, loss_fn)
     configs = {module.config for module in model.modules() if isinstance(module, MoELayer)}
     if len(configs) != 1:
@@ -175,6 +178,6 @@ def describe_generic(train_config, spec, name: str):
     )
 
     def build() -> nn.Module:
-        return spec.builder(train_config, None, 0)[0]
+        return spec.builder(train_config, DataShard())[0]
 
     return ModelDescription(name, arch, train_config.model, build)

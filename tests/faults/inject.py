@@ -15,8 +15,8 @@ if fault != "none":
     spec = get_model("moe_lm")
     original_builder = spec.builder
 
-    def faulty_builder(config, parallel, rank):
-        model, batches, loss_fn = original_builder(config, parallel, rank)
+    def faulty_builder(config, shard):
+        model, batches, loss_fn = original_builder(config, shard)
         calls = {"n": 0}
 
         def faulty_loss(logits, targets):
@@ -28,7 +28,9 @@ if fault != "none":
 
         return model, batches, faulty_loss
 
-    register_model("moe_lm", spec.config_class, faulty_builder)
+    register_model(
+        "moe_lm", spec.config_class, faulty_builder, describe=spec.describe, strategy=spec.strategy
+    )
 
 from moetrain.cli import main  # noqa: E402
 
