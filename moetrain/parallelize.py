@@ -395,12 +395,13 @@ def parallelize(
 
 def materialize(model: nn.Module, device) -> nn.Module:
     """A model built (and parallelized) on ``meta``, allocated on ``device`` and initialised: every
-    submodule's ``reset_parameters()`` runs (experts: each from its own per-global-expert seed, so
-    they equal the CPU build's; other weights: their modules' default initialisation, not the CPU
-    build's values). Returns the model."""
+    module's ``reset_parameters()`` runs, children before their parents (a model's own
+    ``reset_parameters`` has the last word on its direct tensors: the LM's and M6's embeddings).
+    Experts: each from its own per-global-expert seed, so they equal the CPU build's; other
+    weights: their modules' initialisation, not the CPU build's values. Returns the model."""
     model.to_empty(device=device)
     with torch.no_grad():
-        for module in model.modules():
+        for module in reversed(list(model.modules())):
             reset = getattr(module, "reset_parameters", None)
             if callable(reset):
                 reset()

@@ -131,6 +131,22 @@ def test_lm_dp2_ep2_tp2dp2_tp2ep2_equal_one_process():
     _check_lm(run_distributed(lm_worker, 4, [(2, 1, "ddp"), (1, 2, "ddp"), (2, 2, "ddp")]))
 
 
+def test_rank_grid_puts_tp_innermost_then_ep_then_dp():
+    from moetrain.parallel import grid_groups, rank_grid
+
+    grid = rank_grid(8, ep_size=2, tp_size=2)
+    assert grid.tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]  # [dp][ep][tp]
+    groups = grid_groups(grid)
+    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]  # expert-data-parallel: same ep and tp index
+    assert groups["dense"] == [[0, 2, 4, 6], [1, 3, 5, 7]]  # replicas average here: same tp index
+    spread = rank_grid(8, ep_size=2, tp_size=1, ep_layout="spread")
+    assert grid_groups(spread)["ep"] == [[0, 4], [1, 5], [2, 6], [3, 7]]  # one rank every world / ep
+    with pytest.raises(ValueError, match=r"ep_size x tp_size = 2 x 3 = 6 must divide the world size = 8"):
+        rank_grid(8, ep_size=2, tp_size=3)
+
+
 def test_strategy_errors_name_the_pattern_and_module():
     model = MoETransformerLM(LM)
     with pytest.raises(ValueError, match=r"strategy pattern 'blocks\.\*\.mlp' matches no module"):
@@ -150,6 +166,8 @@ def test_strategy_errors_name_the_pattern_and_module():
 
 def head_errors_worker(rank, world):
     parallel = ParallelContext(ParallelConfig(tp_size=world))
+    wrapped = ParallelContext.from_mesh(ParallelContext(ParallelConfig(ep_size=2, tp_size=2)).mesh)
+    mesh_facts = (wrapped.ep_size, wrapped.tp_size, wrapped.dp_size, wrapped.ep_ranks, wrapped.tp_ranks)
     messages = []
     for config, strategy in (
         (LMConfig(**{**LM.__dict__, "num_heads": 2}), {"blocks.*.attn.[qkv]": "split"}),
@@ -160,12 +178,16 @@ def head_errors_worker(rank, world):
             messages.append(None)
         except ValueError as error:
             messages.append(str(error))
-    return messages
+    return messages, mesh_facts
 
 
 @pytest.mark.timeout(120)
 def test_heads_not_divisible_by_tp_and_tp_without_split_are_errors():
-    messages = run_distributed(head_errors_worker, 4)[0]
+    """Also: ParallelContext.from_mesh reads the sizes and groups back from a (dp, ep, tp) mesh."""
+    results = run_distributed(head_errors_worker, 4)
+    for rank, (_, facts) in enumerate(results):
+        assert facts == (2, 2, 1, [rank % 2, rank % 2 + 2], [rank - rank % 2, rank - rank % 2 + 1])
+    messages = results[0][0]
     assert "would cut heads: 'blocks.0.attn' has num_heads = 2, not divisible by 4" in messages[0]
     assert "tp_size = 4 but the strategy splits no module" in messages[1]
 
@@ -223,3 +245,113 @@ def test_split_head_keeps_logits_sharded_and_matches_one_process():
         assert r["placements"] == ["Shard(dim=1)"] and r["local_shape"] == (6, 48)
         assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-6)
         assert max(r["grads"].values()) < 1e-5, r["grads"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp_replicas_and_experts_equal_one_process():
+    """replica 'fsdp' (FSDP2): dense parameters HSDP over (dp, ep) or FSDP over ep, experts
+    sharded over the expert-data-parallel ranks with gradients summed / (dp * ep), composed with TP
+    (tp2 x ep2): the same checks as the DDP layouts."""
+    _check_lm(run_distributed(lm_worker, 4, [(2, 1, "fsdp"), (2, 2, "fsdp")]))
+
+
+def m6_config():
+    from m6_moe.config import M6Config
+
+    return M6Config(
+        d_model=32, num_layers=2, num_heads=2, d_ff=64, max_text_len=48, image_size=16, patch_size=8,
+        stem_channels=(8,), moe_every=2, tie_embeddings=False, vocab_size=256,
+        moe={"d_ff": 64, "num_experts": 4, "top_k": 2, "capacity_factor": None},
+    )  # fmt: skip
+
+
+def _m6_batch(index: int):
+    g = torch.Generator().manual_seed(30 + index)
+    inputs = {
+        "prefix_ids": torch.randint(0, 256, (2, 5), generator=g),
+        "target_ids": torch.randint(0, 256, (2, 6), generator=g),
+        "images": torch.rand(2, 3, 16, 16, generator=g) * 2 - 1,
+    }
+    labels = torch.randint(0, 256, (2, 6), generator=g)
+    labels[:, -2:] = -100  # padding: ignored by the loss
+    return inputs, labels
+
+
+def m6_worker(rank, world):
+    from m6_moe import M6Model, m6_loss
+    from m6_moe.model import default_m6_strategy
+
+    config = m6_config()
+    parallel = ParallelContext(ParallelConfig(ep_size=2, tp_size=2))
+    torch.manual_seed(0)
+    model = M6Model(config, seed=5)
+    reference = copy.deepcopy(model)
+    strategy = default_m6_strategy(config, tp_size=2)
+    trained = parallelize(model, parallel, strategy)
+    kinds = {a.name: a.kind for a in trained.assignments}
+    inputs, labels = _m6_batch(parallel.data_index)
+    logits = trained(**inputs)
+    with trained.loss_context(logits):
+        loss = m6_loss(logits, labels)
+        loss.backward()
+    trained.reduce_gradients()
+    set_aux_loss_scale(reference, 1.0 / parallel.data_count)
+    losses = [m6_loss(reference(**_m6_batch(i)[0]), _m6_batch(i)[1]) for i in range(parallel.data_count)]
+    (sum(losses) / len(losses)).backward()
+    return {
+        "kinds": {n: kinds.get(n) for n in ("stem", "head", "text_embed", "blocks.0.ffn", "blocks.1.ffn")},
+        "stem_plain": all(type(p).__name__ == "Parameter" for p in model.stem.parameters()),
+        "logits": repr(logits.placements[0]),
+        "loss": (full(loss).item(), losses[parallel.data_index].item()),
+        "grads": _compare(model, reference, parallel),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_m6_with_replicated_stem_and_split_head_equals_one_process():
+    """M6 at tp2 x ep2 with its default strategy: image stem replicated (plain parameters), the
+    dense FFN split, the MoE FFN expert-parallel, the head split with the parallel cross-entropy:
+    loss and every gradient equal one process."""
+    for r in run_distributed(m6_worker, 4):
+        assert r["kinds"] == {
+            "stem": "replica", "head": "split.head", "text_embed": "split", "blocks.0.ffn": "split",
+            "blocks.1.ffn": "expert",
+        }  # fmt: skip
+        assert r["stem_plain"] and r["logits"] == "Shard(dim=2)"
+        assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-5)
+        worst = max(r["grads"].items(), key=lambda item: item[1])
+        assert worst[1] < 1e-4, worst
+
+
+def meta_worker(rank, world):
+    reports = []
+    for ep, replica in ((2, "ddp"), (2, "fsdp")):
+        parallel = ParallelContext(ParallelConfig(ep_size=ep, replica=replica))
+        with torch.device("meta"):
+            model = MoETransformerLM(LM, seed=3)
+        trained = parallelize(model, parallel, default_lm_strategy(LM))
+        trained.materialize("cpu")
+        cpu = MoETransformerLM(LM, seed=3)  # built whole on the CPU
+        local = parallel.local_experts(LM.moe.num_experts)
+        errors = []
+        for block, whole in zip(model.blocks, cpu.blocks, strict=True):
+            for name in ("w1_EDF", "w2_EFD"):
+                mine = full(getattr(block.ffn.experts, name)).detach()
+                want = getattr(whole.ffn.experts, name).detach()[local.start : local.stop]
+                errors.append(float((mine - want).abs().max()))
+        out = trained(_tokens(0)[0])  # the materialised model runs (DDP wrapped after materialising)
+        finite = bool(out.isfinite().all())
+        reports.append({"layout": (ep, replica), "experts": max(errors), "finite": finite})
+    return reports
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_meta_build_parallelize_materialize_gives_the_cpu_builds_experts():
+    """Built on meta, parallelized (experts sliced on meta; FSDP2 shards them over dp) and
+    materialised: each rank's experts equal the CPU-built full layer's slice, bit for bit."""
+    for rank_reports in run_distributed(meta_worker, 4):
+        for r in rank_reports:
+            assert r["experts"] == 0.0 and r["finite"], r

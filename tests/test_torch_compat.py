@@ -75,3 +75,19 @@ def test_assume_constant_result_marks_what_torch_compiler_marks():
     assert float(compiled(torch.ones(()))) == 2.0 and len(calls) == 1  # called while tracing
     assert float(compiled(torch.ones(()))) == 2.0 and len(calls) == 1  # baked into the graph
     torch._dynamo.reset()
+
+
+def test_ddp_ignore_parameters_makes_ddp_leave_them_alone():
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    _torch_compat.ddp_ignore_parameters(model, ["1.weight"])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(model)
+        assert ddp.parameters_to_ignore == {"1.weight"}
+        model(torch.ones(1, 2)).sum().backward()  # the ignored weight still gets its local gradient
+        assert model[1].weight.grad is not None
+    finally:
+        dist.destroy_process_group()

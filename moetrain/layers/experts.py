@@ -342,6 +342,11 @@ class DenseFFN(nn.Module):
         inner = 2 * d_ff if activation == "swiglu" else d_ff
         self.w1_DF = nn.Parameter(torch.empty(d_model, inner))
         self.w2_FD = nn.Parameter(torch.empty(d_ff, d_model))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` per matrix."""
         for weight in (self.w1_DF, self.w2_FD):
             bound = 1.0 / math.sqrt(weight.shape[0])
             nn.init.uniform_(weight, -bound, bound)
