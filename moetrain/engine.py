@@ -254,7 +254,11 @@ class Trainer:
             return OffloadOptimizer(
                 groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, num_apply_groups=optim.num_apply_groups
             )
-        adamw = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, foreach=True)
+        # torch's multi-tensor kernels cannot mix DTensors (split layers) with plain tensors in one list
+        kinds = {type(p).__name__ == "DTensor" for p in self.model.parameters()}
+        adamw = torch.optim.AdamW(
+            groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, foreach=len(kinds) == 1
+        )
         return GroupwiseApply(adamw, optim.num_apply_groups) if optim.name == "groupwise" else adamw
 
     def _plan_recompute(self) -> None:
