@@ -89,9 +89,8 @@ def test_split_memory_and_traffic_in_the_plan():
 def _train_with(rank, world, config, strategy):
     from moetrain.cli import main as cli
 
-    code = cli(["train", "--config", config, "--strategy", strategy, "--set", "steps=2", "--set", "device=cpu",
-                "--set", "data.micro_batch_size=4", "--set", "checkpoint_every=0", "--set", "log_every=1"])  # fmt: skip
-    return code
+    options = ["steps=2", "device=cpu", "data.micro_batch_size=4", "checkpoint_every=0", "log_every=1"]
+    return cli(["train", "--config", config, "--strategy", strategy, *(f"--set={o}" for o in options)])
 
 
 @pytest.mark.slow
@@ -102,8 +101,8 @@ def test_plan_then_train_in_two_commands(tmp_path):
     config = classifier_config(tmp_path, 200_000, 64)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(["plan", "--model", str(config), "--cluster", "a100-80gb", "--nodes", "1", "--gpus-per-node", "2",
-                     "--ep-size", "1", "--recommend", "--json"])  # fmt: skip
+        cluster = ["--cluster", "a100-80gb", "--nodes", "1", "--gpus-per-node", "2"]
+        code = main(["plan", "--model", str(config), *cluster, "--ep-size", "1", "--recommend", "--json"])
     assert code == 0
     plan = tmp_path / "plan.json"
     plan.write_text(out.getvalue())
