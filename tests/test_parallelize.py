@@ -355,3 +355,49 @@ def test_meta_build_parallelize_materialize_gives_the_cpu_builds_experts():
     for rank_reports in run_distributed(meta_worker, 4):
         for r in rank_reports:
             assert r["experts"] == 0.0 and r["finite"], r
+
+
+def test_fsdp_cpu_offload_is_refused_without_fsdp_and_without_cuda(tmp_path):
+    from moetrain.config import TrainConfig, config_from_dict
+    from moetrain.engine import Trainer
+
+    with pytest.raises(ValueError, match="fsdp_cpu_offload needs replica = 'fsdp'"):
+        ParallelConfig(fsdp_cpu_offload=True)
+    config = {
+        "model": {"name": "moe_lm", "d_model": 32, "num_heads": 4, "moe": {"d_ff": 32}},
+        "parallel": {"replica": "fsdp", "fsdp_cpu_offload": True},
+        "device": "cpu",
+        "out_dir": str(tmp_path),
+    }
+    with pytest.raises(ValueError, match="parallel.fsdp_cpu_offload needs device 'cuda'"):
+        Trainer(config_from_dict(TrainConfig, config))
+    with pytest.raises(ValueError, match="optim.name = 'offload' steps plain tensors"):
+        config_from_dict(TrainConfig, {**config, "parallel": {"tp_size": 2}, "optim": {"name": "offload"}})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDP2's CPU offload policy needs a GPU")
+def test_fsdp_cpu_offload_equals_fsdp_on_one_gpu():
+    """One process, one GPU: FSDP2 with the CPU offload policy (parameters and gradients on the
+    host) gives the loss and gradients of FSDP2 without it."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        results = []
+        for offload in (False, True):
+            parallel = ParallelContext(ParallelConfig(replica="fsdp", fsdp_cpu_offload=offload))
+            torch.manual_seed(0)
+            model = MoETransformerLM(LM, seed=3).cuda()
+            trained = parallelize(model, parallel, default_lm_strategy(LM))
+            inputs, targets = (t.cuda() for t in _tokens(0))
+            loss = lm_loss(trained(inputs), targets)
+            loss.backward()
+            trained.reduce_gradients()
+            grads = {n: full(p.grad).detach().cpu() for n, p in model.named_parameters()}
+            results.append((loss.item(), grads, {p.device.type for p in model.parameters()}))
+        (loss0, grads0, _), (loss1, grads1, devices) = results
+        assert devices == {"cpu"} and loss1 == pytest.approx(loss0, rel=1e-6)
+        for name, grad in grads0.items():
+            torch.testing.assert_close(grads1[name], grad, rtol=1e-5, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
