@@ -374,6 +374,7 @@ def time_steps(manifest: Path, workers: int, threads: int, steps: int, warmup: i
 
     from m6_moe import M6Config, build_m6
     from moetrain.config import DataConfig, TrainConfig
+    from moetrain.registry import DataShard
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -382,7 +383,7 @@ def time_steps(manifest: Path, workers: int, threads: int, steps: int, warmup: i
         data=DataConfig(source=str(manifest), micro_batch_size=16, seq_len=40, num_workers=workers),
         out_dir=str(out_dir),
     )
-    model, batches, loss_fn = build_m6(config, None, 0)
+    model, batches, loss_fn = build_m6(config, DataShard())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step_s, wait_s = [], []
     try:

@@ -11,6 +11,9 @@ somewhere deep in a training run.
   owners a storage has, so a gradient buffer is reused only when nothing else holds it.
 - :func:`grouped_mm`: ``torch.nn.functional.grouped_mm`` where it exists (public since torch 2.9),
   else the private ``torch._grouped_mm`` it wraps.
+- :func:`ddp_ignore_parameters`: ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``
+  (no public equivalent): DDP leaves the named parameters alone (experts, reduced over their own
+  group; DTensor shards of split layers, which DDP cannot hold).
 - :func:`assume_constant_result`: what ``torch.compiler.assume_constant_result`` does (it sets one
   marker on the function) without importing ``torch._dynamo``, which costs about a second at
   ``import moetrain`` for programs that never compile.
@@ -50,6 +53,17 @@ def _private_module(name: str):
 
 _PYTREE = _private_module("torch.utils._pytree")
 _PYTHON_DISPATCH = _private_module("torch.utils._python_dispatch")
+
+
+def ddp_ignore_parameters(model: torch.nn.Module, names: list[str]) -> None:
+    """Makes a ``DistributedDataParallel`` built on ``model`` afterwards skip the parameters and
+    buffers ``names`` (no broadcast, no gradient reduction)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ignore = getattr(DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model", None)
+    if ignore is None:
+        raise _missing("DistributedDataParallel._set_params_and_buffers_to_ignore_for_model")
+    ignore(model, names)
 
 
 def current_graph_task_id() -> int:

@@ -170,12 +170,44 @@ ALL_TO_ALL_ALGORITHMS = ("auto", "flat", "hierarchical")
 COMM_DTYPES = (None, "bf16", "fp16")
 
 
+STRATEGY_KINDS = ("replica", "expert", "split", "split.row", "split.head")
+REPLICA_MODES = ("ddp", "fsdp")
+
+
+def validate_strategy(name: str, strategy) -> dict[str, str]:
+    """A strategy: a mapping of module-name patterns (``fnmatch``) to one of ``STRATEGY_KINDS``, in
+    the order given (the first matching pattern wins); returned as a new dict."""
+    if not isinstance(strategy, dict) or not strategy:
+        raise ValueError(
+            f"{name} must be a non-empty mapping of module-name patterns to one of "
+            f"{', '.join(map(repr, STRATEGY_KINDS))}, got {strategy!r}"
+        )
+    for pattern, kind in strategy.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"{name}: patterns must be non-empty strings, got {pattern!r}")
+        if kind not in STRATEGY_KINDS:
+            raise ValueError(
+                f"{name}[{pattern!r}] must be one of {', '.join(map(repr, STRATEGY_KINDS))}, got {kind!r}"
+            )
+    return dict(strategy)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How ranks are arranged for expert parallelism.
+    """How ranks are arranged: a mesh of ``dp x ep x tp`` ranks (see :mod:`moetrain.parallel`);
+    the data-parallel degree ``dp = world / (ep_size * tp_size)`` follows from the world size.
 
     - ``ep_size``: ranks that share one token exchange and split the experts between them;
       must divide the world size (and ``num_experts``).
+    - ``tp_size``: ranks that split the layers a strategy marks ``split`` (tensor parallelism);
+      they see the same data. Innermost in the rank grid (consecutive ranks: one node).
+    - ``replica``: how replicated parameters are kept in sync: ``"ddp"`` (every rank holds them,
+      gradients all-reduced) or ``"fsdp"`` (FSDP2 ``fully_shard``: parameters, gradients and
+      optimizer states sharded over the data-parallel ranks, gathered per unit when used).
+    - ``fsdp_cpu_offload``: with ``replica: fsdp``, FSDP2's CPU offload policy (parameters,
+      gradients and optimizer steps in host memory; needs a GPU).
+    - ``strategy``: module-name patterns -> ``replica`` / ``expert`` / ``split`` /
+      ``split.row`` / ``split.head`` (see :func:`moetrain.parallelize`); None: the model's default.
     - ``ep_layout``: ``"packed"`` puts an expert-parallel group on consecutive ranks (inside a node
       first); ``"spread"`` takes one rank every ``world_size / ep_size`` (across nodes).
     - ``all_to_all``: ``"flat"``, ``"hierarchical"`` (2-D: intra-node, then inter-node among the
@@ -213,9 +245,35 @@ class ParallelConfig:
         None, ("ranks per node; None: from the launcher (LOCAL_WORLD_SIZE, SLURM); set it to emulate nodes")
     )
     kernels: str = option("auto", ("all-to-all layout kernels: 'auto', 'custom' or 'torch' (as moe.kernels)"))
+    tp_size: int = option(
+        1, "ranks that split the 'split' layers of the strategy (tensor parallelism); they share their data"
+    )
+    replica: str = option(
+        "ddp", "replicated parameters: 'ddp' (all-reduced gradients) or 'fsdp' (FSDP2 fully_shard)"
+    )
+    fsdp_cpu_offload: bool = option(
+        False, "with replica 'fsdp': FSDP2's CPU offload policy (weights, gradients, optimizer on the host)"
+    )
+    strategy: dict | None = option(
+        None,
+        (
+            "module-name patterns -> 'replica', 'expert', 'split', 'split.row' or 'split.head' (first"
+            " match wins); None: the model's default strategy"
+        ),
+    )
 
     def __post_init__(self) -> None:
         require_int("ep_size", self.ep_size, 1)
+        require_int("tp_size", self.tp_size, 1)
+        require_choice("replica", self.replica, REPLICA_MODES)
+        require_bool("fsdp_cpu_offload", self.fsdp_cpu_offload)
+        if self.fsdp_cpu_offload and self.replica != "fsdp":
+            raise ValueError(
+                f"fsdp_cpu_offload needs replica = 'fsdp' (it is FSDP2's offload policy), got replica = "
+                f"{self.replica!r}"
+            )
+        if self.strategy is not None:
+            object.__setattr__(self, "strategy", validate_strategy("strategy", self.strategy))
         require_choice("ep_layout", self.ep_layout, EP_LAYOUTS)
         require_choice("all_to_all", self.all_to_all, ALL_TO_ALL_ALGORITHMS)
         require_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
@@ -506,6 +564,24 @@ class TrainConfig:
             raise ValueError(
                 f"param_dtype = {self.param_dtype!r} needs precision = {self.param_dtype!r} (the weights' "
                 f"dtype is the compute dtype), got precision = {self.precision!r}"
+            )
+        parallel = self.parallel
+        sharded = parallel.tp_size > 1 or parallel.replica == "fsdp"
+        what = "parallel.tp_size > 1" if parallel.tp_size > 1 else "parallel.replica = 'fsdp'"
+        if sharded and self.optim.name == "offload":
+            raise ValueError(
+                f"optim.name = 'offload' steps plain tensors, and {what} makes DTensor parameters: use "
+                "optim.name 'adamw' (with replica 'fsdp', parallel.fsdp_cpu_offload keeps the optimizer in "
+                "host memory)"
+            )
+        if sharded and self.precision == "fp16":
+            raise ValueError(
+                f"precision = 'fp16' (loss scaling) is not supported with {what}: use precision 'bf16'"
+            )
+        if parallel.tp_size > 1 and self.balance.enabled:
+            raise ValueError(
+                "balance splits the batch between ranks by speed, but with parallel.tp_size > 1 the ranks of "
+                "a tensor-parallel group must read the same batch: turn balance off or use tp_size 1"
             )
         if self.param_dtype != "fp32" and self.optim.name != "offload":
             raise ValueError(

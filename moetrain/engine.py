@@ -2,10 +2,15 @@
 
 One optimizer step = ``grad_accum`` micro-steps of ``data.micro_batch_size`` sequences per rank:
 
-1. forward under autocast (bf16 / fp16) and ``loss / grad_accum`` backward (DDP syncs dense
-   gradients on the last micro-step only); MoE aux losses are injected into the same backward with
-   the matching scale (``set_aux_loss_scale``: ``loss_scale / grad_accum``);
-2. expert gradients reduced over their expert-data-parallel group;
+0. the model is built by its registry builder with no parallel layout, then the run's strategy
+   (``parallel.strategy``, ``--strategy FILE``, else the model's default) is applied by
+   :func:`moetrain.parallelize` over the mesh of :class:`~moetrain.parallel.ParallelContext`;
+1. forward under autocast (bf16 / fp16) and ``loss / grad_accum`` backward (DDP or FSDP2 syncs
+   replicated gradients on the last micro-step only; vocabulary-sharded logits go through
+   ``loss_parallel()``); MoE aux losses are injected into the same backward with the matching
+   scale (``set_aux_loss_scale``: ``loss_scale / grad_accum``);
+2. expert gradients reduced over their expert-data-parallel group (and, under DDP, the split
+   layers' shards over the dense group);
 3. clipping by the true global norm (each expert once), optimizer step (AdamW, group-wise or
    CPU-offloaded), LR schedule: linear warm-up then cosine decay to ``min_lr_ratio * lr``.
    fp16: the norm is taken of the still-scaled gradients (clipping at ``grad_clip * scale``) and,
@@ -52,7 +57,6 @@ from moetrain.checkpoint import (
     remove_debris,
     verify_checkpoint,
 )
-from moetrain.comm.grad_sync import ExpertGradReducer, clip_grad_norm_, global_grad_norm, wrap_data_parallel
 from moetrain.config import TrainConfig
 from moetrain.cpus import cpus_per_rank, default_threads
 from moetrain.failures import RunPosition
@@ -63,11 +67,13 @@ from moetrain.layers import (
     set_aux_loss_scale,
     update_score_biases,
 )
+from moetrain.layers.experts import local_tensor
 from moetrain.metrics import MetricsWriter
 from moetrain.offload import GroupwiseApply, OffloadOptimizer
-from moetrain.parallel import ParallelContext, init_distributed, read_launch_environment
+from moetrain.parallel import ParallelContext, check_sizes, init_distributed, read_launch_environment
+from moetrain.parallelize import default_strategy, parallelize
 from moetrain.progress import ProgressBar
-from moetrain.registry import spec_for_config
+from moetrain.registry import DataShard, spec_for_config
 from moetrain.run_dir import RunLock, check_out_dir, config_changes, record_config
 from moetrain.watchdog import Watchdog
 
@@ -129,6 +135,11 @@ class Trainer:
             torch.set_num_threads(config.threads)
         launch = read_launch_environment()
         self.device = resolve_device(config.device, launch.local_rank, launch.local_world_size)
+        if config.parallel.fsdp_cpu_offload and self.device.type != "cuda":
+            raise ValueError(
+                "parallel.fsdp_cpu_offload needs device 'cuda' (FSDP2 copies the offloaded weights to the "
+                f"GPU for compute); this run's device is {self.device.type!r}: set fsdp_cpu_offload: false"
+            )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.position.phase = "process-group set-up"
@@ -138,7 +149,9 @@ class Trainer:
         self.position.rank = dist.get_rank() if dist.is_initialized() else 0
         self.position.phase = "start-up checks"
         check_same_start(asdict(config), dist.get_world_size() if dist.is_initialized() else 1)
-        self.parallel = ParallelContext(config.parallel, timeout_s=config.dist_timeout_s)
+        self.parallel = ParallelContext(
+            config.parallel, timeout_s=config.dist_timeout_s, device_type=self.device.type
+        )
         self.rank = self.parallel.rank
         self.is_main = self.rank == 0
         self.out_dir = Path(config.out_dir)
@@ -155,8 +168,10 @@ class Trainer:
         self.position.phase = "model set-up"
         torch.manual_seed(config.seed)  # identical on every rank: dense replicas start equal
         random.seed(config.seed)
-        builder = spec_for_config(config.model).builder
-        self.model, self.batches, self.loss_fn = builder(config, self.parallel, self.rank)
+        spec = spec_for_config(config.model)
+        p = self.parallel
+        shard = DataShard(p.data_index, p.data_count, p.rank, p.world_size, p.dense_group)
+        self.model, self.batches, self.loss_fn = spec.builder(config, shard)
         if config.threads is None:
             self._choose_threads()
         self.position.model = self.model
@@ -164,9 +179,9 @@ class Trainer:
         if config.param_dtype != "fp32":  # fp32 masters: built by the OffloadOptimizer below
             self.model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[config.param_dtype])
         self.loss_weight = 1.0  # hardware-aware balancing: W * n_r / N
-        self.global_batch = config.data.micro_batch_size * self.parallel.world_size
-        self.ddp = wrap_data_parallel(self.model, self.parallel)
-        self.reducer = ExpertGradReducer(self.model, self.parallel)
+        self.global_batch = config.data.micro_batch_size * self.parallel.data_count
+        self.strategy = run_strategy(config, spec, self.model)
+        self.trained = parallelize(self.model, self.parallel, self.strategy)
         self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_at(step, config))
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
@@ -245,7 +260,11 @@ class Trainer:
             return OffloadOptimizer(
                 groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, num_apply_groups=optim.num_apply_groups
             )
-        adamw = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, foreach=True)
+        # torch's multi-tensor kernels cannot mix DTensors (split layers) with plain tensors in one list
+        kinds = {type(p).__name__ == "DTensor" for p in self.model.parameters()}
+        adamw = torch.optim.AdamW(
+            groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, foreach=len(kinds) == 1
+        )
         return GroupwiseApply(adamw, optim.num_apply_groups) if optim.name == "groupwise" else adamw
 
     def _plan_recompute(self) -> None:
@@ -258,9 +277,9 @@ class Trainer:
             remove_recompute,
         )
 
-        probe = self.batches.probe(self.batches.batch, self.config.seed * 31 + 7 + self.rank)
+        probe = self.batches.probe(self.batches.batch, self.config.seed * 31 + 7 + self.parallel.data_index)
         inputs, targets = to_device(probe, self.device)
-        with self._autocast():
+        with self._autocast(), self.trained.loss_context():
             profile = profile_activations(self.model, inputs, loss_fn=lambda out: self.loss_fn(out, targets))
         budget = self.config.recompute_budget_mb * 2**20 or profile.min_activation_bytes
         plan = plan_recompute(profile, int(budget), self.model)
@@ -379,15 +398,16 @@ class Trainer:
                 scheduler=self.scheduler,
                 parallel=self.parallel,
                 step=step,
+                extra_state_rank=self.parallel.data_leader,  # a tensor-parallel group reads one stream
             )
         except CheckpointError as error:
             raise CheckpointError(f"{error}{self._intact_hint(step)}") from None
         self.step = loaded["step"]
         extra = loaded["extra_state"]
-        if loaded["extra_state_rank"] == self.rank:
+        if loaded["extra_state_rank"] == self.parallel.data_leader:
             self.batches.load_state_dict(extra["data"])
         else:  # a rank the saved run did not have: a fresh stream, distinct from the others
-            self.batches.reseed(self.config.seed, self.rank, self.step)
+            self.batches.reseed(self.config.seed, self.parallel.data_index, self.step)
         if self.scaler is not None and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
         self.skipped_steps = int(extra.get("skipped_steps", 0))
@@ -487,17 +507,17 @@ class Trainer:
         share = self._loss_share(targets)
         weight = share / accum
         set_aux_loss_scale(self.model, loss_scale * self.loss_weight / accum)
-        sync = last or self.ddp is self.model
-        context = contextlib.nullcontext() if sync else self.ddp.no_sync()
+        context = contextlib.nullcontext() if last else self.trained.no_sync()
         with context:
             self.position.phase = "forward"
             with self._autocast():
-                output = self.ddp(**inputs) if isinstance(inputs, dict) else self.ddp(inputs)
-            loss = self.loss_fn(output, targets)
-            scaled = loss * weight
-            self.position.phase = "backward"
-            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-        return loss.detach().float(), self._aux_loss_now(), share
+                output = self.trained(**inputs) if isinstance(inputs, dict) else self.trained(inputs)
+            with self.trained.loss_context(output):  # loss_parallel() for vocabulary-sharded logits
+                loss = self.loss_fn(output, targets)
+                scaled = loss * weight
+                self.position.phase = "backward"
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        return local_tensor(loss.detach()).float(), self._aux_loss_now(), share
 
     def _is_logging_step(self, step: int) -> bool:
         return step % self.config.log_every == 0 or step == self.config.steps
@@ -524,14 +544,12 @@ class Trainer:
             losses.append(loss * share)
             auxes.append(aux)
         self.position.phase = "gradient sync"
-        self.reducer.reduce()
+        self.trained.reduce_gradients()
         # With fp16 the gradients are still multiplied by loss_scale: clip at the scaled threshold.
         if config.optim.grad_clip > 0:
-            scaled_norm = float(
-                clip_grad_norm_(self.model, config.optim.grad_clip * loss_scale, self.parallel)
-            )
+            scaled_norm = float(self.trained.clip_grad_norm_(config.optim.grad_clip * loss_scale))
         else:
-            scaled_norm = float(global_grad_norm(self.model, self.parallel))
+            scaled_norm = float(self.trained.grad_norm())
         grad_norm = scaled_norm / loss_scale
         self.position.phase = "optimizer step"
         skipped = not math.isfinite(scaled_norm)
@@ -785,12 +803,24 @@ class NonFiniteGradientsError(RuntimeError):
     """Too many consecutive optimizer steps had inf / NaN gradients (``max_consecutive_skips``)."""
 
 
+def run_strategy(config: TrainConfig, spec, model) -> dict[str, str]:
+    """The strategy a run applies: the config's ``parallel.strategy`` (or ``--strategy``), else the
+    model's registered default (its ``strategy`` hook), else :func:`default_strategy`."""
+    if config.parallel.strategy is not None:
+        return dict(config.parallel.strategy)
+    if spec.strategy is not None:
+        return spec.strategy(config)
+    return default_strategy(model)
+
+
 def check_fits(config: TrainConfig, world_size: int) -> None:
     """Validates the parallel layout against the model before anything is built: one-line
     ValueErrors naming the numbers."""
-    ep = config.parallel.ep_size
-    if world_size % ep:
-        raise ValueError(f"parallel.ep_size = {ep} must divide the world size = {world_size}")
+    ep, tp = config.parallel.ep_size, config.parallel.tp_size
+    try:
+        check_sizes(world_size, ep, tp)
+    except ValueError as error:
+        raise ValueError(f"parallel.{error}") from None
     moe = getattr(config.model, "moe", None)
     has_moe_layers = moe is not None and getattr(config.model, "num_moe_layers", 1) > 0
     if has_moe_layers and moe.num_experts % ep:

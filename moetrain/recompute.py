@@ -56,6 +56,7 @@ from torch.utils.checkpoint import checkpoint
 
 from moetrain.layers import MoELayer
 from moetrain.layers.dispatch import AllToAllTokenDispatcher
+from moetrain.layers.experts import local_tensor
 from moetrain.validation import require_bool, require_int, require_number
 
 log = logging.getLogger(__name__)
@@ -263,6 +264,7 @@ def _resolve_candidates(model: nn.Module, candidates: Sequence[str] | None) -> d
 
 
 def _storage_key(t: torch.Tensor) -> StorageKey:
+    t = local_tensor(t)  # a DTensor (split or FSDP parameter) has no storage of its own: its shard has
     return (t.device.type, -1 if t.device.index is None else t.device.index, t.untyped_storage().data_ptr())
 
 

@@ -109,12 +109,15 @@ def _global_batch():
 
 def gradient_worker(rank, world, ep_size):
     from moetrain.comm.grad_sync import ExpertGradReducer, wrap_data_parallel
+    from moetrain.layers import shard_experts
     from moetrain.layers.experts import GroupedExperts
     from moetrain.parallel import ParallelContext
 
     ctx = ParallelContext(ep_size=ep_size, local_world_size=2)
     torch.manual_seed(11)
-    model = MoETransformerLM(_config(), ctx)
+    model = MoETransformerLM(_config())
+    for block in model.blocks:
+        shard_experts(block.ffn, ctx)
     torch.manual_seed(11)
     reference = MoETransformerLM(_config())  # one process, every expert, the whole batch
     inputs, targets = _global_batch()

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain import MoEConfig, MoELayer
+from moetrain import MoEConfig, MoELayer, shard_experts
 from moetrain import checkpoint as ckpt
 from moetrain.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from moetrain.comm.grad_sync import ExpertGradReducer, wrap_data_parallel
@@ -47,7 +47,9 @@ class Net(nn.Module):
             eval_capacity_factor=None,
             router_jitter=jitter,
         )
-        self.moe = MoELayer(cfg, parallel=parallel)
+        self.moe = MoELayer(cfg)
+        if parallel is not None:
+            shard_experts(self.moe, parallel)
         self.out = nn.Linear(D_MODEL, 3)
 
     def forward(self, x):

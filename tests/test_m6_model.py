@@ -33,6 +33,7 @@ from m6_moe.tokenizer import ByteTokenizer
 from moetrain.config import DataConfig, TrainConfig, config_from_dict
 from moetrain.layers import MoELayer
 from moetrain.layers.losses import sequence_balance_loss
+from moetrain.registry import DataShard
 
 TOKENIZER = ByteTokenizer()
 
@@ -198,7 +199,7 @@ def test_tiny_preset_trains_and_loss_drops(tmp_path):
         out_dir=str(tmp_path),
     )
     torch.manual_seed(0)
-    model, batches, loss_fn = build_m6(config, None, 0)
+    model, batches, loss_fn = build_m6(config, DataShard())
     assert (tmp_path / "data" / "train.jsonl").is_file()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     inputs, labels = batches.next()
@@ -219,10 +220,12 @@ def test_tiny_preset_trains_and_loss_drops(tmp_path):
 def test_build_m6_checks_lengths_and_vocab(tmp_path):
     base = {"model": M6Config.preset("tiny"), "out_dir": str(tmp_path)}
     with pytest.raises(ValueError, match=r"data.seq_len = 65 .* model.max_text_len = 128"):
-        build_m6(TrainConfig(**base, data=DataConfig(seq_len=65)), None, 0)
+        build_m6(TrainConfig(**base, data=DataConfig(seq_len=65)), DataShard())
     small_vocab = M6Config(vocab_size=100)
     with pytest.raises(ValueError, match="vocab_size = 100 is smaller"):
-        build_m6(TrainConfig(model=small_vocab, out_dir=str(tmp_path), data=DataConfig(seq_len=32)), None, 0)
+        build_m6(
+            TrainConfig(model=small_vocab, out_dir=str(tmp_path), data=DataConfig(seq_len=32)), DataShard()
+        )
 
 
 def test_loss_ignores_padding():
@@ -553,10 +556,13 @@ def test_example_yaml_is_the_tiny_preset():
 def _expert_parallel_rank(rank: int, world_size: int) -> tuple[dict, torch.Tensor]:
     from moetrain.config import ParallelConfig
     from moetrain.parallel import ParallelContext
+    from moetrain.parallelize import parallelize
 
     parallel = ParallelContext(ParallelConfig(ep_size=world_size, local_world_size=world_size))
     torch.manual_seed(0)
-    model = M6Model(EP_CONFIG, parallel).eval()
+    model = M6Model(EP_CONFIG)
+    parallelize(model, parallel)
+    model.eval()
     inputs = random_inputs(EP_CONFIG, generator=torch.Generator().manual_seed(10 + rank))
     inputs["prefix_mask"] = torch.ones(3, 5, dtype=torch.bool)
     inputs["prefix_mask"][: rank + 1, 2:] = False  # ranks route different numbers of tokens

@@ -24,6 +24,7 @@ from m6_moe.manifest_index import ManifestIndex, cache_roots, ensure_index
 from m6_moe.shuffle import EpochPermutation
 from m6_moe.tasks import TaskSampler
 from m6_moe.tokenizer import ByteTokenizer
+from moetrain.registry import DataShard
 from tests.dist_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -379,7 +380,7 @@ def test_data_source_lists_and_num_workers_in_the_config(tmp_path):
         },
     )
     assert config.data.source == (str(first), str(tmp_path / "b" / "*.jsonl"))
-    _, batches, _ = build_m6(config, None, 0)
+    _, batches, _ = build_m6(config, DataShard())
     assert len(batches.sampler.dataset) == 5 and batches.num_workers == 0
     assert DataConfig().num_workers == "auto"
     for bad, message in [

@@ -136,12 +136,14 @@ def test_upcycled_hugging_face_model_keeps_its_logits_trains_and_round_trips(bui
 
 
 def _expert_parallel_gpt2(rank, world):
-    from moetrain import ParallelContext
+    from moetrain import ParallelContext, shard_experts
 
     parallel = ParallelContext(ep_size=world)
     model = tiny_gpt2()
     torch.manual_seed(7)  # the routers' initialisation, the same on every rank
-    moefy(model, match="transformer.h.*.mlp", num_experts=4, top_k=2, parallel=parallel)
+    moefy(model, match="transformer.h.*.mlp", num_experts=4, top_k=2)
+    for name in [f"transformer.h.{i}.mlp.0" for i in range(len(model.transformer.h))]:
+        shard_experts(model.get_submodule(name), parallel)
     layer = model.transformer.h[0].mlp[0]
     tokens = TOKENS[rank : rank + 1]
     out = model(input_ids=tokens).logits

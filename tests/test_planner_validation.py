@@ -269,6 +269,7 @@ def ep_worker(rank, world, local_world, precision, recompute, capacity_factor):
     import torch.distributed as dist
 
     from moetrain.comm.grad_sync import ExpertGradReducer, wrap_data_parallel
+    from moetrain.layers import shard_experts
     from moetrain.offload import OffloadOptimizer
     from moetrain.parallel import ParallelContext
 
@@ -276,7 +277,10 @@ def ep_worker(rank, world, local_world, precision, recompute, capacity_factor):
     config = lm_config(capacity_factor=capacity_factor)
     torch.manual_seed(3)  # dense weights equal on every rank
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-    model = MoETransformerLM(config, ctx).to(dtype).train()
+    model = MoETransformerLM(config)
+    for block in model.blocks:
+        shard_experts(block.ffn, ctx)
+    model = model.to(dtype).train()
     fixed_routing(model)
     batch, seq = 4, 32
     settings = PlanSettings(

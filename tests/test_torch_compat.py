@@ -96,3 +96,19 @@ def test_torch_dispatch_mode_sees_every_aten_operator():
     with Record():
         y = (x + 1).mul(2)
     assert torch.equal(y, torch.full((3,), 4.0)) and seen == ["aten.add", "aten.mul"]
+
+
+def test_ddp_ignore_parameters_makes_ddp_leave_them_alone():
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    _torch_compat.ddp_ignore_parameters(model, ["1.weight"])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(model)
+        assert ddp.parameters_to_ignore == {"1.weight"}
+        model(torch.ones(1, 2)).sum().backward()  # the ignored weight still gets its local gradient
+        assert model[1].weight.grad is not None
+    finally:
+        dist.destroy_process_group()

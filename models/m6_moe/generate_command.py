@@ -29,6 +29,10 @@ from m6_moe.trained_model import load_trained_model, tokenizer_for
 
 log = logging.getLogger(__name__)
 
+# Every character str.splitlines() ends a line at, escaped, so that each input prints one line.
+_BREAKS = ("\n", "\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029")
+LINE_BREAKS = str.maketrans({c: repr(c)[1:-1] for c in _BREAKS})
+
 
 def load_image_file(path: str | Path, model_config) -> torch.Tensor:
     """An image file as ``uint8 [C, image_size, image_size]``, converted and resized as training
@@ -134,5 +138,5 @@ class GenerateCommand:
             print(json.dumps(report, ensure_ascii=False))
         else:
             for text in texts:
-                print(text.replace("\n", "\\n").replace("\r", "\\r"))  # one line per input
+                print(text.translate(LINE_BREAKS))  # one line per input
         return 0

@@ -7,6 +7,7 @@ from moetrain.layers.moe_layer import (
     collect_moe_stats,
     discard_routed_counts,
     set_aux_loss_scale,
+    shard_experts,
     update_score_biases,
 )
 
@@ -17,5 +18,6 @@ __all__ = [
     "collect_moe_stats",
     "discard_routed_counts",
     "set_aux_loss_scale",
+    "shard_experts",
     "update_score_biases",
 ]

@@ -35,7 +35,6 @@ from moetrain.layers.losses import attach_aux_loss, load_balancing_loss, router_
 from moetrain.layers.precision import autocast_off, compute_dtype
 from moetrain.layers.replay import RoutingReplay, attach_to_graph, input_digest
 from moetrain.layers.router import RouterOutput, TopKRouter
-from moetrain.parallel import ParallelContext
 from moetrain.validation import require_nonneg_float
 
 INPUT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -82,26 +81,40 @@ class MoEModelStats:
 
 
 class MoELayer(nn.Module):
-    """Mixture-of-Experts FFN. Build it from keyword options or a :class:`MoEConfig`::
+    """Mixture-of-Experts FFN holding all ``num_experts`` experts. Build it from keyword options or
+    a :class:`MoEConfig`::
 
     ffn = MoELayer(d_model=512, d_ff=2048, num_experts=8, top_k=2)
     y = ffn(x)  # x: [..., 512] -> y: [..., 512]
+
+    Expert parallelism is applied afterwards (:func:`moetrain.parallelize` with ``expert``, or
+    :func:`shard_experts`): the layer then keeps this rank's experts only.
+
+    ``seed``: the experts' initialisation, expert ``g`` from a generator seeded ``seed + g``
+    (:class:`~moetrain.layers.experts.GroupedExperts`), so a layer built on ``meta`` and
+    materialised equals one built on the CPU. None: drawn from torch's global CPU generator (after
+    the router's initialisation, which draws on the CPU and not on ``meta``: builds on both devices
+    agree only with an explicit seed; the LM and M6 pass
+    :func:`~moetrain.layers.experts.derive_seed` of the run seed and the layer's name).
     """
 
-    def __init__(
-        self, config: MoEConfig | None = None, *, parallel: ParallelContext | None = None, **options
-    ):
+    def __init__(self, config: MoEConfig | None = None, *, seed: int | None = None, **options):
         super().__init__()
         if config is None:
             config = config_from_dict(MoEConfig, options)  # a misspelt option is a ValueError naming it
         elif options:
             raise ValueError(f"pass either a MoEConfig or keyword options, not both (got {sorted(options)})")
         self.config = config
-        self.parallel = parallel
+        self.parallel = None
         self.router = TopKRouter(config)
-        local = range(config.num_experts) if parallel is None else parallel.local_experts(config.num_experts)
         self.experts = GroupedExperts(
-            len(local), config.d_model, config.d_ff, config.activation, local.start, bias=config.expert_bias
+            config.num_experts,
+            config.d_model,
+            config.d_ff,
+            config.activation,
+            0,
+            seed,
+            bias=config.expert_bias,
         )
         self.shared_expert = (
             DenseFFN(config.d_model, config.shared_expert_d_ff, config.activation)
@@ -109,12 +122,7 @@ class MoELayer(nn.Module):
             else None
         )
         self.replay = RoutingReplay()
-        if parallel is None or parallel.ep_size == 1:
-            self.dispatcher = LocalTokenDispatcher(config.num_experts, config.kernels, self.replay)
-        else:
-            self.dispatcher = AllToAllTokenDispatcher(
-                config.num_experts, parallel, config.kernels, self.replay
-            )
+        self.dispatcher = LocalTokenDispatcher(config.num_experts, config.kernels, self.replay)
         self.last_stats: MoEStats | None = None
         self.aux_loss_scale = 1.0
         self.recompute_replay = False
@@ -265,6 +273,25 @@ class MoELayer(nn.Module):
             f"capacity_factor={cfg.capacity_factor}, num_prototypes={cfg.num_prototypes}, "
             f"activation={cfg.activation!r}"
         )
+
+
+def shard_experts(layer: MoELayer, parallel) -> MoELayer:
+    """Expert parallelism of one layer, in place: the layer keeps the global experts
+    ``parallel.local_experts(E)`` (``[ep_rank * E / ep_size, (ep_rank + 1) * E / ep_size)``) and
+    exchanges tokens with its EP group (``AllToAllTokenDispatcher``, flat or hierarchical, with
+    ``parallel.config.comm_dtype`` on the wire). On a real device the weights are copies of the
+    full layer's slices (the full ones are freed); on ``meta`` the slice is a ``meta`` module
+    initialised, once materialised, with the same per-global-expert seeds. Returns the layer."""
+    if layer.parallel is not None or layer.experts.num_experts != layer.config.num_experts:
+        raise ValueError("shard_experts: the layer's experts are already sharded")
+    local = parallel.local_experts(layer.config.num_experts)
+    layer.experts = layer.experts.slice_experts(local.start, local.stop)
+    layer.parallel = parallel
+    if parallel.ep_size > 1:
+        layer.dispatcher = AllToAllTokenDispatcher(
+            layer.config.num_experts, parallel, layer.config.kernels, layer.replay
+        )
+    return layer
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:

@@ -3,6 +3,7 @@
     moetrain plan --model m6-1T --cluster v100-32gb --nodes 60 --inter-node-gbps 35 \\
         --precision fp16 --ep-size 480 --offload --micro-batch 8
     moetrain plan --model m6-1T --cluster v100-32gb --nodes 60 --inter-node-gbps 35 --recommend
+    moetrain plan --model run.yaml --cluster a100-80gb --nodes 8 --recommend --json > plan.json
     moetrain plan --model configs/tiny_lm.yaml --cluster a100-80gb --nodes 2 --json
     moetrain plan --model m6-base --cluster v100-32gb --nodes 4 --mixed p100-16gb:4 --precision fp16
 
@@ -23,6 +24,11 @@ prints the hardware-aware balancing of that mixed cluster instead (Whale: micro-
 within each GPU's memory, :func:`moetrain.planner.mixed.plan_mixed_cluster`) with the step time
 against equal micro-batches; ``--global-batch`` is the sequences per micro-step over all GPUs
 (default ``--micro-batch`` times the GPU count).
+
+``--recommend`` then also decides, for the best settings, which layers ``split`` (tensor
+parallelism) pays off for and over how many ranks (:mod:`moetrain.planner.split`): with ``--json``
+the output carries top-level ``parallel`` (``ep_size``, ``tp_size``) and ``strategy`` keys, so the
+file is a strategy file ``moetrain train --config run.yaml --strategy plan.json`` accepts as is.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from moetrain.planner.model import resolve_model
 from moetrain.planner.plan import make_plan
 from moetrain.planner.search import recommend
 from moetrain.planner.settings import DEFAULT_MEMORY_HEADROOM, RECOMPUTE_MODES, PlanSettings
+from moetrain.planner.split import recommend_split
 from moetrain.validation import require_int, require_number
 
 # Cluster flags: (argparse dest, flag, unit, zero allowed). Each must be a finite number > 0
@@ -127,7 +134,11 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--comm-dtype", choices=("bf16", "fp16"))
     plan.add_argument("--capacity-factor", type=float, help="0: dropless (default: the model's)")
     plan.add_argument("--efficiency", type=float, help="fraction of peak FLOP/s reached (default 0.4)")
-    plan.add_argument("--recommend", action="store_true", help="search ep_size, offload, micro-batch")
+    plan.add_argument(
+        "--recommend",
+        action="store_true",
+        help="search ep_size, offload, micro-batch; then the split strategy (with --json: a strategy file)",
+    )
     plan.add_argument(
         "--global-batch", type=int, help="with --recommend or --mixed: sequences per step, fixed"
     )
@@ -287,7 +298,23 @@ def run_plan(args) -> int:
             recompute=(settings.recompute,),
             global_batch=args.global_batch,
         )
-        print(json.dumps(result.to_dict(), indent=2) if args.json else result.format_table())
+        split = None
+        if result.best is not None:
+            best = result.best
+            split = recommend_split(
+                model,
+                cluster,
+                best.settings,
+                best.activations.forward_flops / best.settings.micro_batch,
+                model.params.dense,
+            )
+        if args.json:
+            out = result.to_dict()
+            if split is not None:  # the strategy file `moetrain train --strategy` reads, and its reasons
+                out.update(split.strategy_file(), split=split.to_dict())
+            print(json.dumps(out, indent=2))
+        else:
+            print(result.format_table() + ("" if split is None else "\n\n" + split.format_table()))
         return 0 if result.best is not None else 1
     plan = make_plan(model, cluster, settings)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.format_table())

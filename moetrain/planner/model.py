@@ -300,6 +300,12 @@ def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
             "offload_apply_groups": train.optim.num_apply_groups,
             "async_checkpoint": train.async_checkpoint,
         }
+        if train.parallel.tp_size > 1:
+            from moetrain.registry import spec_for_config
+
+            hook = spec_for_config(train.model).strategy
+            strategy = train.parallel.strategy or (hook(train) if hook is not None else None)
+            defaults.update(tp_size=train.parallel.tp_size, strategy=strategy)
         return model, defaults
     classes = model_config_classes()
     if data.get("name") not in classes:

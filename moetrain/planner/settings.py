@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
-from moetrain.config import ALL_TO_ALL_ALGORITHMS, COMM_DTYPES, EP_LAYOUTS
+from moetrain.config import ALL_TO_ALL_ALGORITHMS, COMM_DTYPES, EP_LAYOUTS, validate_strategy
 from moetrain.validation import is_finite_number, require_bool, require_choice, require_int, require_number
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -54,6 +54,10 @@ class PlanSettings:
     - ``async_checkpoint``: checkpoints are written in the background (the engine's default),
       from a host-memory copy (staging) of everything each rank saves: its weights and its
       optimizer states, already offloaded or not.
+    - ``tp_size``, ``strategy``: tensor parallelism (as :class:`moetrain.ParallelConfig`): the
+      units the strategy splits (:mod:`moetrain.planner.split`) hold ``1/tp_size`` of their
+      weights, gradients and optimizer states per rank and cost their activation all-reduces in
+      the tp group; a tp group reads one data stream (``world / tp_size`` streams).
     """
 
     ep_size: int = 1
@@ -75,9 +79,16 @@ class PlanSettings:
     compute_efficiency: float = 0.4
     memory_headroom: float = DEFAULT_MEMORY_HEADROOM
     async_checkpoint: bool = True
+    tp_size: int = 1
+    strategy: dict | None = None
 
     def __post_init__(self) -> None:
         require_int("ep_size", self.ep_size, 1)
+        require_int("tp_size", self.tp_size, 1)
+        if self.strategy is not None:
+            object.__setattr__(self, "strategy", validate_strategy("strategy", self.strategy))
+        if self.tp_size > 1 and self.strategy is None:
+            raise ValueError(f"tp_size = {self.tp_size} needs a strategy saying which layers are split")
         require_int("micro_batch", self.micro_batch, 1)
         if self.seq_len is not None:
             require_int("seq_len", self.seq_len, 1)

@@ -51,8 +51,8 @@ if fault != "none":
 
         layer.forward = forward
 
-    def faulty_builder(config, parallel, rank):
-        model, batches, loss_fn = original_builder(config, parallel, rank)
+    def faulty_builder(config, shard):
+        model, batches, loss_fn = original_builder(config, shard)
         if kind == "stop-in-moe":
             stop_in_moe(model, config)
             return model, batches, loss_fn
@@ -69,7 +69,9 @@ if fault != "none":
 
         return model, batches, faulty_loss
 
-    register_model("moe_lm", spec.config_class, faulty_builder)
+    register_model(
+        "moe_lm", spec.config_class, faulty_builder, describe=spec.describe, strategy=spec.strategy
+    )
 
 from moetrain.cli import main  # noqa: E402
 
