@@ -162,6 +162,8 @@ def _train(args) -> int:
         trainer.close()
         return 0
     except Exception as error:  # noqa: BLE001 - every failure becomes one line + the log file
+        if position.watchdog is not None:
+            position.watchdog.look_now()  # a collective's timeout may beat the periodic look
         line = describe_failure(error, position, position.model, log_path)
         log.error("moetrain: error: %s", line, exc_info=error if log_path is not None else None)
         return 2 if isinstance(error, INPUT_ERRORS) else 1

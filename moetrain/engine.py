@@ -165,6 +165,7 @@ class Trainer:
                 self.launch.store, self.rank, self.parallel.world_size, self.position,
                 interval_s=min(10.0, stall_s / 4), stall_s=stall_s,
             ).start()  # fmt: skip
+            self.position.watchdog = self.watchdog
         self.position.phase = "model set-up"
         torch.manual_seed(config.seed)  # identical on every rank: dense replicas start equal
         random.seed(config.seed)
@@ -793,7 +794,7 @@ class Trainer:
             close_batches()
         if self.watchdog is not None:
             self.watchdog.stop()
-            self.watchdog = None
+            self.watchdog = self.position.watchdog = None
         if self.lock is not None:
             self.lock.release()
             self.lock = None

@@ -18,13 +18,15 @@ class RunPosition:
     """Where a run is: updated by the engine as it goes (``step`` is the step being run: the
     number of completed optimizer steps + 1 inside a step, None before training starts).
     ``stall``: the watchdog's finding while this rank is stuck where it is (the ranks that stopped
-    or lag behind; :class:`moetrain.watchdog.Watchdog`), None once it moves on."""
+    or lag behind; :class:`moetrain.watchdog.Watchdog`), None once it moves on. ``watchdog``: that
+    watchdog while it runs, asked to look once more (``look_now()``) before an error line is written."""
 
     rank: int = 0
     step: int | None = None
     phase: str = "set-up"
     model: nn.Module | None = None  # the model once built (to name the module that raised)
     stall: str | None = None
+    watchdog: object | None = None
 
 
 def module_in_traceback(traceback: TracebackType | None, model: nn.Module | None) -> str | None:

@@ -9,7 +9,8 @@ naming the ranks that are silent (no heartbeat for ``stall_s``: stopped or gone)
 earlier step or phase); when every rank is in the same place it only logs that they all wait there
 (a long phase, not a fault). Until it has found a silent rank it looks again every ``stall_s / 2``
 (a rank stopped just after this one started waiting is not yet silent at the first look), logging
-again only when the finding changes. The finding is kept on the run's position
+again only when the finding changes. A failing rank calls :meth:`Watchdog.look_now` before it writes
+its error line: a collective's timeout may come before the next periodic look. The finding is kept on the run's position
 (``RunPosition.stall``) while the rank stays stuck, so the error line of the collective's timeout
 names the cause (:func:`moetrain.failures.describe_failure`). Nothing is read while training makes
 progress.
@@ -41,6 +42,8 @@ class Watchdog:
         self.interval_s, self.stall_s = interval_s, stall_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="moetrain-watchdog", daemon=True)
+        self._lock = threading.Lock()  # the thread and look_now() share where/since/finding
+        self._seen, self._since, self._finding = None, time.monotonic(), None
         self.reports: list[str] = []
 
     def start(self) -> Watchdog:
@@ -60,22 +63,38 @@ class Watchdog:
         self.store.set(_key(self.rank), json.dumps({"step": step, "phase": phase, "time": time.time()}))
 
     def _run(self) -> None:
-        where, since, next_look, finding = self._where(), time.monotonic(), self.stall_s, None
+        with self._lock:
+            self._seen, self._since = self._where(), time.monotonic()
+        next_look = self.stall_s
         while not self._stop.wait(self.interval_s):
             try:
                 self._publish()
-                now_where = self._where()
-                waited = time.monotonic() - since
-                if now_where != where:
-                    where, since, next_look, finding = now_where, time.monotonic(), self.stall_s, None
-                    self.position.stall = None
-                elif finding != "silent" and waited >= next_look:
-                    finding = self._report(where, waited, finding)
-                    next_look = waited + self.stall_s / 2
+                with self._lock:
+                    now_where = self._where()
+                    waited = time.monotonic() - self._since
+                    if now_where != self._seen:
+                        next_look = self.stall_s
+                        self._seen, self._since, self._finding = now_where, time.monotonic(), None
+                        self.position.stall = None
+                    elif self._finding != "silent" and waited >= next_look:
+                        self._finding = self._report(now_where, waited, self._finding)
+                        next_look = waited + self.stall_s / 2
             except Exception as error:  # noqa: BLE001 - the store may be gone at shutdown
                 log.debug("watchdog: %s", error)
                 if self._stop.is_set():
                     return
+
+    def look_now(self) -> None:
+        """Reads every heartbeat now if this rank has been in the same place for ``stall_s`` or
+        more and no silent rank is known yet, so ``position.stall`` names the cause when a failing
+        collective's error line is written before the next periodic look."""
+        with self._lock:
+            waited = time.monotonic() - self._since
+            if self._where() == self._seen and self._finding != "silent" and waited >= self.stall_s:
+                try:
+                    self._finding = self._report(self._where(), waited, self._finding)
+                except Exception as error:  # noqa: BLE001 - the store may be gone
+                    log.debug("watchdog: %s", error)
 
     def _report(self, where: tuple, waited_s: float, previous: str | None = None) -> str:
         """Reads every heartbeat; logs (unless the finding is ``previous`` again) and returns the
