@@ -170,8 +170,9 @@ ALL_TO_ALL_ALGORITHMS = ("auto", "flat", "hierarchical")
 COMM_DTYPES = (None, "bf16", "fp16")
 
 
-STRATEGY_KINDS = ("replica", "expert", "split", "split.row", "split.head")
+STRATEGY_KINDS = ("replica", "expert", "split", "split.row", "split.head", "pipeline")
 REPLICA_MODES = ("ddp", "fsdp")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
 def validate_strategy(name: str, strategy) -> dict[str, str]:
@@ -218,6 +219,14 @@ class ParallelConfig:
       ``SLURM_NTASKS_PER_NODE``; tests set it to emulate several nodes on one machine.
     - ``kernels``: the implementation of the all-to-all's chunk transpose and fp16 packing,
       ``"auto"``, ``"custom"`` or ``"torch"`` (as :class:`MoEConfig`'s ``kernels``).
+    - ``pp_size``: pipeline stages (outermost mesh dimension, ``world = pp x dp x ep x tp``); the
+      layer stack the strategy marks ``pipeline`` is cut into ``pp_size`` (x ``pp_virtual``)
+      stages (see :mod:`moetrain.pipeline`); 1: no pipeline.
+    - ``pp_schedule``: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"`` (needs ``pp_virtual > 1``).
+    - ``pp_virtual``: stages per rank (interleaved 1F1B: rank r holds stages r, r + pp, ...).
+    - ``pp_layers``: the first layer of every stage but the first (``pp_size * pp_virtual - 1``
+      increasing boundaries, e.g. ``[3]`` puts layers 0-2 on stage 0); None: balanced by each
+      layer's active parameters.
     """
 
     ep_size: int = option(
@@ -261,6 +270,16 @@ class ParallelConfig:
             " match wins); None: the model's default strategy"
         ),
     )
+    pp_size: int = option(1, "pipeline stages (outermost mesh dimension: world = pp x dp x ep x tp); 1: none")
+    pp_schedule: str = option("1f1b", "pipeline schedule: 'gpipe', '1f1b' or 'interleaved_1f1b'")
+    pp_virtual: int = option(1, "pipeline stages per rank (> 1 only with pp_schedule 'interleaved_1f1b')")
+    pp_layers: tuple[int, ...] | None = option(
+        None,
+        (
+            "first layer of each pipeline stage but the first (pp_size * pp_virtual - 1 increasing ints);"
+            " None: balanced by active parameters"
+        ),
+    )
 
     def __post_init__(self) -> None:
         require_int("ep_size", self.ep_size, 1)
@@ -280,6 +299,29 @@ class ParallelConfig:
         if self.local_world_size is not None:
             require_int("local_world_size", self.local_world_size, 1)
         require_choice("kernels", self.kernels, KERNEL_CHOICES)
+        require_int("pp_size", self.pp_size, 1)
+        require_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        require_int("pp_virtual", self.pp_virtual, 1)
+        if (self.pp_schedule == "interleaved_1f1b") != (self.pp_virtual > 1) and self.pp_size > 1:
+            raise ValueError(
+                f"pp_virtual must be > 1 exactly when pp_schedule = 'interleaved_1f1b', got pp_virtual = "
+                f"{self.pp_virtual} with pp_schedule = {self.pp_schedule!r}"
+            )
+        if self.pp_layers is not None:
+            layers = self.pp_layers
+            stages = self.pp_size * self.pp_virtual
+            valid = isinstance(layers, (list, tuple)) and all(is_int(b) and b >= 1 for b in layers)
+            if not valid or len(layers) != stages - 1 or list(layers) != sorted(set(layers)):
+                raise ValueError(
+                    f"pp_layers must be {stages - 1} increasing layer indices >= 1 (the first layer of each "
+                    f"stage but the first, pp_size * pp_virtual = {stages} stages), got {layers!r}"
+                )
+            object.__setattr__(self, "pp_layers", tuple(layers))
+        if self.pp_size > 1 and (self.tp_size > 1 or self.replica != "ddp"):
+            raise ValueError(
+                f"pp_size > 1 composes with ep and dp replicas (replica 'ddp', tp_size 1); got tp_size = "
+                f"{self.tp_size}, replica = {self.replica!r}"
+            )
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -583,12 +625,26 @@ class TrainConfig:
                 "balance splits the batch between ranks by speed, but with parallel.tp_size > 1 the ranks of "
                 "a tensor-parallel group must read the same batch: turn balance off or use tp_size 1"
             )
+        if parallel.pp_size > 1:
+            self._check_pipeline()
         if self.param_dtype != "fp32" and self.optim.name != "offload":
             raise ValueError(
                 f"param_dtype = {self.param_dtype!r} keeps the model's weights in {self.param_dtype}; their "
                 f"fp32 master copy lives in the offloaded optimizer, so optim.name must be 'offload', got "
                 f"{self.optim.name!r}"
             )
+
+    def _check_pipeline(self) -> None:
+        """pp_size > 1: the micro-batches are the pipeline's (one schedule step per optimizer step)."""
+        parallel = self.parallel
+        if parallel.pp_schedule != "gpipe" and self.grad_accum < parallel.pp_size:
+            raise ValueError(
+                f"grad_accum = {self.grad_accum} (the pipeline's micro-batches) must be >= "
+                f"parallel.pp_size = {parallel.pp_size} under pp_schedule {parallel.pp_schedule!r}"
+            )
+        if self.balance.enabled or self.recompute_budget_mb is not None:
+            what = "balance" if self.balance.enabled else "recompute_budget_mb"
+            raise ValueError(f"{what} is not supported with parallel.pp_size > 1: turn it off")
 
 
 def model_config_classes() -> dict[str, type]:

@@ -520,6 +520,21 @@ class Trainer:
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         return local_tensor(loss.detach()).float(), self._aux_loss_now(), share
 
+    def _pipeline_step(self, loss_scale: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Forward and backward of the ``grad_accum`` micro-batches through the pipeline schedule
+        (:mod:`moetrain.pipeline`): each micro-batch's loss and aux losses scaled by
+        ``loss_scale / grad_accum`` as in :meth:`_micro_step`. Returns the losses (the last stage's;
+        a zero elsewhere) and this rank's stages' aux loss per micro-batch (mean)."""
+        accum = self.config.grad_accum
+        self.position.phase = "data loading"
+        batches = [to_device(self.batches.next(), self.device) for _ in range(accum)]
+        set_aux_loss_scale(self.model, loss_scale / accum)
+        self.position.phase = "pipeline forward and backward"
+        with self._autocast():
+            losses, aux = self.trained.pipeline.step(batches, self.loss_fn, loss_scale / accum)
+        zero = torch.zeros((), device=self.device)
+        return losses or [zero], [aux / accum]
+
     def _is_logging_step(self, step: int) -> bool:
         return step % self.config.log_every == 0 or step == self.config.steps
 
@@ -540,10 +555,13 @@ class Trainer:
         loss_scale = self.scaler.get_scale() if self.scaler is not None else 1.0
         self.optimizer.zero_grad(set_to_none=True)
         losses, auxes = [], []
-        for micro in range(config.grad_accum):
-            loss, aux, share = self._micro_step(micro == config.grad_accum - 1, loss_scale)
-            losses.append(loss * share)
-            auxes.append(aux)
+        if self.trained.pipeline is not None:
+            losses, auxes = self._pipeline_step(loss_scale)
+        else:
+            for micro in range(config.grad_accum):
+                loss, aux, share = self._micro_step(micro == config.grad_accum - 1, loss_scale)
+                losses.append(loss * share)
+                auxes.append(aux)
         self.position.phase = "gradient sync"
         self.trained.reduce_gradients()
         # With fp16 the gradients are still multiplied by loss_scale: clip at the scaled threshold.
@@ -568,11 +586,16 @@ class Trainer:
             self.scheduler.step()
             self._update_score_biases()
         self.step += 1
+        pipeline = self.trained.pipeline
         self._window.append(
             {
                 "loss": torch.stack(losses).mean(),
                 "aux": torch.stack(auxes).mean(),
-                "tokens": self.batches.tokens_per_batch * config.grad_accum,
+                "tokens": (
+                    self.batches.tokens_per_batch * config.grad_accum
+                    if pipeline is None or pipeline.holds_last
+                    else 0
+                ),
                 "seconds": time.perf_counter() - start,
             }
         )
@@ -584,7 +607,7 @@ class Trainer:
     def _update_score_biases(self) -> None:
         """Aux-loss-free balancing: once per optimizer step, from the routed counts of its
         ``grad_accum`` micro-steps summed over every rank (the routers are replicated on all)."""
-        update_score_biases(self.model)
+        update_score_biases(self.model, group=self.parallel.stage_group)
 
     def _skip_step(self, loss_scale: float, losses: list[torch.Tensor]) -> None:
         """Drops the gradients and the step's routed counts (aux-free balancing); counts the skip
@@ -646,10 +669,11 @@ class Trainer:
         if world > 1:
             dist.all_reduce(values)
         weighted_loss, aux, tokens = values.tolist()
+        replicas = world // self.parallel.pp_size  # pipeline stages: loss on the last, aux summed over all
         metrics = {
             "step": self.step,
-            "loss": weighted_loss / world,
-            "aux_loss": aux / world,
+            "loss": weighted_loss / replicas,
+            "aux_loss": aux / replicas,
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": tokens / max(seconds, 1e-9),
@@ -666,6 +690,9 @@ class Trainer:
         """Per MoE layer: coefficient of variation of the tokens routed to each expert, summed
         over the data-parallel ranks, and the global dropped-token fraction."""
         stats = collect_moe_stats(self.model).layers
+        pipeline = self.trained.pipeline
+        if pipeline is not None:
+            return self._pipeline_expert_metrics(pipeline)
         if not stats:
             return {}
         routed = torch.stack([s.routed_per_expert for s in stats]).double()
@@ -682,6 +709,29 @@ class Trainer:
         if biases:  # the spread of each layer's aux-free score biases (identical on every rank)
             metrics["score_bias_range"] = [float(b.max() - b.min()) for b in biases]
         return metrics
+
+    def _pipeline_expert_metrics(self, pipeline) -> dict:
+        """:meth:`_expert_metrics` over pipeline stages: each stage fills the rows of its layers in
+        the whole model's ``[layers, E]`` table, summed over every rank in one all-reduce."""
+        names = pipeline.moe_layers
+        if not names:
+            return {}
+        mine = {name: m for name, m in self.model.named_modules() if isinstance(m, MoELayer)}
+        experts = next(iter(mine.values())).config.num_experts if mine else 0
+        counts = torch.zeros(2, len(names), max(experts, 1), dtype=torch.float64, device=self.device)
+        for row, name in enumerate(names):
+            layer = mine.get(name)
+            if layer is not None and layer.last_stats is not None:
+                counts[0, row] = layer.last_stats.routed_per_expert.double().to(self.device)
+                counts[1, row] = layer.last_stats.kept_per_expert.double().to(self.device)
+        width = torch.tensor([float(experts)], device=self.device)
+        dist.all_reduce(width, op=dist.ReduceOp.MAX)
+        counts = counts if counts.shape[2] == int(width.item()) else _pad_experts(counts, int(width.item()))
+        dist.all_reduce(counts)
+        routed, kept = counts[0], counts[1]
+        cv = (routed.std(dim=1, unbiased=False) / routed.mean(dim=1).clamp_min(1e-12)).tolist()
+        dropped = (1 - kept.sum(1) / routed.sum(1).clamp_min(1)).tolist()
+        return {"expert_load_cv": cv, "dropped_fraction": dropped}
 
     def _data_metrics(self) -> dict:
         """Bad records the data pipeline skipped so far on this rank (datasets that count them)."""
@@ -800,6 +850,13 @@ class Trainer:
             self.lock = None
 
 
+def _pad_experts(counts: torch.Tensor, experts: int) -> torch.Tensor:
+    """``[2, layers, e]`` zero-padded to ``[2, layers, experts]`` (a stage without MoE layers)."""
+    padded = counts.new_zeros(counts.shape[0], counts.shape[1], experts)
+    padded[..., : counts.shape[2]] = counts
+    return padded
+
+
 class NonFiniteGradientsError(RuntimeError):
     """Too many consecutive optimizer steps had inf / NaN gradients (``max_consecutive_skips``)."""
 
@@ -819,7 +876,7 @@ def check_fits(config: TrainConfig, world_size: int) -> None:
     ValueErrors naming the numbers."""
     ep, tp = config.parallel.ep_size, config.parallel.tp_size
     try:
-        check_sizes(world_size, ep, tp)
+        check_sizes(world_size, ep, tp, config.parallel.pp_size)
     except ValueError as error:
         raise ValueError(f"parallel.{error}") from None
     moe = getattr(config.model, "moe", None)

@@ -100,24 +100,39 @@ class MoETransformerLM(nn.Module):
     def reset_parameters(self) -> None:
         """The embedding and positions ``N(0, 0.02)`` (the model's own tensors; every submodule
         resets its own)."""
-        nn.init.normal_(self.embed.weight, std=0.02)
-        nn.init.normal_(self.pos, std=0.02)
+        if self.embed is not None:
+            nn.init.normal_(self.embed.weight, std=0.02)
+            nn.init.normal_(self.pos, std=0.02)
+
+    def pipeline_stage(self, layers, first: bool, last: bool) -> None:
+        """Keeps one pipeline stage (:mod:`moetrain.pipeline`): the blocks ``layers``, the embedding
+        and positions when ``first``, the final norm and head when ``last``. Its forward then maps
+        token ids ``[B, S]`` (first) or hidden states ``[B, S, D]`` to hidden states or logits."""
+        from moetrain.pipeline import keep_layers
+
+        self.blocks = keep_layers(self.blocks, layers)
+        if not first:
+            self.embed, self.pos = None, None
+        if not last:
+            self.norm, self.head = None, None
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         seq = tokens_BS.shape[1]
         if seq > self.config.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len = {self.config.max_seq_len}")
-        x_BSD = self.embed(tokens_BS) + self.pos[:seq]
-        for block in self.blocks:
+        x_BSD = tokens_BS if self.embed is None else self.embed(tokens_BS) + self.pos[:seq]
+        blocks = self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks
+        for block in blocks:
             x_BSD = block(x_BSD)
-        return self.head(self.norm(x_BSD))
+        return x_BSD if self.head is None else self.head(self.norm(x_BSD))
 
 
-def default_lm_strategy(config: LMConfig, tp_size: int = 1) -> dict[str, str]:
+def default_lm_strategy(config: LMConfig, tp_size: int = 1, pp_size: int = 1) -> dict[str, str]:
     """``moe_lm``'s default strategy: every block's MoE FFN ``expert``; with ``tp_size > 1`` the
     attention's q / k / v ``split`` (by columns: whole heads per rank), its output projection
     ``split.row``, the head ``split.head`` (logits sharded over the vocabulary, parallel
-    cross-entropy) and the embedding ``split`` (vocabulary-parallel); everything else replicated."""
+    cross-entropy) and the embedding ``split`` (vocabulary-parallel); with ``pp_size > 1`` the
+    block stack ``pipeline``; everything else replicated."""
     strategy = {"blocks.*.ffn": "expert"}
     if tp_size > 1:
         strategy.update(
@@ -129,6 +144,8 @@ def default_lm_strategy(config: LMConfig, tp_size: int = 1) -> dict[str, str]:
             }
         )
     strategy["blocks.*"] = "replica"  # one FSDP unit per block under replica: fsdp
+    if pp_size > 1:
+        strategy["blocks"] = "pipeline"
     return strategy
 
 
@@ -231,7 +248,7 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def lm_strategy(config) -> dict[str, str]:
     """The registry's strategy hook: :func:`default_lm_strategy` for the run's ``tp_size``."""
-    return default_lm_strategy(config.model, config.parallel.tp_size)
+    return default_lm_strategy(config.model, config.parallel.tp_size, config.parallel.pp_size)
 
 
 def describe_lm(config: LMConfig, name: str = "moe_lm"):

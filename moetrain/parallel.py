@@ -20,8 +20,14 @@ one grid (all built here, never read from global state elsewhere):
   its members with this node-local index on every node: the two stages of the 2-D all-to-all.
 
 Ranks are numbered node-major (rank = node * local_world_size + local_rank), as torchrun and
-SLURM do, so an EP group's ranks sorted by number are also node-major. Room is left for a
-``pp`` (pipeline) dimension outside ``dp``: not implemented.
+SLURM do, so an EP group's ranks sorted by number are also node-major.
+
+With ``pp_size > 1`` a ``pp`` (pipeline) dimension comes outermost: the mesh is
+``("pp", "dp", "ep", "tp")``, stage ``s`` holds the consecutive ranks
+``[s * world / pp, (s + 1) * world / pp)``, laid out inside as above (``grid`` is this rank's
+stage's ``[dp, ep, tp]`` grid). Every dp / ep / tp / dense group lies inside one stage;
+``pp_group`` links the ranks of one pipeline (same dp, ep, tp index), which read the same data
+stream (``data_index`` does not depend on the stage); ``stage_group`` holds all ranks of a stage.
 """
 
 from __future__ import annotations
@@ -204,10 +210,15 @@ def _local_world_size_from_env(world_size: int) -> int:
 
 
 MESH_DIMS = ("dp", "ep", "tp")
+PIPELINE_MESH_DIMS = ("pp", *MESH_DIMS)
 
 
-def check_sizes(world_size: int, ep_size: int, tp_size: int = 1) -> None:
-    """ValueError naming the numbers when ``ep_size * tp_size`` does not divide the world size."""
+def check_sizes(world_size: int, ep_size: int, tp_size: int = 1, pp_size: int = 1) -> None:
+    """ValueError naming the numbers when ``pp_size * ep_size * tp_size`` does not divide the world
+    size."""
+    if pp_size > 1 and world_size % pp_size:
+        raise ValueError(f"pp_size = {pp_size} must divide the world size = {world_size}")
+    world_size //= pp_size
     if world_size % (ep_size * tp_size):
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         if tp_size == 1:
@@ -292,12 +303,16 @@ class ParallelContext:
         initialized = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if initialized else 1
         self.rank = dist.get_rank() if initialized else 0
-        self.ep_size, self.tp_size = config.ep_size, config.tp_size
-        check_sizes(self.world_size, self.ep_size, self.tp_size)
-        if self.world_size == 1 and not initialized and (config.ep_size > 1 or config.tp_size > 1):
+        self.ep_size, self.tp_size, self.pp_size = config.ep_size, config.tp_size, config.pp_size
+        check_sizes(self.world_size, self.ep_size, self.tp_size, self.pp_size)
+        if (
+            self.world_size == 1
+            and not initialized
+            and max(config.ep_size, config.tp_size, config.pp_size) > 1
+        ):
             raise ValueError(
-                f"ep_size = {config.ep_size}, tp_size = {config.tp_size} need torch.distributed initialised "
-                "with that many ranks"
+                f"ep_size = {config.ep_size}, tp_size = {config.tp_size}, pp_size = {config.pp_size} need "
+                "torch.distributed initialised with that many ranks"
             )
         self.local_world_size = config.local_world_size or _local_world_size_from_env(self.world_size)
         if self.world_size % self.local_world_size:
@@ -308,10 +323,23 @@ class ParallelContext:
         self.num_nodes = self.world_size // self.local_world_size
         self.node = self.rank // self.local_world_size
         self.local_rank = self.rank % self.local_world_size
-        self.dp_size = self.world_size // (self.ep_size * self.tp_size)
+        stage_world = self.world_size // self.pp_size
+        self.dp_size = stage_world // (self.ep_size * self.tp_size)
         self.expert_dp_size = self.dp_size
-        self.grid = rank_grid(self.world_size, self.ep_size, self.tp_size, config.ep_layout)
-        groups = grid_groups(self.grid)
+        self.pp_rank = self.rank // stage_world
+        stage_grid = rank_grid(stage_world, self.ep_size, self.tp_size, config.ep_layout)
+        self.pipeline_grid = torch.stack([stage_grid + s * stage_world for s in range(self.pp_size)])
+        self.grid = self.pipeline_grid[self.pp_rank]
+        groups = grid_groups(self.pipeline_grid[0])
+        if self.pp_size > 1:  # every stage's groups (each is a collective over all ranks)
+            groups = {
+                dim: [[r + s * stage_world for r in g] for s in range(self.pp_size) for g in lists]
+                for dim, lists in groups.items()
+            }
+            flat = self.pipeline_grid.reshape(self.pp_size, -1)
+            groups["pp"] = [flat[:, i].tolist() for i in range(stage_world)]
+            groups["stage"] = [row.tolist() for row in flat]
+        self.pp_ranks = [self.rank % stage_world + s * stage_world for s in range(self.pp_size)]
         self.dp_rank, self.ep_rank, self.tp_rank = (self.grid == self.rank).nonzero()[0].tolist()
         self.ep_ranks = self.grid[self.dp_rank, :, self.tp_rank].tolist()
         self.expert_dp_ranks = self.grid[:, self.ep_rank, self.tp_rank].tolist()
@@ -326,25 +354,31 @@ class ParallelContext:
 
         self.mesh = None
         self.dp_group = self.ep_group = self.tp_group = self.expert_dp_group = self.dense_group = None
-        self.intra_node_group = self.inter_node_group = None
+        self.intra_node_group = self.inter_node_group = self.pp_group = self.stage_group = None
         if not initialized:
             return
+        dims = PIPELINE_MESH_DIMS if self.pp_size > 1 else MESH_DIMS
         if mesh is None:
             made = {
-                dim: dist.new_subgroups_by_enumeration(groups[dim], timeout=self.timeout)[0]
-                for dim in MESH_DIMS
+                dim: dist.new_subgroups_by_enumeration(groups[dim], timeout=self.timeout)[0] for dim in dims
             }
             from torch.distributed.device_mesh import DeviceMesh
 
             if device_type is None:
                 device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
             mesh = DeviceMesh.from_group(
-                [made[dim] for dim in MESH_DIMS], device_type, mesh=self.grid, mesh_dim_names=MESH_DIMS
+                [made[dim] for dim in dims],
+                device_type,
+                mesh=self.pipeline_grid if self.pp_size > 1 else self.grid,
+                mesh_dim_names=dims,
             )
         self.mesh = mesh
         self.dp_group, self.ep_group, self.tp_group = (mesh.get_group(dim) for dim in MESH_DIMS)
         self.expert_dp_group = self.dp_group
-        if self.tp_size == 1:
+        if self.pp_size > 1:
+            self.pp_group = mesh.get_group("pp")
+            self.stage_group, _ = dist.new_subgroups_by_enumeration(groups["stage"], timeout=self.timeout)
+        if self.tp_size == 1 and self.pp_size == 1:
             self.dense_group = dist.group.WORLD
         else:
             self.dense_group, _ = dist.new_subgroups_by_enumeration(groups["dense"], timeout=self.timeout)
@@ -422,5 +456,6 @@ class ParallelContext:
             f"ParallelContext(rank={self.rank}/{self.world_size}, "
             f"nodes={self.num_nodes}x{self.local_world_size}, dp={self.dp_size} "
             f"ep_size={self.ep_size} ep_rank={self.ep_rank} tp_size={self.tp_size}, "
-            f"expert_dp_size={self.expert_dp_size}, all_to_all={self.all_to_all!r})"
+            f"expert_dp_size={self.expert_dp_size}, all_to_all={self.all_to_all!r}"
+            + (f", pp_size={self.pp_size} pp_rank={self.pp_rank})" if self.pp_size > 1 else ")")
         )

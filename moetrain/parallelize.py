@@ -18,7 +18,10 @@ order given; each module takes the kind of the FIRST pattern that matches its na
 - ``split.row``: an ``nn.Linear`` by rows (input sharded on the last dimension, output all-reduced);
 - ``split.head``: an output ``nn.Linear`` by columns whose output stays a vocabulary-sharded
   ``DTensor``: the loss is computed inside :meth:`Parallelized.loss_context`
-  (``torch.distributed.tensor.parallel.loss_parallel()``), which never gathers the logits.
+  (``torch.distributed.tensor.parallel.loss_parallel()``), which never gathers the logits;
+- ``pipeline``: the layer stack (an ``nn.ModuleList``) cut into ``pp_size`` stages over the mesh's
+  ``pp`` dimension (:mod:`moetrain.pipeline`; nothing happens with ``pp_size`` 1): each rank keeps
+  its stage's part of the model and :attr:`Parallelized.pipeline` runs the schedule.
 
 Gradients (``Parallelized.reduce_gradients``, after the last micro-step's backward): replicated
 parameters are averaged over the dense group (``dp * ep`` ranks) by DDP/FSDP; expert gradients are
@@ -69,10 +72,12 @@ class Assignment:
     pattern: str
 
 
-def resolve_strategy(model: nn.Module, strategy: dict[str, str]) -> list[Assignment]:
+def resolve_strategy(
+    model: nn.Module, strategy: dict[str, str], *, allow_unmatched: bool = False
+) -> list[Assignment]:
     """The modules each pattern claims (first match wins, in the strategy's order), checked: a
-    pattern matching no module, or a kind on a module it cannot apply to, is a ValueError naming
-    the pattern and the module."""
+    pattern matching no module (unless ``allow_unmatched``: a pipeline stage, checked whole before),
+    or a kind on a module it cannot apply to, is a ValueError naming the pattern and the module."""
     strategy = validate_strategy("strategy", strategy)
     modules = [(name, module) for name, module in model.named_modules() if name]
     matched = dict.fromkeys(strategy, 0)
@@ -84,7 +89,7 @@ def resolve_strategy(model: nn.Module, strategy: dict[str, str]) -> list[Assignm
                 assignments.append(Assignment(name, module, kind, pattern))
                 break
     for pattern, count in matched.items():
-        if count == 0 and not any(fnmatchcase(name, pattern) for name, _ in modules):
+        if count == 0 and not allow_unmatched and not any(fnmatchcase(name, pattern) for name, _ in modules):
             shown = ", ".join(name for name, _ in modules[:8]) + (", ..." if len(modules) > 8 else "")
             raise ValueError(
                 f"strategy pattern {pattern!r} matches no module of {type(model).__name__} (modules: {shown})"
@@ -94,6 +99,11 @@ def resolve_strategy(model: nn.Module, strategy: dict[str, str]) -> list[Assignm
             raise ValueError(
                 f"strategy {a.pattern!r}: 'expert' applies to MoELayers, module {a.name!r} is a "
                 f"{type(a.module).__name__}"
+            )
+        if a.kind == "pipeline" and not isinstance(a.module, (nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(
+                f"strategy {a.pattern!r}: 'pipeline' applies to a layer stack (nn.ModuleList), module "
+                f"{a.name!r} is a {type(a.module).__name__}"
             )
         if a.kind in SPLITTABLE and not isinstance(a.module, SPLITTABLE[a.kind]):
             allowed = " / ".join(t.__name__ for t in SPLITTABLE[a.kind])
@@ -206,13 +216,16 @@ class Parallelized:
     - :meth:`grad_norm` / :meth:`clip_grad_norm_`: the true global norm (each element once);
     - :meth:`loss_context`: ``loss_parallel()`` around loss and backward when the output is a
       sharded DTensor (``split.head``);
-    - ``assignments``: which module took which kind; ``parallel``: the :class:`ParallelContext`.
+    - ``assignments``: which module took which kind; ``parallel``: the :class:`ParallelContext`;
+    - ``pipeline``: with ``pp_size > 1``, the :class:`~moetrain.pipeline.Pipeline` whose ``step``
+      replaces forward and backward (``model`` then holds this rank's stages only).
     """
 
-    def __init__(self, model, module, parallel, assignments, replica, reducers, wrap=None):
+    def __init__(self, model, module, parallel, assignments, replica, reducers, wrap=None, pipeline=None):
         self.model, self.module, self.parallel = model, module, parallel
         self.assignments, self.replica, self._reducers = assignments, replica, reducers
         self._wrap = wrap  # DDP waits for real parameters (a model parallelized on meta)
+        self.pipeline = pipeline  # moetrain.pipeline.Pipeline with pp_size > 1, else None
 
     def materialize(self, device) -> Parallelized:
         """Allocates a model parallelized on ``meta`` on ``device`` and initialises it
@@ -263,8 +276,9 @@ class Parallelized:
             ", ".join(f"{kind} {counts[kind]}" for kind in STRATEGY_KINDS if kind in counts) or "replica only"
         )
         p = self.parallel
+        stages = f"pp {p.pp_size} x " if p.pp_size > 1 else ""
         return (
-            f"parallelize: dp {p.dp_size} x ep {p.ep_size} x tp {p.tp_size}, replica {self.replica}; "
+            f"parallelize: {stages}dp {p.dp_size} x ep {p.ep_size} x tp {p.tp_size}, replica {self.replica}; "
             f"modules: {kinds}"
         )
 
@@ -337,7 +351,21 @@ def parallelize(
     cpu_offload = parallel.config.fsdp_cpu_offload if cpu_offload is None else cpu_offload
     if cpu_offload and replica != "fsdp":
         raise ValueError("cpu_offload is FSDP2's offload policy: it needs replica = 'fsdp'")
-    assignments = resolve_strategy(model, default_strategy(model) if strategy is None else strategy)
+    strategy = default_strategy(model) if strategy is None else strategy
+    assignments = resolve_strategy(model, strategy)
+    chunks = None
+    stacks = [a.name for a in assignments if a.kind == "pipeline"]
+    if parallel.pp_size > 1:
+        if len(stacks) != 1:
+            raise ValueError(
+                f"pp_size = {parallel.pp_size} needs exactly one strategy entry 'pipeline' naming the layer "
+                f"stack (e.g. {{'blocks': 'pipeline'}}), the strategy marks {stacks or 'none'}"
+            )
+        from moetrain.pipeline import split_stages
+
+        moe_layers = [name for name, m in model.named_modules() if isinstance(m, MoELayer)]
+        chunks, stage_ids, ranges = split_stages(model, stacks[0], parallel)
+        assignments = resolve_strategy(model, strategy, allow_unmatched=True)
     tp = parallel.tp_size
     splits = [a for a in assignments if a.kind in SPLIT_KINDS]
     if splits and tp == 1 and parallel.world_size > 1:
@@ -381,14 +409,28 @@ def parallelize(
                 reducers.append(
                     GradReducer(split_params, parallel.dense_group, parallel.data_count, parallel.data_count)
                 )
+            if chunks is not None:  # the schedule runs the stages: replicas averaged after it, no DDP
+                ignored = {id(p) for p in expert_params}
+                replicated = [p for p in model.parameters() if id(p) not in ignored and p.requires_grad]
+                reducers.append(
+                    GradReducer(replicated, parallel.dense_group, parallel.data_count, parallel.data_count)
+                )
 
             def wrap():
                 return wrap_data_parallel(model, parallel, comm_hook, ignore=expert_params)
 
             on_meta = any(p.device.type == "meta" for p in model.parameters())
-            if not on_meta:
+            if chunks is not None:
+                wrap = None
+            elif not on_meta:
                 module, wrap = wrap(), None
-    result = Parallelized(model, module, parallel, assignments, replica, reducers, wrap)
+    pipeline = None
+    if chunks is not None:
+        from moetrain.pipeline import Pipeline
+
+        device = next(model.parameters()).device
+        pipeline = Pipeline(model, chunks, stage_ids, ranges, parallel, device, moe_layers)
+    result = Parallelized(model, module, parallel, assignments, replica, reducers, wrap, pipeline)
     log.debug("%s", result.summary())
     return result
 

@@ -165,7 +165,9 @@ def load_checkpoint(
     extra_rank = wanted if wanted < manifest["world_size"] else 0
     try:
         request = Request(read_metadata(path, files).state_dict_metadata, path)
-        request_model(request, model, experts, manifest, layout.ep_size)
+        request_model(
+            request, model, experts, manifest, layout.ep_size, stage=getattr(parallel, "pp_size", 1) > 1
+        )
         if optimizer is not None:
             if not manifest["optimizer"]:
                 raise ValueError(f"optimizer: checkpoint {path} was saved without an optimizer")
@@ -191,7 +193,9 @@ def load_checkpoint(
     error, optimizer_state, values = None, None, {}
     try:
         if optimizer is not None:
-            optimizer_state = optimizer_state_dict(request, plans, optimizer, path)
+            optimizer_state = optimizer_state_dict(
+                request, plans, optimizer, path, stage=getattr(parallel, "pp_size", 1) > 1
+            )
         if scheduler is not None:
             values["scheduler"] = request.value("scheduler")
         values["extra_state"] = request.value(f"extra_state/rank_{extra_rank}")

@@ -91,10 +91,13 @@ def _as_param_layout(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     )
 
 
-def request_model(request: Request, model: nn.Module, experts, manifest, ep_size: int) -> None:
+def request_model(
+    request: Request, model: nn.Module, experts, manifest, ep_size: int, stage: bool = False
+) -> None:
     """Checks and requests every entry of ``model.state_dict()``: dense ones into new tensors of
     the model's dtype (DTensors keep their layout: DCP reads this rank's shard), experts into views
-    of one stacked buffer per parameter (this rank's rows)."""
+    of one stacked buffer per parameter (this rank's rows). ``stage``: the model is one pipeline
+    stage, the checkpoint may hold the other stages' entries too."""
     for name, (first, count, total) in experts.items():
         saved_count = manifest["experts"].get(name, 0)
         for local in range(count):
@@ -127,6 +130,8 @@ def request_model(request: Request, model: nn.Module, experts, manifest, ep_size
             request.tensor(key, value.shape, what, out=torch.empty_like(value))
         else:
             request.as_saved(key, what)
+    if stage:
+        return
     lacking = sorted(set(manifest["experts"]) - set(experts))
     if lacking:
         raise ValueError(f"checkpoint {request.path} has expert parameters this model lacks: {lacking[:5]}")
@@ -225,8 +230,11 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def optimizer_state_dict(request: Request, plans: list[StatePlan], optimizer, path: Path) -> dict[str, Any]:
-    """A torch-style optimizer state dict (params numbered in this optimizer's order)."""
+def optimizer_state_dict(
+    request: Request, plans: list[StatePlan], optimizer, path: Path, stage: bool = False
+) -> dict[str, Any]:
+    """A torch-style optimizer state dict (params numbered in this optimizer's order). ``stage``:
+    the optimizer holds one pipeline stage's parameters, a part of each saved group's."""
     state = {}
     for index, plan in enumerate(plans):
         if not plan.keys:
@@ -254,7 +262,7 @@ def optimizer_state_dict(request: Request, plans: list[StatePlan], optimizer, pa
     names_in_order = [plan.name for plan in plans]
     for g, (saved, group) in enumerate(zip(saved_groups, optimizer.param_groups, strict=True)):
         here = names_in_order[index : index + len(group["params"])]
-        if sorted(here) != sorted(saved["params"]):
+        if (not set(here) <= set(saved["params"])) if stage else sorted(here) != sorted(saved["params"]):
             missing = sorted(set(here) - set(saved["params"]))
             extra = sorted(set(saved["params"]) - set(here))
             raise ValueError(

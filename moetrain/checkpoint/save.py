@@ -201,6 +201,16 @@ class CheckpointWriter:
                 dist.destroy_process_group(self.group)
                 self.group = None
 
+    def _expert_counts(self, experts: dict) -> dict[str, int]:
+        """``{expert parameter: total experts}`` of the whole model (over pipeline stages: one
+        ``all_gather_object`` over this rank's pipeline)."""
+        counts = {name: total for name, (_, _, total) in experts.items()}
+        if getattr(self.parallel, "pp_size", 1) > 1:
+            gathered: list[Any] = [None] * self.parallel.pp_size
+            dist.all_gather_object(gathered, counts, group=self.parallel.pp_group)
+            counts = {name: total for stage in gathered for name, total in stage.items()}
+        return counts
+
     # --------------------------------------------------------------------------------------------
     def save(
         self,
@@ -229,6 +239,10 @@ class CheckpointWriter:
         entries = model_entries(model, experts)
         if optimizer is not None:
             entries.update(optimizer_entries(optimizer, parameter_names(model), experts))
+            if getattr(self.parallel, "pp_size", 1) > 1:
+                entries["optim/param_groups"] = pipeline_param_groups(
+                    entries["optim/param_groups"], self.parallel
+                )
         error = None
         bad = non_finite_entries(entries)
         if bad:
@@ -272,7 +286,7 @@ class CheckpointWriter:
             layout=layout,
             tmp_dir=tmp_dir,
             final_dir=final_dir,
-            expert_counts={name: total for name, (_, _, total) in experts.items()},
+            expert_counts=self._expert_counts(experts),
             has_optimizer=optimizer is not None,
             has_scheduler=scheduler is not None,
             keep_last=self.keep_last,
@@ -295,6 +309,18 @@ class CheckpointWriter:
         self._thread = threading.Thread(target=background, name=f"moetrain-checkpoint-{step}", daemon=True)
         self._thread.start()
         return final_dir
+
+
+def pipeline_param_groups(groups: list[dict], parallel) -> list[dict]:
+    """The optimizer's param groups of the whole model under pipeline stages: each group's
+    parameter names of every stage, in stage order (one ``all_gather_object`` over the ranks of
+    this rank's pipeline), so every rank saves the same entry as a ``pp = 1`` run would."""
+    gathered: list[Any] = [None] * parallel.pp_size
+    dist.all_gather_object(gathered, [group["params"] for group in groups], group=parallel.pp_group)
+    return [
+        {**group, "params": [name for stage in gathered for name in stage[g]]}
+        for g, group in enumerate(groups)
+    ]
 
 
 def _yield_cpu_to_training() -> None:

@@ -163,13 +163,15 @@ def expert_shares(model: nn.Module) -> dict[int, int]:
 def global_grad_norm(model: nn.Module, parallel=None) -> torch.Tensor:
     """L2 norm of the full model's gradient, each element counted once, whatever its layout:
     ``sqrt(sum_ranks sum_p local_sumsq(p) / replication(p))`` in one fp64 all-reduce over the
-    world, where ``replication(p) = world / pieces(p)`` and ``pieces`` is the number of distinct
+    world, where ``replication(p) = world / pieces(p)`` (``world``: the ranks of one pipeline stage,
+    each stage's parameters being its own) and ``pieces`` is the number of distinct
     slices ``p`` is cut into (expert slices over the EP group times DTensor shards; 1 for a plain
     replicated tensor). Squares are summed in fp64 straight from each gradient's dtype (an fp64
     gradient is never rounded to fp32 first); the norm is an fp64 scalar. Call after the
     gradients are synchronised (equal on every rank holding the same piece)."""
     device = local_tensor(next(model.parameters())).device  # NCCL reduces device tensors only
-    world = 1 if parallel is None else parallel.world_size
+    ranks = 1 if parallel is None else parallel.world_size
+    world = ranks // getattr(parallel, "pp_size", 1)  # the ranks of one pipeline stage hold its parameters
     shares = expert_shares(model)
     total = torch.zeros((), dtype=torch.float64, device=device)
     for param in model.parameters():
@@ -179,7 +181,7 @@ def global_grad_norm(model: nn.Module, parallel=None) -> torch.Tensor:
         squares = torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2
         pieces = shares.get(id(param), 1) * shard_count(param.grad)
         total += squares.to(device) * (pieces / world) if pieces != world else squares.to(device)
-    if world > 1:
+    if ranks > 1:
         dist.all_reduce(total)
     return torch.sqrt(total)
 
