@@ -37,6 +37,7 @@ bench: build
 	$(PY) benchmarks/parallelize_classifier.py --json benchmarks/parallelize_classifier.json
 	$(PY) benchmarks/m6_data.py workers --json benchmarks/m6_data_workers.json
 	$(PY) benchmarks/m6_data.py index --json benchmarks/m6_data_index.json
+	$(PY) benchmarks/pipeline_bubble.py --json benchmarks/pipeline_bubble.json
 
 build: $(BUILD_STAMP)
 
