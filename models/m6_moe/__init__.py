@@ -15,6 +15,7 @@ from m6_moe.data import ManifestDataset, resolve_manifests
 from m6_moe.loader import M6Batches
 from m6_moe.manifest_index import ensure_index
 from m6_moe.model import (
+    TIED_PIPELINE_ERROR,
     M6Model,
     count_active_parameters,
     count_parameters,
@@ -66,8 +67,10 @@ def build_m6(config, shard):
     ``micro_batch_size`` samples per batch; ``seq_len`` the longest prefix and the longest target
     (bos / eos included), so ``2 * seq_len`` must fit in ``model.max_text_len``; ``num_workers``
     loader processes per rank (``"auto"``: :func:`moetrain.cpus.default_num_workers` of the rank's
-    CPUs). ``shard``: this rank's data stream (:class:`moetrain.registry.DataShard`); the data is
-    seeded by ``config.seed`` and the shard's index (tensor-parallel ranks read the same batches).
+    CPUs); with ``parallel.pp_size > 1`` every batch is padded to ``seq_len`` (one shape for the
+    pipeline stages) and ``tie_embeddings`` is refused. ``shard``: this rank's data stream
+    (:class:`moetrain.registry.DataShard`); the data is seeded by ``config.seed`` and the
+    shard's index (tensor-parallel ranks read the same batches).
     The model is built whole; the engine parallelizes it (:func:`m6_strategy`)."""
     model_config = config.model
     if not isinstance(model_config, M6Config):
@@ -84,6 +87,9 @@ def build_m6(config, shard):
             f"model.vocab_size = {model_config.vocab_size} is smaller than the tokenizer's vocabulary "
             f"({tokenizer.vocab_size} ids, tokenizer {model_config.tokenizer!r})"
         )
+    pipeline = config.parallel.pp_size > 1
+    if pipeline and model_config.tie_embeddings:
+        raise ValueError(TIED_PIPELINE_ERROR)
     rank, world_size = shard.rank, shard.world_size
     if data.source == "embedded":
         manifests = [prepare_embedded_dataset(config.out_dir, rank, world_size) / "train.jsonl"]
@@ -104,7 +110,7 @@ def build_m6(config, shard):
         workers = default_num_workers(cpus_per_rank(world_size))
     batches = M6Batches(
         sampler, data.micro_batch_size, model_config.num_patches, rank=shard.index, world_size=shard.count,
-        num_workers=workers, group=shard.group,
+        num_workers=workers, group=shard.group, fixed_length=pipeline,
     )  # fmt: skip
     model = M6Model(model_config, seed=config.seed)
     return model, batches, m6_loss
@@ -112,8 +118,8 @@ def build_m6(config, shard):
 
 def m6_strategy(config) -> dict[str, str]:
     """The registry's strategy hook: :func:`m6_moe.model.default_m6_strategy` for the run's
-    ``tp_size``."""
-    return default_m6_strategy(config.model, config.parallel.tp_size)
+    ``tp_size`` and ``pp_size``."""
+    return default_m6_strategy(config.model, config.parallel.tp_size, config.parallel.pp_size)
 
 
 def register() -> None:

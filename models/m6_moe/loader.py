@@ -62,15 +62,17 @@ class BatchStream(IterableDataset):
     (``bad``: the ``(record, reason)`` of images this process found bad since its last report).
     Under a DataLoader, worker ``w`` of ``W`` yields micro-steps ``w, w + W, ...``."""
 
-    def __init__(self, sampler: TaskSampler, start: int, batches: tuple[int, ...], rank: int, image_shape):
+    def __init__(
+        self, sampler: TaskSampler, start: int, batches: tuple[int, ...], rank: int, image_shape, length=None
+    ):
         self.sampler, self.start, self.batches, self.rank = sampler, start, batches, rank
-        self.image_shape = image_shape
+        self.image_shape, self.length = image_shape, length
 
     def micro_batch(self, step: int) -> tuple[dict, torch.Tensor, list]:
         size = self.sampler.epoch_size
         positions = rank_positions(self.start, self.batches, self.rank, step)
         samples = [self.sampler.sample_at(*divmod(p, size)) for p in positions]
-        return (*collate(samples, self.sampler.tokenizer, self.image_shape), samples)
+        return (*collate(samples, self.sampler.tokenizer, self.image_shape, self.length), samples)
 
     def __iter__(self):
         info = get_worker_info()
@@ -107,9 +109,10 @@ class M6Batches:
     process group of one rank per stream in which it has rank ``rank`` (None: the world group;
     ``torch.distributed`` initialised when ``world_size > 1``). ``num_workers``: loader worker
     processes (0: load in this process).
-    ``tokens_per_batch``: real (non-padding) positions per batch, image patches included, averaged
-    over the batches drawn so far (before the first: the most a batch can hold,
-    ``batch * (P + 2 * seq_len)``)."""
+    ``fixed_length``: every batch padded to ``L = T = seq_len`` (pipeline stages, which exchange
+    fixed-shape tensors; the padding changes no loss). ``tokens_per_batch``: real (non-padding)
+    positions per batch, image patches included, averaged over the batches drawn so far (before
+    the first: the most a batch can hold, ``batch * (P + 2 * seq_len)``)."""
 
     def __init__(
         self,
@@ -121,6 +124,7 @@ class M6Batches:
         num_workers: int = 0,
         prefetch_factor: int = 2,
         group=None,
+        fixed_length: bool = False,
     ):
         for name, value, low in (("batch", batch, 1), ("num_workers", num_workers, 0), ("rank", rank, 0)):
             require_int(name, value, low)
@@ -130,6 +134,7 @@ class M6Batches:
         self.num_patches = num_patches
         self.rank, self.world_size, self.group = rank, world_size, group
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
+        self.length = sampler.seq_len if fixed_length else None
         dataset = sampler.dataset
         self.image_shape = (dataset.image_channels, dataset.image_size, dataset.image_size)
         self._batch = batch
@@ -191,7 +196,9 @@ class M6Batches:
         return tuple(b for b, *_ in everyone)
 
     def _start(self):
-        stream = BatchStream(self.sampler, self.position, self._batches, self.rank, self.image_shape)
+        stream = BatchStream(
+            self.sampler, self.position, self._batches, self.rank, self.image_shape, self.length
+        )
         self._steps_since_start = 0
         if self.num_workers == 0:
             return iter(stream)
@@ -249,7 +256,7 @@ class M6Batches:
         position and the counters do not move)."""
         sampler = sampler or self.sampler
         samples = [sampler.sample_at(*divmod(p, sampler.epoch_size)) for p in range(start, start + count)]
-        return collate(samples, sampler.tokenizer, self.image_shape)
+        return collate(samples, sampler.tokenizer, self.image_shape, self.length)
 
     def probe(self, sequences: int, seed: int) -> tuple[dict, torch.Tensor]:
         """A batch of ``sequences`` samples from a separate stream seeded with ``seed`` (profiling,

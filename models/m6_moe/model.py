@@ -35,9 +35,14 @@ from torch import nn
 from m6_moe.config import M6Config
 from moetrain.layers import MoELayer
 from moetrain.layers.experts import DenseFFN, derive_seed
+from moetrain.pipeline import keep_layers, stack_layers
 from moetrain.validation import require_int
 
 SEGMENT_IMAGE, SEGMENT_PREFIX, SEGMENT_TARGET = 0, 1, 2
+TIED_PIPELINE_ERROR = (
+    "model.tie_embeddings: true shares the text embedding (first pipeline stage) with the output "
+    "projection (last stage), which parallel.pp_size > 1 cannot do: set model.tie_embeddings: false"
+)
 
 
 def prefix_lm_mask(key_valid_BS: torch.Tensor, target_start: int) -> torch.Tensor:
@@ -247,7 +252,9 @@ class M6Model(nn.Module):
 
     def reset_parameters(self) -> None:
         """The embeddings and positions ``N(0, 0.02)`` (the model's own tensors; every submodule
-        resets its own)."""
+        resets its own; a pipeline stage after the first holds none of them)."""
+        if self.text_embed is None:
+            return
         for weight in (self.text_embed.weight, self.patch_pos, self.text_pos, self.segment_embed.weight):
             nn.init.normal_(weight, std=0.02)
 
@@ -263,7 +270,13 @@ class M6Model(nn.Module):
         """Shapes: ``prefix_ids`` [B, L] (L may be 0), ``target_ids`` [B, T] (decoder inputs:
         bos then the target tokens), ``images`` [B, C, H, W] or None (no image in the batch);
         masks are bool, True = real: ``prefix_mask`` [B, L], ``target_mask`` [B, T] (None: all
-        real), ``image_mask`` [B] (None: every sample has its image). Returns ``[B, T, V]``."""
+        real), ``image_mask`` [B] (None: every sample has its image). Returns ``[B, T, V]``.
+
+        On a pipeline stage (:meth:`pipeline_stage`) after the first, the three positional inputs
+        are the previous stage's outputs ``(x_BSD, valid_BS, target_mask_BT)``; a stage before the
+        last returns those for the next."""
+        if self.text_embed is None:
+            return self._run_blocks(prefix_ids, target_ids, images)
         cfg = self.config
         batch, prefix_len = prefix_ids.shape
         target_len = target_ids.shape[1]
@@ -291,13 +304,35 @@ class M6Model(nn.Module):
             dim=1,
         )
         x_BSD, valid_BS = self._prepend_images(x_BXD, text_valid_BX, images, image_mask)
-        x_BSD = self.embed_dropout(x_BSD)
-        target_start = x_BSD.shape[1] - target_len
-        mask_B1SS = prefix_lm_mask(valid_BS, target_start)
+        return self._run_blocks(self.embed_dropout(x_BSD), valid_BS, target_mask_BT)
 
-        for block in self.blocks:
+    def _run_blocks(self, x_BSD: torch.Tensor, valid_BS: torch.Tensor, target_mask_BT: torch.Tensor):
+        """The blocks this model holds (all, or a pipeline stage's) over the embedded sequence, the
+        targets being its last ``T`` positions; then the logits ``[B, T, V]`` (the model's last
+        stage) or ``(x_BSD, valid_BS, target_mask_BT)`` for the next stage."""
+        target_start = x_BSD.shape[1] - target_mask_BT.shape[1]
+        mask_B1SS = prefix_lm_mask(valid_BS, target_start)
+        for block in stack_layers(self.blocks):
             x_BSD = block(x_BSD, mask_B1SS, valid_BS)
+        if self.norm is None:
+            return x_BSD, valid_BS, target_mask_BT
         return self._logits(x_BSD[:, target_start:])
+
+    def pipeline_stage(self, layers, first: bool, last: bool) -> None:
+        """Keeps one pipeline stage (:mod:`moetrain.pipeline`): the blocks ``layers`` (names
+        unchanged), the image stem, embeddings and positions when ``first``, the final norm and
+        head when ``last``. Between stages travel the hidden states ``x_BSD``, the real positions
+        ``valid_BS`` (bool) and ``target_mask_BT`` (its width is the target length; the prefix-LM
+        mask is rebuilt from these on every stage). ``tie_embeddings`` is refused: the text
+        embedding (first stage) would also be the head (last stage)."""
+        if self.config.tie_embeddings:
+            raise ValueError(TIED_PIPELINE_ERROR)
+        self.blocks = keep_layers(self.blocks, layers)
+        if not first:
+            self.stem, self.text_embed, self.segment_embed = None, None, None
+            self.patch_pos, self.text_pos = None, None
+        if not last:
+            self.norm, self.head = None, None
 
     def start_decoding(
         self,
@@ -407,13 +442,14 @@ class M6Model(nn.Module):
         return mask
 
 
-def default_m6_strategy(config: M6Config, tp_size: int = 1) -> dict[str, str]:
+def default_m6_strategy(config: M6Config, tp_size: int = 1, pp_size: int = 1) -> dict[str, str]:
     """M6's default strategy: every MoE FFN ``expert``; with ``tp_size > 1`` the attention's
     q / k / v ``split`` (by columns, whole heads), its output projection ``split.row``, the dense
     FFNs ``split`` (Megatron's MLP), the head ``split.head`` (vocabulary-sharded logits, parallel
     cross-entropy) and the text embedding ``split`` (vocabulary-parallel); the image stem and
     everything else replicated. With ``tie_embeddings`` the head is the embedding matrix: both
-    stay replicated (splitting one without the other is not possible)."""
+    stay replicated (splitting one without the other is not possible). With ``pp_size > 1`` the
+    block stack ``pipeline`` (:meth:`M6Model.pipeline_stage`)."""
     moe = [i for i in range(config.num_layers) if config.is_moe_layer(i)]
     dense = [i for i in range(config.num_layers) if not config.is_moe_layer(i)]
     strategy = {f"blocks.{i}.ffn": "expert" for i in moe}
@@ -424,6 +460,8 @@ def default_m6_strategy(config: M6Config, tp_size: int = 1) -> dict[str, str]:
         if not config.tie_embeddings:
             strategy.update({"head": "split.head", "text_embed": "split"})
     strategy.update({"stem": "replica", "blocks.*": "replica"})  # FSDP units under replica: fsdp
+    if pp_size > 1:
+        strategy["blocks"] = "pipeline"
     return strategy
 
 

@@ -229,11 +229,22 @@ class TaskSampler:
         return Sample(task, prefix, target, image, record, truncated)
 
 
-def collate(samples: list[Sample], tokenizer, image_shape: tuple[int, int, int]) -> tuple[dict, torch.Tensor]:
-    """Pads samples into ``(inputs, labels)`` (see the module docstring for the layout)."""
+def collate(
+    samples: list[Sample], tokenizer, image_shape: tuple[int, int, int], length: int | None = None
+) -> tuple[dict, torch.Tensor]:
+    """Pads samples into ``(inputs, labels)`` (see the module docstring for the layout); with
+    ``length`` (the sampler's ``seq_len``) ``L = T = length`` whatever the samples, so every batch
+    has one shape (pipeline stages exchange fixed-shape tensors). Extra padding changes no loss
+    or gradient: it is never attended, routed nor counted."""
     batch = len(samples)
     prefix_len = max(len(s.prefix) for s in samples)
     target_len = max(len(s.target) for s in samples) + 1
+    if length is not None:
+        if prefix_len > length or target_len > length:
+            raise ValueError(
+                f"length = {length} is shorter than a sample ({prefix_len} prefix, {target_len} target)"
+            )
+        prefix_len = target_len = length
     prefix_ids = torch.full((batch, prefix_len), tokenizer.pad_id, dtype=torch.long)
     prefix_mask = torch.zeros(batch, prefix_len, dtype=torch.bool)
     target_ids = torch.full((batch, target_len), tokenizer.pad_id, dtype=torch.long)
