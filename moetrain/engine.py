@@ -712,26 +712,38 @@ class Trainer:
 
     def _pipeline_expert_metrics(self, pipeline) -> dict:
         """:meth:`_expert_metrics` over pipeline stages: each stage fills the rows of its layers in
-        the whole model's ``[layers, E]`` table, summed over every rank in one all-reduce."""
+        the whole model's ``[layers, E]`` tables of routed and kept counts, and of aux-free score
+        bias ranges (column 0: the range, column 1: 1 where this rank holds the layer's bias),
+        summed over every rank in one all-reduce (plus one scalar for the widest ``E``) at logging
+        steps only; a layer's range is the sum over the ranks holding it divided by their number
+        (its bias is the same on each)."""
         names = pipeline.moe_layers
         if not names:
             return {}
         mine = {name: m for name, m in self.model.named_modules() if isinstance(m, MoELayer)}
         experts = next(iter(mine.values())).config.num_experts if mine else 0
-        counts = torch.zeros(2, len(names), max(experts, 1), dtype=torch.float64, device=self.device)
+        width = torch.tensor([float(experts)], device=self.device)
+        dist.all_reduce(width, op=dist.ReduceOp.MAX)  # a stage may hold no MoE layer
+        experts = int(width.item())
+        counts = torch.zeros(3, len(names), max(experts, 2), dtype=torch.float64, device=self.device)
         for row, name in enumerate(names):
             layer = mine.get(name)
             if layer is not None and layer.last_stats is not None:
-                counts[0, row] = layer.last_stats.routed_per_expert.double().to(self.device)
-                counts[1, row] = layer.last_stats.kept_per_expert.double().to(self.device)
-        width = torch.tensor([float(experts)], device=self.device)
-        dist.all_reduce(width, op=dist.ReduceOp.MAX)
-        counts = counts if counts.shape[2] == int(width.item()) else _pad_experts(counts, int(width.item()))
+                counts[0, row, :experts] = layer.last_stats.routed_per_expert.double().to(self.device)
+                counts[1, row, :experts] = layer.last_stats.kept_per_expert.double().to(self.device)
+            bias = None if layer is None else layer.router.score_bias_E
+            if bias is not None:
+                counts[2, row, 0] = float(bias.max() - bias.min())
+                counts[2, row, 1] = 1.0
         dist.all_reduce(counts)
-        routed, kept = counts[0], counts[1]
+        routed, kept = counts[0, :, :experts], counts[1, :, :experts]
         cv = (routed.std(dim=1, unbiased=False) / routed.mean(dim=1).clamp_min(1e-12)).tolist()
         dropped = (1 - kept.sum(1) / routed.sum(1).clamp_min(1)).tolist()
-        return {"expert_load_cv": cv, "dropped_fraction": dropped}
+        metrics = {"expert_load_cv": cv, "dropped_fraction": dropped}
+        holders = counts[2, :, 1]
+        if bool((holders > 0).all()):
+            metrics["score_bias_range"] = (counts[2, :, 0] / holders).tolist()
+        return metrics
 
     def _data_metrics(self) -> dict:
         """Bad records the data pipeline skipped so far on this rank (datasets that count them)."""
@@ -848,13 +860,6 @@ class Trainer:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
-
-
-def _pad_experts(counts: torch.Tensor, experts: int) -> torch.Tensor:
-    """``[2, layers, e]`` zero-padded to ``[2, layers, experts]`` (a stage without MoE layers)."""
-    padded = counts.new_zeros(counts.shape[0], counts.shape[1], experts)
-    padded[..., : counts.shape[2]] = counts
-    return padded
 
 
 class NonFiniteGradientsError(RuntimeError):

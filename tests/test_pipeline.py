@@ -168,6 +168,7 @@ def _engine_config(out_dir, pp_size=1, schedule="1f1b", steps=4):
         "model.num_layers": 2,
         "model.moe.aux_loss_coef": 0.01,
         "model.moe.router_jitter": 0.0,  # random draws would depend on the order the stages run in
+        "model.moe.score_bias_rate": 0.01,  # aux-free balancing: its biases' range over all stages
         "grad_accum": 2,
         "steps": steps,
         "parallel.pp_size": pp_size,
@@ -178,7 +179,7 @@ def _engine_config(out_dir, pp_size=1, schedule="1f1b", steps=4):
 
 
 def _metrics(history):
-    keys = ("loss", "aux_loss", "grad_norm", "expert_load_cv", "dropped_fraction")
+    keys = ("loss", "aux_loss", "grad_norm", "expert_load_cv", "dropped_fraction", "score_bias_range")
     return [{k: m[k] for k in keys} for m in history]
 
 
@@ -206,9 +207,9 @@ def _approx(history, expected):
 def test_moetrain_train_pp2_equals_one_process_and_its_checkpoint_resumes_under_pp1(tmp_path):
     """``Trainer`` with parallel.pp_size 2 (GPipe and 1F1B, two stages of one block, grad_accum 2
     micro-batches, gradient clipping active): loss, aux loss (summed over stages), grad norm and
-    expert metrics equal one process's; a pp2 run stopped at step 2 resumes in one process (pp1)
-    and ends where the one-process run ends (parameters, optimizer state and data stream
-    resharded pp2 -> pp1 by name)."""
+    expert metrics (the aux-free score biases' range of every layer included) equal one process's;
+    a pp2 run stopped at step 2 resumes in one process (pp1) and ends where the one-process run
+    ends (parameters, optimizer state and data stream resharded pp2 -> pp1 by name)."""
     from moetrain.config import TrainConfig, config_from_dict
     from moetrain.engine import Trainer
 
@@ -271,3 +272,11 @@ def test_lm_stage_keeps_parameter_names_and_the_model_without_pipeline_hook_is_r
     assert all(kept[n] is names[n] for n in kept)
     hidden = torch.randn(2, 8, LM.d_model)
     assert model(hidden).shape == (2, 8, LM.vocab_size)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_world8_pp2_ep2_dp2_1f1b_equals_one_process():
+    """World 8 as pp2 x ep2 x dp2 (1F1B): every stage has two data streams of two expert-parallel
+    ranks; losses, gradients, norm and aux sums equal one process (~18 s on 2 shared cores)."""
+    _check(run_distributed(pipeline_worker, 8, [(2, "1f1b", 1)]), WORLD_PARAMS)
