@@ -112,6 +112,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
         help=f"fraction of GPU memory kept free, in [0, 1) (default {DEFAULT_MEMORY_HEADROOM:g})",
     )
     plan.add_argument("--ep-size", type=int)
+    plan.add_argument("--pp-size", type=int, help="pipeline stages (micro-batches: --grad-accum)")
+    plan.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved_1f1b"))
+    plan.add_argument("--pp-virtual", type=int, help="stages per rank (interleaved_1f1b)")
     plan.add_argument("--micro-batch", type=int, help="sequences per GPU per micro-step")
     plan.add_argument(
         "--seq-len", type=int, help="text tokens per sequence (default: the config's, else the model's max)"
@@ -157,6 +160,9 @@ def settings_from_args(args, defaults: dict) -> PlanSettings:
     values = dict(defaults)
     options = {
         "ep_size": args.ep_size,
+        "pp_size": args.pp_size,
+        "pp_schedule": args.pp_schedule,
+        "pp_virtual": args.pp_virtual,
         "micro_batch": args.micro_batch,
         "seq_len": args.seq_len,
         "grad_accum": args.grad_accum,

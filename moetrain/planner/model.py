@@ -299,6 +299,9 @@ def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
             "offload": train.optim.name == "offload",
             "offload_apply_groups": train.optim.num_apply_groups,
             "async_checkpoint": train.async_checkpoint,
+            "pp_size": train.parallel.pp_size,
+            "pp_schedule": train.parallel.pp_schedule,
+            "pp_virtual": train.parallel.pp_virtual,
         }
         if train.parallel.tp_size > 1:
             from moetrain.registry import spec_for_config

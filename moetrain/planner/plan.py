@@ -46,6 +46,7 @@ from moetrain.planner.comm import (
 from moetrain.planner.hardware import ClusterSpec
 from moetrain.planner.model import ModelDescription
 from moetrain.planner.peak import StepPeak, layer_working_bytes, loss_working_bytes, step_peak
+from moetrain.planner.pipeline import PipelinePlan, plan_pipeline
 from moetrain.planner.reserve import FRAGMENTATION, Communicator, reserve_terms
 from moetrain.planner.settings import MODEL_CAPACITY, PlanSettings
 from moetrain.planner.split import split_plan_terms
@@ -125,6 +126,7 @@ class Plan:
     all_to_all_alternative: Traffic | None = None
     time: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    pipeline: PipelinePlan | None = None
 
     @property
     def gpu_total(self) -> int:
@@ -211,6 +213,7 @@ class Plan:
             "fits": self.fits,
             "overflow": self.overflow,
             "notes": list(self.notes),
+            "pipeline": None if self.pipeline is None else self.pipeline.to_dict(),
         }
 
     def format_table(self) -> str:
@@ -315,12 +318,14 @@ def make_plan(
     maximum, and the plan's ``settings`` say which."""
     settings = resolve_seq_len(model, settings)
     world = cluster.world_size
-    ep, tp = settings.ep_size, settings.tp_size
-    if world % (ep * tp):
+    ep, tp, pp = settings.ep_size, settings.tp_size, settings.pp_size
+    if world % (ep * tp * pp):
         raise ValueError(
-            f"ep_size = {ep}{f' x tp_size = {tp}' if tp > 1 else ''} must divide the world size = {world} "
-            f"({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs)"
+            f"{f'pp_size = {pp} x ' if pp > 1 else ''}ep_size = {ep}{f' x tp_size = {tp}' if tp > 1 else ''} "
+            f"must divide the world size = {world} ({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs)"
         )
+    if pp > 1 and settings.recompute == "auto":
+        settings = settings.replace(recompute="none")  # recompute is not planned with stages
     arch = model.arch
     if arch.moe_layers and arch.moe.num_experts % ep:
         raise ValueError(f"ep_size = {ep} must divide num_experts = {arch.moe.num_experts}")
@@ -347,7 +352,8 @@ def make_plan(
     optimizer_b = 8 if weight_b == 4 else ADAM_STATE_BYTES  # an fp32 weight is its own master
     notes: list[str] = []
 
-    groups, expert_dp_groups = expert_groups(world, ep, settings.ep_layout, tp)
+    stage_world = world // pp  # the ranks of one pipeline stage: ep groups and replicas live inside
+    groups, expert_dp_groups = expert_groups(stage_world, ep, settings.ep_layout, tp)
     algorithm = (
         choose_all_to_all(settings.all_to_all, ep, groups, cluster.gpus_per_node) if ep > 1 else "flat"
     )
@@ -356,6 +362,20 @@ def make_plan(
     work = workload(model, settings, kernels)
     acts = activation_model(arch, work)
     moe_layers = [layer for layer in acts.layers if layer.is_moe]
+    pipeline = None
+    if pp > 1:  # the largest pipeline rank's parameters from here on
+        pipeline = plan_pipeline(
+            model, acts, settings, cluster, layer_working_bytes(arch, acts, b),
+            loss_working_bytes(arch, acts, b), weight_b, optimizer_b, b, flops_per_s,
+        )  # fmt: skip
+        stage = pipeline.ranks[pipeline.largest]
+        dense, experts, per_rank = stage.dense, stage.experts, stage.dense + stage.experts
+        notes.append(
+            f"pipeline: rank {stage.rank} of {pp} is the largest (layers {stage.layers[0]}-"
+            f"{stage.layers[-1]}, "
+            f"{stage.in_flight} stage forwards in flight under {settings.pp_schedule}); bubble "
+            f"{100 * pipeline.bubble:.1f}% of the step; no recompute planned with stages"
+        )
     if moe_layers and cf is None:
         notes.append(
             "dropless routing: activations assume balanced routing (N = T*k rows); an imbalanced step "
@@ -374,7 +394,7 @@ def make_plan(
         "step_peak": 0,
         "reserved": 0,
     }
-    communicators = plan_communicators(world, ep, world // ep, algorithm, ep_layout)
+    communicators = plan_communicators(stage_world, ep, stage_world // ep, algorithm, ep_layout)
     modelled = cluster.gpu_reserved_bytes is None
     if modelled:
         reserve = reserve_terms(cluster.gpu.name, cluster.gpus_per_node, communicators, 0)
@@ -436,6 +456,17 @@ def make_plan(
         second_peak = peak_of(second)
         if second.feasible and second_peak.total <= room:
             recompute, memory_peak = second, second_peak
+    if pipeline is not None:
+        stage = pipeline.ranks[pipeline.largest]
+        memory_peak = StepPeak(
+            total=stage.activations + stage.gradients + stage.working,
+            where=f"pipeline rank {stage.rank} with {stage.in_flight} stage forwards in flight",
+            activations=stage.activations,
+            gradients=stage.gradients,
+            working=stage.working,
+        )
+        kept = stage.activations
+        recompute = RecomputeChoice("none", (), kept, kept, kept, 0.0, True)
     gpu["step_peak"] = memory_peak.total
     if modelled:
         dynamic = memory_peak.total + gpu["all_to_all_buffers"]
@@ -470,7 +501,7 @@ def make_plan(
         rows = moe_layers[0].rows
         balanced_rows = moe_layers[0].balanced_rows.sent
         row_bytes = _wire_row_bytes(arch.d_model, b, settings.comm_dtype)
-        n = len(moe_layers) * accum
+        n = (pipeline.moe_layers if pipeline is not None else len(moe_layers)) * accum
         a2a_rows, a2a_counts = all_to_all_traffic(
             cluster, ep_layout, algorithm, balanced_rows / ep, row_bytes, arch.moe.num_experts // ep, 4 * n, n
         )
@@ -494,7 +525,7 @@ def make_plan(
                 f"all-to-all bytes assume balanced routing ({balanced_rows} rows sent per layer); "
                 f"at most {rows.sent} when every expert fills its capacity {rows.capacity}"
             )
-    dense_layout = group_layout(list(range(0, world, tp)), cluster.gpus_per_node)  # same tp index
+    dense_layout = group_layout(list(range(0, stage_world, tp)), cluster.gpus_per_node)  # same tp index
     traffic.append(
         all_reduce_traffic(cluster, "dp_all_reduce", dense_layout, dense * weight_b, DDP_BUCKET_BYTES)
     )
@@ -531,8 +562,13 @@ def make_plan(
         optimizer_s = max(pcie, cpu)
     else:
         optimizer_s = per_rank * GPU_ADAM_TRAFFIC / cluster.gpu.memory_bandwidth
-    step = compute + recompute_s + a2a_s + sync_s + tp_s + optimizer_s
-    streams = world // tp  # a tensor-parallel group reads one data stream
+    useful = accum * 3 * forward  # the model's FLOPs per data stream
+    bubble_s = p2p_s = 0.0
+    if pipeline is not None:  # v*m + p - 1 slots of the slowest stage, its share idle
+        compute, bubble_s, p2p_s = pipeline.compute_s, pipeline.bubble_s, pipeline.p2p_s
+        useful /= pp
+    step = compute + recompute_s + a2a_s + sync_s + tp_s + optimizer_s + p2p_s
+    streams = world // (tp * pp)  # a tensor-parallel group (a pipeline) reads one data stream
     tokens = streams * settings.micro_batch * (arch.image_tokens + settings.seq_len) * accum
     time = {
         "compute_s": compute,
@@ -541,19 +577,21 @@ def make_plan(
         "grad_sync_s": sync_s,
         "tp_all_reduce_s": tp_s,
         "optimizer_s": optimizer_s,
+        "pipeline_bubble_s": bubble_s,
+        "pipeline_p2p_s": p2p_s,
         "step_s": step,
         "tokens_per_step": tokens,
         "tokens_per_s": tokens / step,
         "samples_per_s": streams * settings.micro_batch * accum / step,
-        "model_flops_utilization": accum * 3 * forward / (step * peak),
+        "model_flops_utilization": useful / (step * peak),
     }
     return Plan(
         model=model.name,
         cluster=cluster,
         settings=settings,
         world_size=world,
-        dp_size=world,
-        expert_dp_size=world // (ep * tp),
+        dp_size=stage_world,
+        expert_dp_size=stage_world // (ep * tp),
         all_to_all=algorithm,
         capacity_factor=cf,
         params={
@@ -579,6 +617,7 @@ def make_plan(
         all_to_all_alternative=alternative,
         time=time,
         notes=notes,
+        pipeline=pipeline,
     )
 
 

@@ -204,6 +204,8 @@ def format_plan(plan) -> str:
         f"{tm['samples_per_s']:,.1f} samples/s, "
         f"model FLOPs utilization {100 * tm['model_flops_utilization']:.1f}%",
     ]
+    if plan.pipeline is not None:
+        lines += pipeline_lines(plan)
     if plan.overflow:
         lines.append(f"does not fit: {plan.overflow}")
     for note in plan.notes:
@@ -233,3 +235,22 @@ def format_recommendation(rec) -> str:
             f"{s.grad_accum:>6} {recompute[:22]:<22} {gib} {speed}  {c.reason}"
         )
     return "\n".join(lines)
+
+
+def pipeline_lines(plan) -> list[str]:
+    """The pipeline ranks' memory, the bubble and the transfers (``pp_size > 1``)."""
+    pipe, tm = plan.pipeline, plan.time
+    lines = [
+        f"pipeline: {pipe.stages} ranks x {pipe.virtual} stage(s), {pipe.schedule}, {pipe.microbatches} "
+        f"micro-batches; bubble (p - 1) / (v m + p - 1) = {100 * pipe.bubble:.1f}% "
+        f"({tm['pipeline_bubble_s'] * 1e3:.1f} ms of the compute), stage transfers "
+        f"{tm['pipeline_p2p_s'] * 1e3:.1f} ms ({pipe.p2p_bytes / 2**20:.2f} MiB per micro-batch each way)",
+        "  rank  layers      in flight  weights+grads+optimizer GiB  activations GiB  total GiB",
+    ]
+    for r in pipe.ranks:
+        states = r.weights + r.gradients + r.optimizer_states + r.ddp_buckets
+        lines.append(
+            f"  {r.rank:>4}  {f'{r.layers[0]}-{r.layers[-1]}':<10}  {r.in_flight:>9}  "
+            f"{states / 2**30:>27.2f}  {r.activations / 2**30:>15.2f}  {r.total / 2**30:>9.2f}"
+        )
+    return lines

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
-from moetrain.config import ALL_TO_ALL_ALGORITHMS, COMM_DTYPES, EP_LAYOUTS, validate_strategy
+from moetrain.config import ALL_TO_ALL_ALGORITHMS, COMM_DTYPES, EP_LAYOUTS, PP_SCHEDULES, validate_strategy
 from moetrain.validation import is_finite_number, require_bool, require_choice, require_int, require_number
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -58,6 +58,11 @@ class PlanSettings:
       units the strategy splits (:mod:`moetrain.planner.split`) hold ``1/tp_size`` of their
       weights, gradients and optimizer states per rank and cost their activation all-reduces in
       the tp group; a tp group reads one data stream (``world / tp_size`` streams).
+    - ``pp_size``, ``pp_schedule``, ``pp_virtual``: pipeline stages (as :class:`moetrain.ParallelConfig`;
+      the micro-batches are ``grad_accum``): memory is the largest pipeline rank's, with its
+      activations in flight, and the step time has the bubble and the transfers between stages
+      (:mod:`moetrain.planner.pipeline`); recompute is not planned with stages (``"auto"`` plans
+      none), and ``tp_size`` must be 1.
     """
 
     ep_size: int = 1
@@ -81,10 +86,34 @@ class PlanSettings:
     async_checkpoint: bool = True
     tp_size: int = 1
     strategy: dict | None = None
+    pp_size: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual: int = 1
 
     def __post_init__(self) -> None:
         require_int("ep_size", self.ep_size, 1)
         require_int("tp_size", self.tp_size, 1)
+        require_int("pp_size", self.pp_size, 1)
+        require_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        require_int("pp_virtual", self.pp_virtual, 1)
+        if self.pp_size > 1:
+            if (self.pp_schedule == "interleaved_1f1b") != (self.pp_virtual > 1):
+                raise ValueError(
+                    f"pp_virtual must be > 1 exactly when pp_schedule = 'interleaved_1f1b', got pp_virtual = "
+                    f"{self.pp_virtual} with pp_schedule = {self.pp_schedule!r}"
+                )
+            if self.tp_size > 1:
+                raise ValueError(f"pp_size = {self.pp_size} composes with ep and dp only: tp_size must be 1")
+            if self.recompute not in ("none", "auto"):
+                raise ValueError(
+                    f"recompute must be 'none' or 'auto' with pp_size > 1 (not planned with stages), got "
+                    f"{self.recompute!r}"
+                )
+            if self.pp_schedule != "gpipe" and self.grad_accum < self.pp_size:
+                raise ValueError(
+                    f"grad_accum = {self.grad_accum} (the pipeline's micro-batches) must be >= pp_size = "
+                    f"{self.pp_size} under pp_schedule {self.pp_schedule!r}"
+                )
         if self.strategy is not None:
             object.__setattr__(self, "strategy", validate_strategy("strategy", self.strategy))
         if self.tp_size > 1 and self.strategy is None:
