@@ -26,8 +26,12 @@ def documented_commands() -> list[list[str]]:
 
 def test_the_page_trains_with_stages_then_resumes_in_one_process():
     commands = documented_commands()
-    assert [words[:2] for words in commands] == [["moetrain", "launch"], ["moetrain", "train"]]
-    assert "parallel.pp_size=2" in commands[0]
+    assert [words[:2] for words in commands] == [
+        ["moetrain", "launch"], ["moetrain", "train"], ["moetrain", "launch"], ["moetrain", "plan"],
+        ["moetrain", "plan"],
+    ]  # fmt: skip
+    assert "parallel.pp_size=2" in commands[0] and "parallel.pp_size=2" in commands[2]
+    assert "--pp-size" in commands[3]
 
 
 @pytest.mark.slow
@@ -36,7 +40,8 @@ def test_documented_commands_run(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     outputs = []
     for words in documented_commands():
-        argv = [str(MOETRAIN)] + [str(ROOT / w) if w.startswith("configs/") else w for w in words[1:]]
+        local = ("configs/", "models/")
+        argv = [str(MOETRAIN)] + [str(ROOT / w) if w.startswith(local) else w for w in words[1:]]
         result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, (
             f"{shlex.join(words)}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
@@ -45,3 +50,5 @@ def test_documented_commands_run(tmp_path):
     run = tmp_path / "runs" / "pp2" / "checkpoints"
     assert (run / "step_00000003").is_dir() and (run / "step_00000005").is_dir()
     assert "resumed from step 3" in outputs[1]
+    assert (tmp_path / "runs" / "m6pp2" / "checkpoints" / "step_00000002").is_dir()
+    assert "pipeline: 2 ranks x 1 stage(s), 1f1b, 16 micro-batches" in outputs[3]
