@@ -72,6 +72,13 @@ class MoEConfig:
             "rate * sign(mean load - load) after each optimizer step; 0: off"
         ),
     )
+    max_nodes_per_token: int | None = option(
+        None,
+        (
+            "node-limited routing (DeepSeek-V3): each token's top_k experts lie on at most this many "
+            "nodes of the expert-parallel group; None: no limit"
+        ),
+    )
     batch_prioritized_routing: bool = option(
         False,
         (
@@ -139,6 +146,17 @@ class MoEConfig:
         require_nonneg_float("z_loss_coef", self.z_loss_coef)
         require_nonneg_float("seq_aux_loss_coef", self.seq_aux_loss_coef)
         require_nonneg_float("score_bias_rate", self.score_bias_rate)
+        require_int("max_nodes_per_token", self.max_nodes_per_token, 1, allow_none=True)
+        if (
+            self.num_prototypes > 1
+            and self.max_nodes_per_token is not None
+            and self.max_nodes_per_token < self.top_k
+        ):
+            raise ValueError(
+                f"max_nodes_per_token < top_k = {self.top_k} cannot be combined with num_prototypes = "
+                f"{self.num_prototypes} (each prototype group picks its own experts): use num_prototypes 1 "
+                f"or max_nodes_per_token >= top_k, got {self.max_nodes_per_token}"
+            )
         require_bool("batch_prioritized_routing", self.batch_prioritized_routing)
         require_choice("activation", self.activation, ACTIVATIONS)
         require_bool("expert_bias", self.expert_bias)

@@ -290,6 +290,13 @@ class ParallelContext:
         self.intra_node_group, _ = dist.new_subgroups_by_enumeration(intra, timeout=self.timeout)
         self.inter_node_group, _ = dist.new_subgroups_by_enumeration(inter, timeout=self.timeout)
 
+    @property
+    def ep_nodes(self) -> int | None:
+        """Nodes the expert-parallel group spans (1 without expert parallelism): its ranks are
+        node-major, so node m of the group holds the consecutive global experts of its ranks
+        ``m*L .. (m+1)*L - 1``. None when its nodes hold different numbers of its ranks."""
+        return None if self.ep_node_grid is None else self.ep_node_grid[0]
+
     def local_experts(self, num_experts: int) -> range:
         """Global indices of the experts this rank holds."""
         if num_experts % self.ep_size:

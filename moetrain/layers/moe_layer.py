@@ -98,6 +98,8 @@ class MoELayer(nn.Module):
         self.config = config
         self.parallel = parallel
         self.router = TopKRouter(config)
+        # node-limited routing needs the node grid of the experts: the one place routing reads the layout
+        self.router.set_expert_nodes(1 if parallel is None else parallel.ep_nodes)
         local = range(config.num_experts) if parallel is None else parallel.local_experts(config.num_experts)
         self.experts = GroupedExperts(
             len(local), config.d_model, config.d_ff, config.activation, local.start, bias=config.expert_bias
