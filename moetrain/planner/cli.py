@@ -121,6 +121,12 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--all-to-all", choices=("auto", "flat", "hierarchical"))
     plan.add_argument("--comm-dtype", choices=("bf16", "fp16"))
     plan.add_argument("--capacity-factor", type=float, help="0: dropless (default: the model's)")
+    plan.add_argument(
+        "--max-nodes-per-token",
+        type=int,
+        help="node-limited routing: a token's experts on at most this many nodes of the EP group; the plan "
+        "reports the nodes reached and inter-node bytes (0: no limit; default: the model's)",
+    )
     plan.add_argument("--efficiency", type=float, help="fraction of peak FLOP/s reached (default 0.4)")
     plan.add_argument("--recommend", action="store_true", help="search ep_size, offload, micro-batch")
     plan.add_argument(
@@ -161,6 +167,8 @@ def settings_from_args(args, defaults: dict) -> PlanSettings:
         values["async_checkpoint"] = False
     if args.capacity_factor is not None:
         values["capacity_factor"] = args.capacity_factor or None
+    if args.max_nodes_per_token is not None:
+        values["max_nodes_per_token"] = args.max_nodes_per_token or None
     if args.recompute_budget_gib is not None:
         values["recompute_budget_bytes"] = int(args.recompute_budget_gib * GiB)
     return PlanSettings(**values)

@@ -42,6 +42,7 @@ from moetrain.planner.comm import (
 )
 from moetrain.planner.hardware import ClusterSpec
 from moetrain.planner.model import ModelDescription
+from moetrain.planner.node_limit import node_limit_figures
 from moetrain.planner.peak import StepPeak, layer_working_bytes, loss_working_bytes, step_peak
 from moetrain.planner.reserve import FRAGMENTATION, Communicator, reserve_terms
 from moetrain.planner.settings import MODEL_CAPACITY, PlanSettings
@@ -90,7 +91,10 @@ class Plan:
     activations kept), per node in
     ``host_memory``; traffic per rank per step in ``traffic``;
     seconds in ``time``; ``all_to_all_alternative``: rows and counts of the all-to-all algorithm not
-    chosen, for comparison (not in the step time). ``gpu_capacity``: the GPU's memory (bytes);
+    chosen, for comparison (not in the step time); ``node_limit``: with a ``max_nodes_per_token``,
+    the nodes a token's rows reach and the inter-node bytes with and without per-node
+    deduplication (:func:`moetrain.planner.node_limit.node_limit_figures`), else None.
+    ``gpu_capacity``: the GPU's memory (bytes);
     ``gpu_usable``: what a plan may fill, the capacity less ``settings.memory_headroom``. ``fits`` is
     True when the GPU total is within ``gpu_usable`` and the host total within ``host_capacity``;
     ``overflow`` names what does not, by how much and its largest term (e.g. ``"GPU memory: 37.06
@@ -121,6 +125,7 @@ class Plan:
     all_to_all_alternative: Traffic | None = None
     time: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    node_limit: dict | None = None
 
     @property
     def gpu_total(self) -> int:
@@ -204,6 +209,7 @@ class Plan:
                 None if self.all_to_all_alternative is None else self.all_to_all_alternative.to_dict()
             ),
             "time": dict(self.time),
+            "node_limit": None if self.node_limit is None else dict(self.node_limit),
             "fits": self.fits,
             "overflow": self.overflow,
             "notes": list(self.notes),
@@ -485,6 +491,15 @@ def make_plan(
                 f"all-to-all bytes assume balanced routing ({balanced_rows} rows sent per layer); "
                 f"at most {rows.sent} when every expert fills its capacity {rows.capacity}"
             )
+    max_nodes = (
+        arch.moe.max_nodes_per_token
+        if settings.max_nodes_per_token == MODEL_CAPACITY
+        else settings.max_nodes_per_token
+    )
+    node_limit = None
+    if moe_layers and max_nodes is not None:
+        inter = next((t.inter_bytes for t in traffic if t.name == "all_to_all"), 0.0)
+        node_limit = node_limit_figures(arch.moe, max_nodes, ep_layout, inter)
     world_layout = group_layout(list(range(world)), cluster.gpus_per_node)
     traffic.append(
         all_reduce_traffic(cluster, "dp_all_reduce", world_layout, dense * weight_b, DDP_BUCKET_BYTES)
@@ -560,6 +575,7 @@ def make_plan(
         all_to_all_alternative=alternative,
         time=time,
         notes=notes,
+        node_limit=node_limit,
     )
 
 

@@ -137,6 +137,31 @@ def gpu_total_line(plan) -> str:
     )
 
 
+def node_limit_lines(plan) -> list[str]:
+    """With ``max_nodes_per_token``: the nodes a token's rows reach, the all-to-all's inter-node
+    bytes (unchanged by the limit) and those of a dispatch that sent each token once per node."""
+    nl = plan.node_limit
+    if nl is None:
+        return []
+    m, k, n = nl["max_nodes_per_token"], nl["rows_per_token"], nl["ep_nodes"]
+    unlimited = nl["nodes_reached_per_token_unlimited"]
+    if nl["binds"]:
+        reach = f"{nl['nodes_reached_per_token']:.2f}" if nl["exact"] else f"at most {m}"
+        head = f"a token's {k} rows reach {reach} nodes ({unlimited:.2f} without the limit)"
+    else:
+        head = f"no effect (top_k {k}: a token's rows reach {unlimited:.2f} nodes, never more than {k})"
+    return [
+        "",
+        f"node-limited routing, max_nodes_per_token {m}, EP group over {n} node{'s' * (n > 1)}: {head}",
+        f"  all-to-all inter-node bytes {_bytes(nl['all_to_all_inter_node_bytes'])} per GPU per step, as "
+        f"without the limit: one row per routed slot, {100 * nl['cross_node_row_share']:.1f}% cross nodes "
+        "either way",
+        "  sending each token once per node it reaches (not what moetrain's all-to-all does) would cross "
+        f"{_bytes(nl['deduplicated_inter_node_bytes'])} "
+        f"({_bytes(nl['deduplicated_inter_node_bytes_unlimited'])} without the limit)",
+    ]
+
+
 def format_plan(plan) -> str:
     """Header, GPU memory, host memory, traffic and time tables, notes."""
     p = plan.params
@@ -188,6 +213,7 @@ def format_plan(plan) -> str:
             f"  {name:<26} {alt.calls:>7} {_bytes(alt.intra_bytes):>12} {_bytes(alt.inter_bytes):>12} "
             f"{alt.intra_messages + alt.inter_messages:>9} {alt.seconds * 1e3:>9.1f}"
         )
+    lines += node_limit_lines(plan)
     tm = plan.time
     lines += [
         "",

@@ -47,6 +47,9 @@ class PlanSettings:
     - ``all_to_all``, ``ep_layout``, ``comm_dtype``: as in :class:`moetrain.ParallelConfig`.
     - ``capacity_factor``: ``"model"`` (the model config's training value), a number, or ``None`` /
       ``0`` (dropless); ``min_capacity`` comes from the model config.
+    - ``max_nodes_per_token``: node-limited routing, ``"model"`` (the model config's
+      ``moe.max_nodes_per_token``), an integer >= 1 or ``None`` (no limit); the plan then reports
+      what it changes (:mod:`moetrain.planner.node_limit`).
     - ``compute_efficiency``: fraction of the GPU's peak FLOP/s the model's matmuls reach (0, 1].
     - ``memory_headroom``: fraction of each GPU's memory the plan keeps free, in [0, 1) (default
       0.10). A plan fits only if its total is at most the usable memory, ``memory_bytes * (1 -
@@ -75,6 +78,7 @@ class PlanSettings:
     ep_layout: str = "packed"
     comm_dtype: str | None = None
     capacity_factor: float | str | None = MODEL_CAPACITY
+    max_nodes_per_token: int | str | None = MODEL_CAPACITY
     compute_efficiency: float = 0.4
     memory_headroom: float = DEFAULT_MEMORY_HEADROOM
     async_checkpoint: bool = True
@@ -123,6 +127,10 @@ class PlanSettings:
         if not (cf is None or cf == MODEL_CAPACITY or (_is_number(cf) and cf >= 0)):
             raise ValueError(
                 f"capacity_factor must be 'model', a finite number >= 0, or None (dropless), got {cf!r}"
+            )
+        if self.max_nodes_per_token not in (None, MODEL_CAPACITY):
+            require_int(
+                "max_nodes_per_token", self.max_nodes_per_token, 1, note="or 'model'", allow_none=True
             )
         if not (_is_number(self.compute_efficiency) and 0 < self.compute_efficiency <= 1):
             raise ValueError(
