@@ -11,6 +11,17 @@ GPUs.
 Usage: ``python benchmarks/all_to_all.py [--json PATH] [--repeats N]``. The 8 ranks share this
 machine's cores and talk over loopback, so intra- and inter-node links cost the same here; the
 message-count advantage is what the measurement shows, the bandwidth gap is what the model adds.
+
+``--node-limited``: instead, counts what node-limited routing (``max_nodes_per_token``) changes in
+the exchange, at world 8 as 2 nodes x 4 ranks and as 4 nodes x 2. Every rank routes 4,096 random
+tokens through the router of a real ``MoELayer`` (32 experts, top-4; the same random weights on
+every rank: orthonormal rows, which make every choice of 4 experts equally likely, or the router's
+own N(0, 0.02) initialisation), builds the dispatch plan, exchanges counts and rows with the EP
+group (flat and hierarchical), and counts from the plan's split sizes the rows it sends to ranks on
+other nodes, and from the expert ids the other nodes each token reaches (what a dispatch sending
+a token once per node would send across). Both are compared with the planner's expectation
+(:mod:`moetrain.planner.node_limit`): ``(N - 1) / N`` of the rows cross nodes whatever the limit,
+and ``remote_nodes_per_token``.
 """
 
 from __future__ import annotations
@@ -27,8 +38,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moetrain import MoEConfig, MoELayer
 from moetrain.comm.all_to_all import all_to_all, all_to_all_reverse, exchange_counts
+from moetrain.layers.dispatch import build_dispatch_plan
 from moetrain.parallel import ParallelContext
+from moetrain.planner.node_limit import cross_node_row_share, remote_nodes_per_token
 
 WORLD, LOCAL = 8, 4
 SIZES_KIB = [4, 64, 1024, 16384]
@@ -98,6 +112,113 @@ def worker(rank: int, args, out_path: str, port: int) -> None:
     dist.destroy_process_group()
 
 
+NL_EXPERTS, NL_TOP_K, NL_DIM, NL_TOKENS = 32, 4, 64, 4096
+NL_GRIDS = (4, 2)  # ranks per node: 2 nodes x 4, 4 nodes x 2
+NL_LIMITS = (None, 1, 2)
+
+
+def node_limited_worker(rank: int, args, out_path: str, port: int) -> None:
+    """Routes, exchanges and counts (module docstring) for every grid, algorithm, router weights
+    and limit; rank 0 writes the totals over the 8 ranks."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
+    rows_out = []
+    for local in NL_GRIDS:
+        for algo in ("flat", "hierarchical"):
+            ctx = ParallelContext(ep_size=WORLD, all_to_all=algo, local_world_size=local)
+            nodes, per_node = ctx.ep_node_grid
+            for weights in ("orthonormal", "default"):
+                for limit in NL_LIMITS:
+                    config = MoEConfig(d_model=NL_DIM, d_ff=8, num_experts=NL_EXPERTS, top_k=NL_TOP_K,
+                                       capacity_factor=None, max_nodes_per_token=limit)  # fmt: skip
+                    torch.manual_seed(0)  # the same router on every rank
+                    layer = MoELayer(config, parallel=ctx)
+                    if weights == "orthonormal":
+                        with torch.no_grad():
+                            basis = torch.linalg.qr(torch.randn(NL_DIM, NL_EXPERTS))[0]  # orthonormal columns
+                            layer.router.weight.copy_(basis.t())
+                    x = torch.randn(NL_TOKENS, NL_DIM, generator=torch.Generator().manual_seed(100 + rank))
+                    with torch.no_grad():
+                        expert_ids = layer.router(x).expert_ids_TK
+                    plan = build_dispatch_plan(expert_ids, NL_EXPERTS, None)
+                    _, a2a = exchange_counts(plan.kept_per_expert_E.view(WORLD, -1), ctx)
+                    all_to_all(torch.zeros(a2a.rows_sent, NL_DIM), a2a)  # the rows really travel
+                    _, _, cross_bytes = traffic(ctx, a2a, 4 * NL_DIM)
+                    node_TK = expert_ids // (NL_EXPERTS // nodes)
+                    reached_TN = torch.zeros(NL_TOKENS, nodes, dtype=torch.bool).scatter_(1, node_TK, True)
+                    remote = reached_TN.sum() - reached_TN[:, ctx.ep_rank // per_node].sum()
+                    totals = torch.tensor(
+                        [
+                            cross_bytes // (4 * NL_DIM),
+                            NL_TOKENS * NL_TOP_K,
+                            int(remote),
+                            NL_TOKENS,
+                            cross_bytes,
+                        ],
+                        dtype=torch.float64,
+                    )
+                    dist.all_reduce(totals)
+                    span = torch.tensor([int(reached_TN.sum(1).max())])
+                    dist.all_reduce(span, op=dist.ReduceOp.MAX)
+                    cross_rows, rows, remote_copies, tokens, cross_total = totals.tolist()
+                    rows_out.append(
+                        {
+                            "nodes": nodes,
+                            "ranks_per_node": per_node,
+                            "algorithm": algo,
+                            "weights": weights,
+                            "max_nodes_per_token": limit,
+                            "limit_binds": layer.router.limits_nodes,
+                            "cross_node_row_share": cross_rows / rows,
+                            "expected_cross_node_row_share": cross_node_row_share(nodes),
+                            "cross_node_bytes_per_rank": cross_total / WORLD,
+                            "remote_nodes_per_token": remote_copies / tokens,
+                            "expected_remote_nodes_per_token": remote_nodes_per_token(
+                                NL_EXPERTS, NL_TOP_K, nodes, 1, limit
+                            ),
+                            "expected_is_bound": layer.router.limits_nodes and limit > 1,
+                            "max_nodes_reached": int(span),
+                        }
+                    )
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(rows_out, f)
+    dist.destroy_process_group()
+
+
+def print_node_limited(rows) -> None:
+    print(
+        f"node-limited routing at world {WORLD}: {NL_TOKENS} tokens per rank, {NL_EXPERTS} experts, "
+        f"top-{NL_TOP_K}, fp32 rows of {4 * NL_DIM} B; totals over the {WORLD} ranks"
+    )
+    print(
+        "x-node rows: share of the routed rows sent to another node (expected: (N-1)/N); remote/token: "
+        "other nodes a token reaches; max nodes: the most nodes any token reached"
+    )
+    header = ["grid", "algorithm", "weights", "limit", "x-node rows", "expected", "x-node B/rank",
+              "remote/token", "expected", "max nodes"]  # fmt: skip
+    print(" | ".join(f"{h:>13}" for h in header))
+    for r in rows:
+        limit = "none" if r["max_nodes_per_token"] is None else str(r["max_nodes_per_token"])
+        if r["max_nodes_per_token"] is not None and not r["limit_binds"]:
+            limit += " (no-op)"
+        expected = f"{'<= ' if r['expected_is_bound'] else ''}{r['expected_remote_nodes_per_token']:.4f}"
+        line = [
+            f"{r['nodes']} x {r['ranks_per_node']}",
+            r["algorithm"],
+            r["weights"],
+            limit,
+            f"{r['cross_node_row_share']:.4f}",
+            f"{r['expected_cross_node_row_share']:.4f}",
+            f"{r['cross_node_bytes_per_rank']:.0f}",
+            f"{r['remote_nodes_per_token']:.4f}",
+            expected,
+            r["max_nodes_reached"],
+        ]
+        print(" | ".join(f"{v!s:>13}" for v in line))
+
+
 def fit_alpha_beta(rows) -> tuple[float, float]:
     """Least squares of ``t = alpha * messages + beta * bytes_sent`` (a rank's bytes over all stages)."""
     a = torch.tensor([[r["messages_per_rank"], r["sent_bytes"]] for r in rows], dtype=torch.float64)
@@ -139,8 +260,22 @@ def main() -> None:
         "--inter-node-gbps", type=float, default=35.0, help="inter-node link for the prediction"
     )
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument(
+        "--node-limited", action="store_true", help="count what max_nodes_per_token changes (no timing)"
+    )
     args = parser.parse_args()
     port = _free_port()
+    if args.node_limited:
+        with tempfile.TemporaryDirectory() as tmp:
+            out_path = os.path.join(tmp, "rows.json")
+            mp.spawn(node_limited_worker, args=(args, out_path, port), nprocs=WORLD, join=True)
+            with open(out_path) as f:
+                rows = json.load(f)
+        print_node_limited(rows)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"benchmark": "all_to_all_node_limited", "rows": rows}, f, indent=2)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "rows.json")
         mp.spawn(worker, args=(args, out_path, port), nprocs=WORLD, join=True)
