@@ -5,6 +5,10 @@ expert parallelism on real gloo ranks (world 4 emulated as 2 nodes x 2) against 
 from __future__ import annotations
 
 import math
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -269,3 +273,55 @@ def test_expert_parallel_layer_equals_one_process_with_the_same_node_count():
             assert r["span"] <= (1 if expected_nodes == 2 else 2), r
             for key in ("out", "grad_x", "w1", "router"):
                 assert r[key] < 1e-5, (r["case"], key, r[key])
+
+
+ROUTING_DOC = Path(__file__).resolve().parents[1] / "docs" / "routing.md"
+
+
+def _node_limited_section() -> str:
+    return ROUTING_DOC.read_text(encoding="utf-8").split("## Node-limited routing", 1)[1]
+
+
+def test_the_documented_example_runs(capsys):
+    blocks = _node_limited_section().split("```python\n")[1:]
+    assert len(blocks) == 1
+    exec(compile(blocks[0].split("```", 1)[0], str(ROUTING_DOC), "exec"), {})  # noqa: S102 - our own docs
+    assert capsys.readouterr().out == "True\n"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_documented_quality_runs_start(tmp_path):
+    """The quality section's demo commands (the first pair; the second differs only by its seed) run
+    as written but for 2 steps and 4 held-out images."""
+    section = _node_limited_section().split("### Quality cost on the demo task", 1)[1]
+    commands = [
+        shlex.split(line) for line in section.splitlines() if line.startswith("python scripts/demo.py")
+    ]
+    assert len(commands) == 4
+
+    def without_limit_out_dir_and_seed(words: list[str]) -> list[str]:
+        drop = {i + d for i, w in enumerate(words) for d in (0, 1) if w == "--out-dir"}
+        drop |= {
+            i + d
+            for i, w in enumerate(words)
+            for d in (-1, 0)
+            if w.startswith(("model.moe.max_nodes", "seed="))
+        }
+        return [w for i, w in enumerate(words) if i not in drop]
+
+    assert len({tuple(without_limit_out_dir_and_seed(c)) for c in commands}) == 1  # the same run otherwise
+    assert ["model.moe.max_nodes_per_token=1" in c for c in commands] == [False, True, False, True]
+    assert ["seed=1" in c for c in commands] == [False, False, True, True]
+    commands = commands[:2]
+    root = ROUTING_DOC.parents[1]
+    for index, words in enumerate(commands):
+        words = [*words, "--steps", "2", "--eval-limit", "4"]
+        words[words.index("--out-dir") + 1] = str(tmp_path / f"run{index}")
+        result = subprocess.run(
+            [sys.executable, *words[1:]], cwd=root, capture_output=True, text=True, timeout=240
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "caption accuracy (exact match, held-out)" in result.stdout
+        limited = "routing as in training: experts over 2 nodes, max_nodes_per_token 1" in result.stdout
+        assert limited == (index == 1)

@@ -1,7 +1,7 @@
 """Top-k router: token features -> routing probabilities, chosen experts and their gates.
 
-Legend: T tokens, D model dim, E experts, K choices per token, G prototype groups, N nodes the
-experts are spread over (node-limited routing), M = ``max_nodes_per_token``.
+Legend: T tokens, D model dim, E experts, K choices per token, G prototype groups; node-limited
+routing: N nodes the experts are spread over, e = E/N experts per node, M = ``max_nodes_per_token``.
 Router math runs in fp32 (fp64 for fp64 inputs), also under autocast, so every rank routes a
 token identically whatever the training precision.
 """
@@ -62,6 +62,8 @@ def node_limited_top_k(choice_TE: torch.Tensor, top_k: int, nodes: int, max_node
     2. the token keeps the M nodes of highest ``node_score`` (ties: the lower node index);
     3. its K experts are those of highest ``choice`` among the kept nodes' ``M*E/N`` experts (ties:
        the lower expert index), in descending order of ``choice``.
+
+    Both selections are stable sorts, so ties are broken the same way on every device.
 
     ``choice_TE``: the scores the choice is made on (with aux-free biases when enabled). Needs
     ``M * E/N >= K`` (:func:`check_expert_nodes`)."""
