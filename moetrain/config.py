@@ -183,7 +183,7 @@ class MoEConfig:
 
 
 EP_LAYOUTS = ("packed", "spread")
-ALL_TO_ALL_ALGORITHMS = ("auto", "flat", "hierarchical")
+ALL_TO_ALL_ALGORITHMS = ("auto", "flat", "hierarchical", "node_dedup")
 COMM_DTYPES = (None, "bf16", "fp16")
 
 
@@ -196,7 +196,10 @@ class ParallelConfig:
     - ``ep_layout``: ``"packed"`` puts an expert-parallel group on consecutive ranks (inside a node
       first); ``"spread"`` takes one rank every ``world_size / ep_size`` (across nodes).
     - ``all_to_all``: ``"flat"``, ``"hierarchical"`` (2-D: intra-node, then inter-node among the
-      same local rank) or ``"auto"`` (hierarchical when a group spans > 1 node with > 1 rank each).
+      same local rank), ``"node_dedup"`` (each token crosses once to each node its experts are on,
+      then fans out inside the node: :mod:`moetrain.layers.node_dispatch`; pays with node-limited
+      routing) or ``"auto"`` (hierarchical when a group spans > 1 node with > 1 rank each; never
+      node_dedup).
     - ``comm_dtype``: ``None`` (send the payload as it is), ``"bf16"``, or ``"fp16"`` (with a
       per-row power-of-two scale so nothing overflows); gradients travel in the same precision.
     - ``local_world_size``: ranks per node; ``None`` reads ``LOCAL_WORLD_SIZE`` (torchrun) or
@@ -219,7 +222,8 @@ class ParallelConfig:
     all_to_all: str = option(
         "auto",
         (
-            "'flat', 'hierarchical' (2-D: intra-node, then inter-node) or 'auto' "
+            "'flat', 'hierarchical' (2-D: intra-node, then inter-node), 'node_dedup' (a token "
+            "crosses once per node it reaches, then fans out inside it) or 'auto' "
             "(hierarchical when a group spans > 1 node with > 1 rank each)"
         ),
     )

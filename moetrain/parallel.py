@@ -8,7 +8,8 @@ World = DP x EP for expert layers. Groups (all built here, never read from globa
 - ``expert_dp_group``: the ``world / ep_size`` ranks holding copies of the same experts (same EP
   rank); expert gradients are reduced only over it.
 - ``intra_node_group`` / ``inter_node_group``: inside an EP group, its members on this node, and
-  its members with this node-local index on every node: the two stages of the 2-D all-to-all.
+  its members with this node-local index on every node: the two stages of the 2-D all-to-all
+  and of the node-deduplicating dispatch (``all_to_all="node_dedup"``).
 
 Ranks are numbered node-major (rank = node * local_world_size + local_rank), as torchrun and
 SLURM do, so an EP group's ranks sorted by number are also node-major.
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from moetrain.config import ParallelConfig
 
 DEFAULT_MASTER_PORT = 29500
+NODE_GRID_ALGORITHMS = ("hierarchical", "node_dedup")  # need ep_node_grid and the two node subgroups
 
 
 def first_host(nodelist: str) -> str:
@@ -266,16 +268,16 @@ class ParallelContext:
             self.ep_group, _ = dist.new_subgroups_by_enumeration(groups, timeout=self.timeout)
             expert_dp = [[g[i] for g in groups] for i in range(self.ep_size)]
             self.expert_dp_group, _ = dist.new_subgroups_by_enumeration(expert_dp, timeout=self.timeout)
-            if self.all_to_all == "hierarchical":
+            if self.all_to_all in NODE_GRID_ALGORITHMS:
                 self._build_node_groups(groups)
 
     def _choose_algorithm(self) -> str:
         choice = self.config.all_to_all
         grid = self.ep_node_grid
         spans_nodes = grid is not None and grid[0] > 1 and grid[1] > 1
-        if choice == "hierarchical" and self.ep_size > 1 and grid is None:
+        if choice in NODE_GRID_ALGORITHMS and self.ep_size > 1 and grid is None:
             raise ValueError(
-                f"all_to_all = 'hierarchical' needs every expert-parallel group to hold the same number of "
+                f"all_to_all = {choice!r} needs every expert-parallel group to hold the same number of "
                 f"ranks on each of its nodes; ep_size = {self.ep_size}, layout = {self.config.ep_layout!r}, "
                 f"{self.num_nodes} nodes x {self.local_world_size} ranks do not"
             )

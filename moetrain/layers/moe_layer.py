@@ -32,6 +32,7 @@ from moetrain.layers.dispatch import (
 )
 from moetrain.layers.experts import DenseFFN, GroupedExperts
 from moetrain.layers.losses import attach_aux_loss, load_balancing_loss, router_z_loss, sequence_balance_loss
+from moetrain.layers.node_dispatch import NodeDedupTokenDispatcher
 from moetrain.layers.precision import autocast_off, compute_dtype
 from moetrain.layers.replay import RoutingReplay, attach_to_graph, input_digest
 from moetrain.layers.router import RouterOutput, TopKRouter
@@ -112,6 +113,10 @@ class MoELayer(nn.Module):
         self.replay = RoutingReplay()
         if parallel is None or parallel.ep_size == 1:
             self.dispatcher = LocalTokenDispatcher(config.num_experts, config.kernels, self.replay)
+        elif parallel.all_to_all == "node_dedup":
+            self.dispatcher = NodeDedupTokenDispatcher(
+                config.num_experts, parallel, config.kernels, self.replay
+            )
         else:
             self.dispatcher = AllToAllTokenDispatcher(
                 config.num_experts, parallel, config.kernels, self.replay
