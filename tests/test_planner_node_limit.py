@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from moetrain.layers.router import TopKRouter
 from moetrain.lm import LMConfig, describe_lm
 from moetrain.planner import PlanSettings, cluster_preset, make_plan
 from moetrain.planner.cli import add_plan_parser
+from moetrain.planner.comm import group_layout
 from moetrain.planner.node_limit import cross_node_row_share, nodes_reached_per_token, remote_nodes_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,12 +95,17 @@ def test_the_plan_reports_the_limit_and_leaves_the_all_to_all_bytes_alone():
     inter = next(t.inter_bytes for t in plain.traffic if t.name == "all_to_all")
     assert [t.to_dict() for t in limited.traffic] == [t.to_dict() for t in plain.traffic]
     assert (nl["ep_nodes"], nl["binds"], nl["exact"], nl["nodes_reached_per_token"]) == (4, True, True, 1.0)
-    assert nl["all_to_all_inter_node_bytes"] == inter and nl["cross_node_row_share"] == 0.75
-    assert nl["deduplicated_inter_node_bytes"] == pytest.approx(inter / 4)
+    assert nl["all_to_all_inter_node_bytes"] == nl["per_slot_inter_node_bytes"] == inter
+    assert nl["cross_node_row_share"] == 0.75 and nl["all_to_all"] == "hierarchical"
+    # node_dedup: one copy per node reached instead of K rows, + 12 K bytes of ids and gates per copy
+    # beside the 4 trips of a w = 64 x 2-byte row: inter * reached / K * (1 + 3 K / w)
+    metadata = 1 + 3 * 4 / 128
+    assert nl["node_dedup_inter_node_bytes"] == pytest.approx(inter / 4 * metadata)
     unlimited = nodes_reached_per_token(32, 4, 4)
-    assert nl["deduplicated_inter_node_bytes_unlimited"] == pytest.approx(inter * unlimited / 4)
+    assert nl["node_dedup_inter_node_bytes_unlimited"] == pytest.approx(inter * unlimited / 4 * metadata)
     table = limited.format_table()
     assert f"a token's 4 rows reach 1.00 nodes ({unlimited:.2f} without the limit)" in table
+    assert "hierarchical (one row per routed slot; 75.0% of the rows cross nodes, limit or not)" in table
     assert limited.to_dict()["node_limit"] == nl
     unset = make_plan(lm(max_nodes=1), cluster, settings.replace(max_nodes_per_token=None))
     assert unset.node_limit is None
@@ -111,8 +118,45 @@ def test_the_plan_reports_the_limit_and_leaves_the_all_to_all_bytes_alone():
     loose = make_plan(lm(), cluster, settings.replace(max_nodes_per_token=4)).node_limit
     assert (
         not loose["binds"]
-        and loose["deduplicated_inter_node_bytes"] == loose["deduplicated_inter_node_bytes_unlimited"]
+        and loose["node_dedup_inter_node_bytes"] == loose["node_dedup_inter_node_bytes_unlimited"]
     )
+
+
+def test_planning_with_node_dedup_models_its_bytes_and_compares_with_the_per_slot_algorithm():
+    cluster = cluster_preset("a100-80gb", 4)  # EP 32 over 4 nodes x 8 GPUs
+    settings = PlanSettings(ep_size=32, micro_batch=2, all_to_all="node_dedup")
+    limited = make_plan(lm(max_nodes=1), cluster, settings)
+    hier = make_plan(lm(max_nodes=1), cluster, settings.replace(all_to_all="hierarchical"))
+    assert (limited.all_to_all, hier.all_to_all) == ("node_dedup", "hierarchical")
+    rows = next(t for t in limited.traffic if t.name == "all_to_all")
+    per_slot = next(t for t in hier.traffic if t.name == "all_to_all")
+    layers = 2  # micro-steps 1
+    assert rows.calls == 10 * layers and rows.inter_messages == 6 * 3 * layers
+    assert rows.intra_bytes == pytest.approx(per_slot.intra_bytes)  # the same K rows fan out in the node
+    assert rows.inter_bytes == pytest.approx(per_slot.inter_bytes / 4 * (1 + 3 * 4 / 128))  # 1 node of 4
+    assert limited.all_to_all_alternative.name == "all_to_all_hierarchical"
+    nl = limited.node_limit
+    assert nl["all_to_all"] == "node_dedup" and nl["all_to_all_inter_node_bytes"] == rows.inter_bytes
+    assert nl["per_slot_inter_node_bytes"] == per_slot.inter_bytes
+    table = limited.format_table()
+    assert "all_to_all (node_dedup)" in table and "all_to_all (hierarchical, not used)" in table
+    assert table.count(", used") == 1 and "without the limit), used" in table
+    from moetrain.planner.plan import plan_communicators
+
+    layout = group_layout(list(range(32)), 8)
+    names = [c.name for c in plan_communicators(32, 32, 1, "node_dedup", layout)]
+    assert names == ["world", "ep", "ep_intra_node", "ep_inter_node"]  # node_dedup's two subgroups
+    # without a limit node_dedup still pays where a token's K experts share nodes
+    plain = make_plan(lm(), cluster, settings)
+    reached = nodes_reached_per_token(32, 4, 4)
+    plain_rows = next(t for t in plain.traffic if t.name == "all_to_all")
+    assert plain_rows.inter_bytes == pytest.approx(per_slot.inter_bytes * reached / 4 * (1 + 3 * 4 / 128))
+    with pytest.raises(ValueError, match="all_to_all = 'node_dedup' needs every expert-parallel group"):
+        make_plan(
+            lm(num_experts=24),
+            cluster_preset("a100-80gb", 3),
+            PlanSettings(ep_size=12, all_to_all="node_dedup"),
+        )
 
 
 def test_limits_the_model_or_layout_cannot_take_are_value_errors():
@@ -137,25 +181,47 @@ def _run(argv: list[str]) -> int:
     return args.run(args)
 
 
-def test_the_m6_1t_section_of_docs_planner_md_is_the_planner_s_output(capsys, monkeypatch):
-    """The command in the node-limited routing section runs, and every line quoted from its output
-    there is in what it prints today; the quoted plain top-2 figures follow from the formulas."""
+def test_the_m6_1t_section_of_docs_planner_md_is_the_planner_s_output(capsys, monkeypatch, tmp_path):
+    """The section's commands run (the plain top-2 config made by its sed line), every line quoted
+    from their output is in what they print today, and the figures in its text follow from the
+    formulas and the plans."""
     monkeypatch.chdir(ROOT)
     doc = (ROOT / "docs" / "planner.md").read_text(encoding="utf-8")
-    section = doc.split("### Node-limited routing on M6-1T", 1)[1].split("\n## ", 1)[0]
-    blocks = section.split("```\n")[1::2]
-    command, quoted = blocks[0].replace("\\\n", " ").strip(), blocks[1]
-    assert _run(shlex.split(command)[1:]) == 0
+    section = doc.split("### Node-limited routing and node_dedup on M6-1T", 1)[1].split("\n## ", 1)[0]
+    command, quoted, top2_commands, top2_quoted = section.split("```\n")[1::2]
+    words = shlex.split(command.replace("\\\n", " "))
+    assert _run(words[1:]) == 0
     out = capsys.readouterr().out
     for line in quoted.strip("\n").splitlines():
         assert line in out, line
     with pytest.raises(ValueError, match="cannot be combined with num_prototypes = 2"):
-        _run(shlex.split(command)[1:-1] + ["1"])
+        _run(words[1:-1] + ["1"])
+    assert _run([*words[1:], "--json"]) == 0
+    dedup = json.loads(capsys.readouterr().out)
+    assert _run([*words[1:10], "--json"]) == 0  # the config's hierarchical all-to-all, no limit
+    hier = json.loads(capsys.readouterr().out)
+    extra = dedup["time"]["all_to_all_s"] - hier["time"]["all_to_all_s"]
+    assert f"{extra * 1e3:.0f} ms more per step of {hier['time']['step_s']:.1f} s" in section
+
+    sed, plan = top2_commands.replace("\\\n", " ").strip().splitlines()
+    sed = sed.replace("configs/m6_1t.yaml", str(ROOT / "configs" / "m6_1t.yaml"))
+    subprocess.run(["bash", "-c", sed], cwd=tmp_path, check=True)
+    assert "num_prototypes: 1 " in (tmp_path / "m6_1t_top2.yaml").read_text()
+    words = shlex.split(plan.replace("m6_1t_top2.yaml", str(tmp_path / "m6_1t_top2.yaml")))
+    assert _run(words[1:]) == 0
+    out = capsys.readouterr().out
+    for line in top2_quoted.strip("\n").splitlines():
+        assert line in out, line
+    assert _run([*words[1:], "--json"]) == 0
+    nl = json.loads(capsys.readouterr().out)["node_limit"]
+    gib = 2**30
     reached = nodes_reached_per_token(960, 2, 60)
     assert f"{reached:.3f} nodes" in section and f"{remote_nodes_per_token(960, 2, 60):.3f}" in section
-    assert _run([*shlex.split(command)[1:], "--json"]) == 0
-    inter = json.loads(capsys.readouterr().out)["node_limit"]["all_to_all_inter_node_bytes"]
-    assert f"about {inter / 2 / 2**30:.2f} GiB instead of {inter * reached / 2 / 2**30:.2f} GiB" in section
+    dedup_gib, per_slot_gib = nl["node_dedup_inter_node_bytes"] / gib, nl["per_slot_inter_node_bytes"] / gib
+    assert f"{dedup_gib:.2f} GiB instead of {per_slot_gib:.2f} GiB" in section
+    unlimited = nl["node_dedup_inter_node_bytes_unlimited"]
+    saved = 1 - unlimited / nl["per_slot_inter_node_bytes"]
+    assert f"saves {100 * saved:.1f}% ({unlimited / gib:.2f} GiB)" in section
 
 
 def test_the_flag_overrides_the_config_and_zero_means_no_limit(capsys, monkeypatch, tmp_path):

@@ -31,6 +31,7 @@ import json
 import math
 from dataclasses import replace
 
+from moetrain.config import ALL_TO_ALL_ALGORITHMS
 from moetrain.planner.hardware import GPU_PRESETS, ClusterSpec, GiB, GPUSpec, cluster_preset, gbps_to_bytes
 from moetrain.planner.model import resolve_model
 from moetrain.planner.plan import make_plan
@@ -118,7 +119,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--recompute", choices=RECOMPUTE_MODES)
     plan.add_argument("--recompute-fraction", type=float)
     plan.add_argument("--recompute-budget-gib", type=float)
-    plan.add_argument("--all-to-all", choices=("auto", "flat", "hierarchical"))
+    plan.add_argument("--all-to-all", choices=ALL_TO_ALL_ALGORITHMS)
     plan.add_argument("--comm-dtype", choices=("bf16", "fp16"))
     plan.add_argument("--capacity-factor", type=float, help="0: dropless (default: the model's)")
     plan.add_argument(

@@ -6,18 +6,20 @@ Legend: E experts laid out node-major over the N nodes of an EP group (node m ho
 equally likely, and the node a token starts on is independent of its choice (balanced routing, as
 the planner's byte counts assume everywhere).
 
-- **Rows crossing nodes.** moetrain's all-to-all sends one row per routed slot, so each row lands
-  on the node of its expert; every expert's node is equally likely, so ``(N - 1) / N`` of the rows
-  cross nodes, with or without a node limit: node-limited routing gathers a token's rows onto fewer
-  nodes but does not make them local (each node is still picked with probability 1/N). It does not
-  change the all-to-all's inter-node bytes.
+- **Rows crossing nodes.** The flat and hierarchical all-to-alls send one row per routed slot, so
+  each row lands on the node of its expert; every expert's node is equally likely, so ``(N - 1) / N``
+  of the rows cross nodes, with or without a node limit: node-limited routing gathers a token's rows
+  onto fewer nodes but does not make them local (each node is still picked with probability 1/N). It
+  does not change their inter-node bytes.
 - **Nodes reached per token** (:func:`nodes_reached_per_token`): without a binding limit,
   ``sum_m P(node m holds one of the token's experts)`` with
   ``P = 1 - prod_g C(E/G - e_mg, K/G) / C(E/G, K/G)`` (``e_mg``: experts of node m in group g;
   for G = 1, ``N * (1 - C(E - E/N, K) / C(E, K))``). With a limit that binds (``M < min(K, N)``):
   exactly 1 for M = 1, at most M otherwise (the bound is used). Of these, ``(N - 1) / N`` are
-  other nodes than the token's own (:func:`remote_nodes_per_token`): the copies a dispatch that
-  sends each token once per node it reaches (DeepSeek-V3's; not moetrain's) would send across.
+  other nodes than the token's own (:func:`remote_nodes_per_token`): the copies that
+  ``all_to_all="node_dedup"`` (:mod:`moetrain.layers.node_dispatch`, DeepSeek-V3's dispatch: each
+  token once per node it reaches) sends across; its bytes are
+  :func:`moetrain.planner.comm.node_dedup_traffic`'s.
 
 ``tests/test_planner_node_limit.py`` checks these against routing random tokens through real
 routers; ``benchmarks/all_to_all.py --node-limited`` counts them on 8 gloo ranks.
@@ -25,6 +27,7 @@ routers; ``benchmarks/all_to_all.py --node-limited`` counts them on 8 gloo ranks
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from fractions import Fraction
 from math import comb
 
@@ -63,11 +66,21 @@ def remote_nodes_per_token(
     return reached * cross_node_row_share(nodes)
 
 
-def node_limit_figures(moe, max_nodes: int, layout, all_to_all_inter_bytes: float) -> dict:
+def node_limit_figures(
+    moe,
+    max_nodes: int,
+    layout,
+    algorithm: str,
+    per_slot: tuple[str, float],
+    node_dedup_inter_bytes: Callable[[int | None], float] | None,
+) -> dict:
     """What ``max_nodes_per_token = max_nodes`` means for a model's MoE config ``moe`` on an EP group
-    of ``layout`` (:class:`~moetrain.planner.comm.GroupLayout`) whose all-to-all rows send
-    ``all_to_all_inter_bytes`` across nodes per GPU and step: a JSON-ready dict (the plan's
-    ``node_limit``). ValueError, as the router raises it, for a limit the model or layout cannot take."""
+    of ``layout`` (:class:`~moetrain.planner.comm.GroupLayout`) whose all-to-all is ``algorithm``: a
+    JSON-ready dict (the plan's ``node_limit``) with the nodes a token reaches, the inter-node row
+    bytes per GPU and step of a per-slot all-to-all (``per_slot``: its name and bytes, unchanged by
+    the limit) and of node_dedup with and without the limit (``node_dedup_inter_bytes(limit)``; None:
+    the layout has no node grid, which node_dedup needs). ``all_to_all_inter_node_bytes``: those of
+    ``algorithm``. ValueError, as the router raises it, for a limit the model or layout cannot take."""
     from dataclasses import replace
 
     from moetrain.layers.router import check_expert_nodes
@@ -82,8 +95,8 @@ def node_limit_figures(moe, max_nodes: int, layout, all_to_all_inter_bytes: floa
         )
     check_expert_nodes(moe.num_experts, moe.top_k, nodes, max_nodes)
     shape = (moe.num_experts, moe.top_k, nodes, moe.num_prototypes)
-    reached = nodes_reached_per_token(*shape, max_nodes)
-    unlimited = nodes_reached_per_token(*shape)
+    dedup = None if node_dedup_inter_bytes is None else node_dedup_inter_bytes(max_nodes)
+    dedup_unlimited = None if node_dedup_inter_bytes is None else node_dedup_inter_bytes(None)
     return {
         "max_nodes_per_token": max_nodes,
         "ep_nodes": nodes,
@@ -91,9 +104,12 @@ def node_limit_figures(moe, max_nodes: int, layout, all_to_all_inter_bytes: floa
         "exact": not binds or max_nodes == 1,  # else nodes_reached_per_token is the bound M
         "rows_per_token": moe.top_k,
         "cross_node_row_share": cross_node_row_share(nodes),
-        "nodes_reached_per_token": reached,
-        "nodes_reached_per_token_unlimited": unlimited,
-        "all_to_all_inter_node_bytes": all_to_all_inter_bytes,
-        "deduplicated_inter_node_bytes": all_to_all_inter_bytes * reached / moe.top_k,
-        "deduplicated_inter_node_bytes_unlimited": all_to_all_inter_bytes * unlimited / moe.top_k,
+        "nodes_reached_per_token": nodes_reached_per_token(*shape, max_nodes),
+        "nodes_reached_per_token_unlimited": nodes_reached_per_token(*shape),
+        "all_to_all": algorithm,
+        "all_to_all_inter_node_bytes": dedup if algorithm == "node_dedup" else per_slot[1],
+        "per_slot_all_to_all": per_slot[0],
+        "per_slot_inter_node_bytes": per_slot[1],
+        "node_dedup_inter_node_bytes": dedup,
+        "node_dedup_inter_node_bytes_unlimited": dedup_unlimited,
     }

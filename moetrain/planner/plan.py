@@ -39,10 +39,11 @@ from moetrain.planner.comm import (
     choose_all_to_all,
     expert_groups,
     group_layout,
+    node_dedup_traffic,
 )
 from moetrain.planner.hardware import ClusterSpec
 from moetrain.planner.model import ModelDescription
-from moetrain.planner.node_limit import node_limit_figures
+from moetrain.planner.node_limit import node_limit_figures, nodes_reached_per_token
 from moetrain.planner.peak import StepPeak, layer_working_bytes, loss_working_bytes, step_peak
 from moetrain.planner.reserve import FRAGMENTATION, Communicator, reserve_terms
 from moetrain.planner.settings import MODEL_CAPACITY, PlanSettings
@@ -352,6 +353,11 @@ def make_plan(
         choose_all_to_all(settings.all_to_all, ep, groups, cluster.gpus_per_node) if ep > 1 else "flat"
     )
     ep_layout = group_layout(groups[0], cluster.gpus_per_node)
+    max_nodes = (
+        arch.moe.max_nodes_per_token
+        if settings.max_nodes_per_token == MODEL_CAPACITY
+        else settings.max_nodes_per_token
+    )
     cf = resolve_capacity_factor(model, settings)
     work = workload(model, settings, kernels)
     acts = activation_model(arch, work)
@@ -368,7 +374,9 @@ def make_plan(
     gpu = {
         "weights": per_rank * weight_b,
         "optimizer_states": 0 if settings.offload else per_rank * optimizer_b,
-        "all_to_all_buffers": _all_to_all_buffers(moe_layers, arch.d_model, b, ep, algorithm, settings),
+        "all_to_all_buffers": _all_to_all_buffers(
+            moe_layers, arch, b, ep, algorithm, settings, ep_layout.nodes, max_nodes
+        ),
         # DDP's gradient buckets: a flat copy of the dense gradients, kept for the whole run
         "ddp_buckets": dense * weight_b if world > 1 else 0,
         "step_peak": 0,
@@ -462,21 +470,44 @@ def make_plan(
     # ---- traffic per optimizer step
     traffic = []
     alternative = None
+    per_slot = ("flat", 0.0)  # a per-slot all-to-all (the chosen one, else the alternative), inter bytes
+    dedup_inter = None  # limit -> inter-node row bytes of node_dedup (a grid layout only)
     accum = settings.grad_accum
     if moe_layers and ep > 1:
         rows = moe_layers[0].rows
         balanced_rows = moe_layers[0].balanced_rows.sent
         row_bytes = _wire_row_bytes(arch.d_model, b, settings.comm_dtype)
         n = len(moe_layers) * accum
-        a2a_rows, a2a_counts = all_to_all_traffic(
-            cluster, ep_layout, algorithm, balanced_rows / ep, row_bytes, arch.moe.num_experts // ep, 4 * n, n
-        )
-        traffic += [a2a_rows, a2a_counts]
-        other = "flat" if algorithm == "hierarchical" else "hierarchical"
-        if other == "flat" or (ep_layout.grid and ep_layout.nodes > 1 and ep_layout.per_node > 1):
-            alt_rows, alt_counts = all_to_all_traffic(
-                cluster, ep_layout, other, balanced_rows / ep, row_bytes, arch.moe.num_experts // ep, 4 * n, n
+        local_experts = arch.moe.num_experts // ep
+
+        def per_slot_traffic(name: str) -> tuple[Traffic, Traffic]:
+            return all_to_all_traffic(
+                cluster, ep_layout, name, balanced_rows / ep, row_bytes, local_experts, 4 * n, n
             )
+
+        def dedup(limit: int | None) -> tuple[Traffic, Traffic]:
+            reached = _nodes_reached(arch.moe, ep_layout.nodes, limit)
+            return node_dedup_traffic(
+                cluster, ep_layout, balanced_rows, arch.moe.top_k, reached, row_bytes, local_experts, n
+            )
+
+        if ep_layout.grid:
+
+            def dedup_inter(limit: int | None) -> float:
+                return dedup(limit)[0].inter_bytes
+
+        a2a_rows, a2a_counts = dedup(max_nodes) if algorithm == "node_dedup" else per_slot_traffic(algorithm)
+        traffic += [a2a_rows, a2a_counts]
+        two_d = ep_layout.grid and ep_layout.nodes > 1 and ep_layout.per_node > 1
+        if algorithm == "hierarchical":
+            other = "flat"
+        elif algorithm == "flat":
+            other = "hierarchical" if two_d else None
+        else:  # node_dedup: against the per-slot algorithm "auto" picks
+            other = "hierarchical" if two_d else "flat"
+        per_slot = (algorithm, a2a_rows.inter_bytes)
+        if other is not None:
+            alt_rows, alt_counts = per_slot_traffic(other)
             alternative = Traffic(
                 f"all_to_all_{other}",
                 alt_rows.calls + alt_counts.calls,
@@ -486,20 +517,16 @@ def make_plan(
                 alt_rows.inter_messages + alt_counts.inter_messages,
                 alt_rows.seconds + alt_counts.seconds,
             )
+            if algorithm == "node_dedup":
+                per_slot = (other, alt_rows.inter_bytes)
         if cf is not None and balanced_rows != rows.sent:
             notes.append(
                 f"all-to-all bytes assume balanced routing ({balanced_rows} rows sent per layer); "
                 f"at most {rows.sent} when every expert fills its capacity {rows.capacity}"
             )
-    max_nodes = (
-        arch.moe.max_nodes_per_token
-        if settings.max_nodes_per_token == MODEL_CAPACITY
-        else settings.max_nodes_per_token
-    )
     node_limit = None
     if moe_layers and max_nodes is not None:
-        inter = next((t.inter_bytes for t in traffic if t.name == "all_to_all"), 0.0)
-        node_limit = node_limit_figures(arch.moe, max_nodes, ep_layout, inter)
+        node_limit = node_limit_figures(arch.moe, max_nodes, ep_layout, algorithm, per_slot, dedup_inter)
     world_layout = group_layout(list(range(world)), cluster.gpus_per_node)
     traffic.append(
         all_reduce_traffic(cluster, "dp_all_reduce", world_layout, dense * weight_b, DDP_BUCKET_BYTES)
@@ -582,7 +609,7 @@ def make_plan(
 def plan_communicators(world: int, ep: int, expert_dp: int, algorithm: str, ep_layout) -> list[Communicator]:
     """The NCCL communicators a rank creates and uses (see :class:`moetrain.ParallelContext`): the
     world (DDP's all-reduce), the expert-data-parallel group, the EP group and, for the 2-D
-    all-to-all, the EP group's members on this node and its peers on the other nodes."""
+    all-to-all and node_dedup, the EP group's members on this node and its peers on the other nodes."""
     communicators = []
     if world > 1:
         communicators.append(Communicator("world", "all_reduce", 0, 0))
@@ -590,7 +617,7 @@ def plan_communicators(world: int, ep: int, expert_dp: int, algorithm: str, ep_l
         communicators.append(Communicator("expert_dp", "all_reduce", 0, 0))
     if ep > 1:
         communicators.append(Communicator("ep", "all_to_all", ep_layout.intra_peers, ep_layout.inter_peers))
-    if ep > 1 and algorithm == "hierarchical":
+    if ep > 1 and algorithm in ("hierarchical", "node_dedup"):
         communicators.append(Communicator("ep_intra_node", "all_to_all", ep_layout.per_node - 1, 0))
         communicators.append(Communicator("ep_inter_node", "all_to_all", 0, ep_layout.nodes - 1))
     return communicators
@@ -602,16 +629,26 @@ def _wire_row_bytes(d_model: int, b: int, comm_dtype: str | None) -> int:
     return d_model * (b if comm_dtype is None else 2)
 
 
-def _all_to_all_buffers(moe_layers, d_model: int, b: int, ep: int, algorithm: str, settings) -> int:
+def _nodes_reached(moe, nodes: int, max_nodes: int | None) -> float:
+    return nodes_reached_per_token(moe.num_experts, moe.top_k, nodes, moe.num_prototypes, max_nodes)
+
+
+def _all_to_all_buffers(
+    moe_layers, arch, b: int, ep: int, algorithm: str, settings, nodes: int, max_nodes: int | None
+) -> int:
     """Transient rows of one MoE layer's exchange (estimate): the permuted rows ``N_s*D*b`` and the
     received rows before regrouping ``N_r*D*b``; the 2-D algorithm adds its chunk transposes and
-    stage buffer (``3*N_s*D*b``); a bf16/fp16 wire adds the encoded copies ``(N_s + N_r)*D*2``."""
+    stage buffer (``3*N_s*D*b``); node_dedup its copies sent and received, ``2*N_s*R/K*D*b`` (R nodes
+    reached per token); a bf16/fp16 wire adds the encoded copies ``(N_s + N_r)*D*2``."""
     if not moe_layers or ep == 1:
         return 0
-    rows = moe_layers[0].rows
+    rows, d_model = moe_layers[0].rows, arch.d_model
     total = (rows.sent + rows.received) * d_model * b
     if algorithm == "hierarchical":
         total += 3 * rows.sent * d_model * b
+    if algorithm == "node_dedup":
+        copies = rows.sent * _nodes_reached(arch.moe, nodes, max_nodes) / arch.moe.top_k
+        total += math.ceil(2 * copies) * d_model * b
     if settings.comm_dtype is not None and b != 2:
         total += (rows.sent + rows.received) * d_model * 2
     return total

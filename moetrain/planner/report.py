@@ -138,8 +138,8 @@ def gpu_total_line(plan) -> str:
 
 
 def node_limit_lines(plan) -> list[str]:
-    """With ``max_nodes_per_token``: the nodes a token's rows reach, the all-to-all's inter-node
-    bytes (unchanged by the limit) and those of a dispatch that sent each token once per node."""
+    """With ``max_nodes_per_token``: the nodes a token's rows reach, the inter-node row bytes of a
+    per-slot all-to-all (unchanged by the limit) and of node_dedup (which the limit reduces)."""
     nl = plan.node_limit
     if nl is None:
         return []
@@ -150,16 +150,26 @@ def node_limit_lines(plan) -> list[str]:
         head = f"a token's {k} rows reach {reach} nodes ({unlimited:.2f} without the limit)"
     else:
         head = f"no effect (top_k {k}: a token's rows reach {unlimited:.2f} nodes, never more than {k})"
-    return [
+    used = nl["all_to_all"]
+    per_slot = nl["per_slot_all_to_all"]
+    share = 100 * nl["cross_node_row_share"]
+    lines = [
         "",
         f"node-limited routing, max_nodes_per_token {m}, EP group over {n} node{'s' * (n > 1)}: {head}",
-        f"  all-to-all inter-node bytes {_bytes(nl['all_to_all_inter_node_bytes'])} per GPU per step, as "
-        f"without the limit: one row per routed slot, {100 * nl['cross_node_row_share']:.1f}% cross nodes "
-        "either way",
-        "  sending each token once per node it reaches (not what moetrain's all-to-all does) would cross "
-        f"{_bytes(nl['deduplicated_inter_node_bytes'])} "
-        f"({_bytes(nl['deduplicated_inter_node_bytes_unlimited'])} without the limit)",
+        "  inter-node all-to-all bytes per GPU per step:",
+        f"    {per_slot} (one row per routed slot; {share:.1f}% of the rows cross nodes, limit or not): "
+        f"{_bytes(nl['per_slot_inter_node_bytes'])}{', used' if used != 'node_dedup' else ''}",
     ]
+    dedup = nl["node_dedup_inter_node_bytes"]
+    if dedup is None:
+        lines.append("    node_dedup (one copy per token and node reached): needs a regular node grid")
+    else:
+        lines.append(
+            f"    node_dedup (one copy per token and node reached): {_bytes(dedup)} "
+            f"({_bytes(nl['node_dedup_inter_node_bytes_unlimited'])} without the limit)"
+            f"{', used' if used == 'node_dedup' else ''}"
+        )
+    return lines
 
 
 def format_plan(plan) -> str:
