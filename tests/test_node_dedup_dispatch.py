@@ -301,15 +301,27 @@ def replay_worker(rank, world, local_world):
     finally:
         dist.all_to_all_single = original
     worst = max(float((a - b).abs().max()) for a, b in zip(grads[0], grads[1], strict=True))
-    return worst, counts, record_bytes, layer.replay_record_bytes()
+    # the recompute planner's estimate of a record (moetrain.recompute) against the record itself
+    from moetrain.recompute import _MoEReplayRecorder
+
+    layer.set_recompute_replay(True)
+    recorder = _MoEReplayRecorder({"moe": layer})
+    out = layer(x.clone().requires_grad_(True))
+    recorder.remove()
+    estimate = (recorder.replay_bytes["moe"], layer.replay_record_bytes())
+    del out
+    return worst, counts, record_bytes, layer.replay_record_bytes(), estimate
 
 
 @pytest.mark.timeout(120)
 def test_checkpoint_recompute_replays_without_communicating():
-    for worst, (plain_calls, checkpointed_calls), (held,), after in run_distributed(replay_worker, 4, 2):
+    for worst, (plain_calls, checkpointed_calls), (held,), after, estimate in run_distributed(
+        replay_worker, 4, 2
+    ):
         assert worst < 1e-6
         assert checkpointed_calls == plain_calls  # the recompute sent nothing
         assert held > 0 and after == 0  # the record lives with its graph
+        assert estimate[0] == estimate[1] > 0  # what recompute's budget counts is what the record holds
 
 
 def compile_worker(rank, world):

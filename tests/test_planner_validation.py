@@ -389,13 +389,15 @@ def test_world4_hierarchical_two_nodes_bf16_offload_with_recompute():
     assert results[0]["intra"][1] > 0 and results[0]["inter"][1] > 0
 
 
+@pytest.mark.parametrize("recompute", ["full", pytest.param("none", marks=pytest.mark.slow)])
 @pytest.mark.timeout(120)
-def test_world4_node_dedup_two_nodes_bf16_bytes_and_calls_equal_the_model():
+def test_world4_node_dedup_two_nodes_bf16_bytes_and_calls_equal_the_model(recompute):
     """node_dedup's exchanges (rows + ids, gates, partial rows; counts inside and across nodes) move
     exactly the bytes :func:`moetrain.planner.comm.node_dedup_traffic` predicts, with routing that
     reaches the nodes uniform routing would on average (every pair of the 8 experts once per 28
-    tokens: 44/28 nodes per token, 22/28 other than the token's)."""
-    results = run_distributed(ep_worker, 4, 2, "bf16", "none", None, "node_dedup", 28)
+    tokens: 44/28 nodes per token, 22/28 other than the token's); recomputed layers replay their
+    four exchanges (no call more) and their records are the activation model's."""
+    results = run_distributed(ep_worker, 4, 2, "bf16", recompute, None, "node_dedup", 28)
     _check_ep(results)
     assert results[0]["algorithm"][0] == "node_dedup"
     assert results[0]["intra"][1] > 0 and results[0]["inter"][1] > 0

@@ -217,6 +217,7 @@ class NodeDedupTokenDispatcher(LocalTokenDispatcher):
         self.local_experts = num_experts // parallel.ep_size
         self.comm_dtype = parallel.config.comm_dtype
         self.comm_kernels = parallel.config.kernels
+        self.last_round_rows = (0, 0, 0)  # copies sent, copies received, node rows held: the last round's
         cls = NodeDedupTokenDispatcher
         if not cls._runs_eagerly:  # here, not at import: torch.compiler.disable imports torch._dynamo
             cls.dispatch = torch.compiler.disable(cls.dispatch)
@@ -256,6 +257,7 @@ class NodeDedupTokenDispatcher(LocalTokenDispatcher):
             if recording:
                 record.exchanged.update(copies=x_RD.detach(), node_rows=received.detach())
         record.plan = plan
+        self.last_round_rows = (rnd.inter_plan.rows_sent, sum(rnd.inter_plan.recv), rnd.node_plan.num_rows)
         regrouped = regroup_chunks(received, rnd.recv_counts_LE, self.comm_kernels)  # [expert][source]
         return regrouped, rnd.recv_counts_LE.sum(0), record
 

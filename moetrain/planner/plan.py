@@ -27,7 +27,7 @@ Terms that are estimates, not validated by a test: all-to-all buffers, the reser
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from moetrain.planner.activations import ActivationModel, Workload, activation_model, ceil_fraction
 from moetrain.planner.comm import (
@@ -360,6 +360,8 @@ def make_plan(
     )
     cf = resolve_capacity_factor(model, settings)
     work = workload(model, settings, kernels)
+    if algorithm == "node_dedup":
+        work = replace(work, nodes_reached=_nodes_reached(arch.moe, ep_layout.nodes, max_nodes))
     acts = activation_model(arch, work)
     moe_layers = [layer for layer in acts.layers if layer.is_moe]
     if moe_layers and cf is None:
