@@ -185,6 +185,11 @@ class ParallelConfig:
       ``SLURM_NTASKS_PER_NODE``; tests set it to emulate several nodes on one machine.
     - ``kernels``: the implementation of the all-to-all's chunk transpose and fp16 packing,
       ``"auto"``, ``"custom"`` or ``"torch"`` (as :class:`MoEConfig`'s ``kernels``).
+    - ``a2a_chunks``: each MoE layer splits its exchange into this many chunks and overlaps chunk
+      i + 1's all-to-all with chunk i's experts, forward and backward (1: no chunks, the plain
+      exchange -> experts -> exchange; results are bit-identical either way on the CPU). ``"auto"``:
+      the count the planner's alpha-beta model finds fastest for each layer call (agreed by the EP
+      group). See ``docs/expert_parallel.md``.
     """
 
     ep_size: int = option(
@@ -212,9 +217,23 @@ class ParallelConfig:
         None, ("ranks per node; None: from the launcher (LOCAL_WORLD_SIZE, SLURM); set it to emulate nodes")
     )
     kernels: str = option("auto", ("all-to-all layout kernels: 'auto', 'custom' or 'torch' (as moe.kernels)"))
+    a2a_chunks: int | str = option(
+        1,
+        (
+            "chunks each MoE layer's all-to-all is split into, overlapped with the experts: an "
+            "integer >= 1 (1: no overlap) or 'auto' (the planner's model picks per layer call)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         require_int("ep_size", self.ep_size, 1)
+        if self.a2a_chunks != "auto":
+            try:
+                require_int("a2a_chunks", self.a2a_chunks, 1)
+            except ValueError:
+                raise ValueError(
+                    f"a2a_chunks must be an integer >= 1 or 'auto', got {self.a2a_chunks!r}"
+                ) from None
         require_choice("ep_layout", self.ep_layout, EP_LAYOUTS)
         require_choice("all_to_all", self.all_to_all, ALL_TO_ALL_ALGORITHMS)
         require_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)

@@ -134,6 +134,12 @@ class MoELayer(nn.Module):
         """Bytes held by the replay records of this layer's live graphs (0 without replay)."""
         return self.replay.nbytes()
 
+    def comm_peak_bytes(self) -> int:
+        """Bytes of all-to-all send and receive buffers the last forward or backward held at once
+        (0 without expert parallelism): measured in the buffer pool when ``a2a_chunks`` chunks the
+        exchange, modelled for the unchunked exchange (see ``docs/expert_parallel.md``)."""
+        return self.dispatcher.comm_peak_bytes()
+
     def capacity(self, num_tokens: int) -> int | None:
         cfg = self.config
         factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
@@ -175,9 +181,7 @@ class MoELayer(nn.Module):
         seq_len = x.shape[-2] if x.dim() >= 3 else num_tokens
         gates_TK = self._attach_losses(routing.gates_TK, routing, expert_ids_TK, plan, capacity, seq_len)
         with autocast_off(x.device.type):
-            x_ND, rows_per_local_expert_E, record = self.dispatcher.dispatch(x_TD.to(dtype), plan)
-            y_ND = self.experts(x_ND, rows_per_local_expert_E)
-            y_TD = self.dispatcher.combine(y_ND, gates_TK, record)
+            y_TD = self.dispatcher.compute(x_TD.to(dtype), plan, gates_TK, self.experts)
             if self.shared_expert is not None:
                 y_TD = y_TD + self.shared_expert(x_TD.to(dtype))
 

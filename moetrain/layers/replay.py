@@ -45,6 +45,7 @@ class DispatchRecord:
     received_rows: torch.Tensor | None = None
     returned_rows: torch.Tensor | None = None
     replayed: bool = False
+    chunks: int = 1  # of a chunked exchange (moetrain.layers.overlap): its replay uses the same
 
     def nbytes(self) -> int:
         """Bytes a replay record keeps beyond the autograd graph's own tensors: the decision and
