@@ -74,6 +74,9 @@ def summary(plan: dict) -> list[str]:
             else f"written synchronously: a background write's host copy would add {gib(staging)} GiB "
             "per node."
         ),
+        f"The all-to-all in {plan['time']['a2a_chunks']} chunks hides "
+        f"{plan['time']['all_to_all_hidden_s']:.1f} s of its {plan['time']['all_to_all_s']:.1f} s per step "
+        "behind the experts.",
         f"{plan['time']['tokens_per_step']:,} tokens per step, "
         f"~{plan['time']['tokens_per_s'] / 1e3:.0f}k tokens/s (the planner's model, not a measurement).",
     ]

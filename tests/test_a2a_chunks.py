@@ -88,6 +88,7 @@ def _check(results):
 
 F64 = torch.float64
 F32 = torch.float32
+BATCH_PRIORITY = {"batch_prioritized_routing": True}
 WORLD4_CASES = [
     # algorithm, comm_dtype, dtype, chunks, MoEConfig options, tokens, checkpointed
     ("flat", None, F64, 3, {"capacity_factor": None}, "uneven", False),
@@ -96,7 +97,7 @@ WORLD4_CASES = [
     ("flat", "fp16", F32, 4, {"capacity_factor": None, "activation": "swiglu"}, "uneven", False),
     ("hierarchical", "fp16", F64, 2, {"capacity_factor": 0.75, "expert_bias": True}, "one_empty", False),
     ("flat", "bf16", F64, 5, {"activation": "gelu_tanh", "shared_expert_d_ff": 8}, "even", False),
-    ("hierarchical", None, F64, 3, {"capacity_factor": 1.0, "batch_prioritized_routing": True}, "few", False),
+    ("hierarchical", None, F64, 3, {"capacity_factor": 1.0, **BATCH_PRIORITY}, "uneven", False),
     ("flat", None, F32, 7, {"capacity_factor": None, "activation": "relu"}, "few", False),  # empty chunks
     ("hierarchical", None, F64, 3, {"capacity_factor": None}, "uneven", True),  # recompute replay
 ]
@@ -132,3 +133,47 @@ def test_chunks_split_every_block_and_keep_the_order():
         assert piece == sorted(piece)
         start += count
     assert order[: rows[0]].tolist() == [0, 6, 7]  # 1 row of block 0 (5 rows), 2 of block 3 (7 rows)
+
+
+def peak_worker(rank, world, local_world):
+    """Every token to every expert (top_k = E): each (rank, expert) block holds T rows, so every chunk
+    is the same size and the measured pool peak can be compared with the model exactly."""
+    out = []
+    for algorithm in ("flat", "hierarchical"):
+        base = ParallelContext(ep_size=world, all_to_all=algorithm, local_world_size=local_world)
+        for comm_dtype in (None, "bf16"):
+            for chunks in (1, 2, 3, 4, 6) if comm_dtype is None else (1, 4):
+                ctx = _context(base, a2a_chunks=chunks, comm_dtype=comm_dtype)
+                cfg = MoEConfig(
+                    d_model=D_MODEL, d_ff=D_FF, num_experts=world, top_k=world, capacity_factor=None
+                )
+                torch.manual_seed(3)
+                layer = MoELayer(cfg, parallel=ctx)
+                x = torch.randn(12, D_MODEL, requires_grad=True)
+                layer(x).sum().backward()
+                out.append(
+                    (algorithm, comm_dtype, chunks, layer.comm_peak_bytes(), layer.dispatcher.last_chunks)
+                )
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_reported_comm_peak_matches_the_model_and_shrinks_with_chunks():
+    from moetrain.comm.chunking import chunked_comm_bytes, unchunked_comm_bytes
+
+    for report in run_distributed(peak_worker, 4, 2):
+        for algorithm, comm_dtype, chunks, peak, used in report:
+            stages = 2 if algorithm == "hierarchical" else 1
+            row = D_MODEL * (2 if comm_dtype else 4)
+            sent = received = 4 * 12 * row  # 12 tokens to each of the 4 experts
+            if chunks == 1:
+                assert peak == unchunked_comm_bytes(sent, received, stages, comm_dtype is not None)
+            else:
+                assert used == chunks
+                assert peak == pytest.approx(chunked_comm_bytes(sent, received, stages, chunks)), (
+                    algorithm, comm_dtype, chunks)  # fmt: skip
+        peaks = {(a, d, n): p for a, d, n, p, _ in report}
+        for algorithm in ("flat", "hierarchical"):
+            chunked = [peaks[(algorithm, None, n)] for n in (2, 3, 4, 6)]
+            assert chunked == sorted(chunked, reverse=True) and chunked[-1] < chunked[0], (algorithm, chunked)

@@ -28,7 +28,7 @@ latency ``2 n A`` costs more than they hide. :func:`choose_chunks` takes the n w
 Communication memory (bytes of send and receive buffers held at once; ``S`` and ``R`` the wire
 bytes the rank sends and receives in one exchange, ``k`` the algorithm's stages, 1 flat, 2
 hierarchical): unchunked, :func:`unchunked_comm_bytes`; chunked, each of the ``k`` trips in flight
-per direction holds one chunk's send and receive buffers, so about ``2 k (S + R) / n``
+per direction holds one chunk's send and receive buffers, ``min(2 k, n) (S + R) / n``
 (:func:`chunked_comm_bytes`); it shrinks with n.
 """
 
@@ -125,12 +125,8 @@ def unchunked_comm_bytes(sent: float, received: float, stages: int, encoded: boo
 
 
 def chunked_comm_bytes(sent: float, received: float, stages: int, chunks: int) -> float:
-    """Most bytes the chunked exchange's pool buffers hold at once (the layer's reported peak):
-    ``stages`` trips per direction in flight, each with one chunk's send and receive buffers,
-    ``2 * stages * (S + R) / n``, plus, for the 2-D algorithm, the transposed copy a trip makes
-    between its stages (``max(S, R) / n``). Exact for blocks that divide evenly into the chunks."""
-    trips = min(2 * stages, chunks + stages - 1)
-    total = trips * (sent + received) / chunks
-    if stages == 2:
-        total += max(sent, received) / chunks
-    return total
+    """Most bytes the chunked exchange's pool buffers hold at once (what the layer reports):
+    ``min(2 * stages, n)`` trips in flight (``stages`` each way once the pipeline is full), each
+    holding one chunk's send and receive buffers: ``min(2 k, n) * (S + R) / n``. Exact when the
+    blocks divide evenly into the chunks (``tests/test_a2a_chunks.py`` measures it)."""
+    return min(2 * stages, chunks) * (sent + received) / chunks

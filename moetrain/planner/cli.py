@@ -120,6 +120,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--recompute-budget-gib", type=float)
     plan.add_argument("--all-to-all", choices=("auto", "flat", "hierarchical"))
     plan.add_argument("--comm-dtype", choices=("bf16", "fp16"))
+    plan.add_argument(
+        "--a2a-chunks", help="chunks of the all-to-all overlapped with the experts: an integer >= 1 or 'auto'"
+    )
     plan.add_argument("--capacity-factor", type=float, help="0: dropless (default: the model's)")
     plan.add_argument("--efficiency", type=float, help="fraction of peak FLOP/s reached (default 0.4)")
     plan.add_argument("--recommend", action="store_true", help="search ep_size, offload, micro-batch")
@@ -149,6 +152,7 @@ def settings_from_args(args, defaults: dict) -> PlanSettings:
         "recompute_fraction": args.recompute_fraction,
         "all_to_all": args.all_to_all,
         "comm_dtype": args.comm_dtype,
+        "a2a_chunks": _chunks_arg(args.a2a_chunks),
         "compute_efficiency": args.efficiency,
         "memory_headroom": args.memory_headroom,
     }
@@ -164,6 +168,16 @@ def settings_from_args(args, defaults: dict) -> PlanSettings:
     if args.recompute_budget_gib is not None:
         values["recompute_budget_bytes"] = int(args.recompute_budget_gib * GiB)
     return PlanSettings(**values)
+
+
+def _chunks_arg(value: str | None):
+    """``--a2a-chunks``: None, ``"auto"`` or an integer (PlanSettings checks the range)."""
+    if value is None or value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"--a2a-chunks must be an integer >= 1 or 'auto', got {value!r}") from None
 
 
 def _is_number(value) -> bool:

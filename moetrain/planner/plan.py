@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from moetrain.comm.chunking import chunked_comm_bytes, hidden_seconds, unchunked_comm_bytes
 from moetrain.planner.activations import ActivationModel, Workload, activation_model, ceil_fraction
 from moetrain.planner.comm import (
     DDP_BUCKET_BYTES,
@@ -42,6 +43,7 @@ from moetrain.planner.comm import (
 )
 from moetrain.planner.hardware import ClusterSpec
 from moetrain.planner.model import ModelDescription
+from moetrain.planner.overlap import layer_overlap_inputs, plan_chunks
 from moetrain.planner.peak import StepPeak, layer_working_bytes, loss_working_bytes, step_peak
 from moetrain.planner.reserve import FRAGMENTATION, Communicator, reserve_terms
 from moetrain.planner.settings import MODEL_CAPACITY, PlanSettings
@@ -356,18 +358,31 @@ def make_plan(
             f"can receive up to ep_size*T*k = {ep * acts.tokens * arch.moe.top_k} rows per layer"
         )
 
+    # ---- the all-to-all's chunks (overlap with the experts) and its buffers
+    chunks, overlap = 1, None
+    if moe_layers and ep > 1:
+        balanced = moe_layers[0].balanced_rows.sent
+        overlap = layer_overlap_inputs(
+            cluster, ep_layout, algorithm, balanced, _wire_row_bytes(arch.d_model, b, settings.comm_dtype),
+            arch.d_model, arch.moe.d_ff, arch.moe.activation, flops_per_s,
+        )  # fmt: skip
+        chunks = plan_chunks(settings.a2a_chunks, *overlap)
+
     # ---- GPU memory
     gradient_bytes = per_rank * weight_b
     copies = per_rank * 2 if settings.autocast else 0  # autocast's low-precision weights: in the peak
     gpu = {
         "weights": per_rank * weight_b,
         "optimizer_states": 0 if settings.offload else per_rank * optimizer_b,
-        "all_to_all_buffers": _all_to_all_buffers(moe_layers, arch.d_model, b, ep, algorithm, settings),
+        "all_to_all_buffers": 0,  # below, once the chunk count is known
         # DDP's gradient buckets: a flat copy of the dense gradients, kept for the whole run
         "ddp_buckets": dense * weight_b if world > 1 else 0,
         "step_peak": 0,
         "reserved": 0,
     }
+    gpu["all_to_all_buffers"] = _all_to_all_buffers(
+        moe_layers, arch.d_model, b, ep, algorithm, settings, chunks
+    )
     communicators = plan_communicators(world, ep, world // ep, algorithm, ep_layout)
     modelled = cluster.gpu_reserved_bytes is None
     if modelled:
@@ -502,6 +517,10 @@ def make_plan(
     compute = accum * 3 * forward / flops_per_s
     recompute_s = accum * recompute.extra_flops / flops_per_s
     a2a_s = sum(t.seconds for t in traffic if t.name.startswith("all_to_all"))
+    hidden_s = 0.0
+    if overlap is not None:  # per MoE layer and micro-step (see moetrain.planner.overlap)
+        cost, expert_s = overlap
+        hidden_s = len(moe_layers) * accum * hidden_seconds(cost, expert_s, expert_s, expert_s, chunks)
     sync_s = sum(t.seconds for t in traffic if t.name.endswith("all_reduce"))
     if settings.offload:
         pcie = per_rank * weight_b / cluster.gpu.pcie_bandwidth
@@ -514,12 +533,14 @@ def make_plan(
         optimizer_s = max(pcie, cpu)
     else:
         optimizer_s = per_rank * GPU_ADAM_TRAFFIC / cluster.gpu.memory_bandwidth
-    step = compute + recompute_s + a2a_s + sync_s + optimizer_s
+    step = compute + recompute_s + a2a_s - hidden_s + sync_s + optimizer_s
     tokens = world * settings.micro_batch * (arch.image_tokens + settings.seq_len) * accum
     time = {
         "compute_s": compute,
         "recompute_s": recompute_s,
         "all_to_all_s": a2a_s,
+        "all_to_all_hidden_s": hidden_s,
+        "a2a_chunks": chunks,
         "grad_sync_s": sync_s,
         "optimizer_s": optimizer_s,
         "step_s": step,
@@ -586,16 +607,21 @@ def _wire_row_bytes(d_model: int, b: int, comm_dtype: str | None) -> int:
     return d_model * (b if comm_dtype is None else 2)
 
 
-def _all_to_all_buffers(moe_layers, d_model: int, b: int, ep: int, algorithm: str, settings) -> int:
-    """Transient rows of one MoE layer's exchange (estimate): the permuted rows ``N_s*D*b`` and the
-    received rows before regrouping ``N_r*D*b``; the 2-D algorithm adds its chunk transposes and
-    stage buffer (``3*N_s*D*b``); a bf16/fp16 wire adds the encoded copies ``(N_s + N_r)*D*2``."""
+def _all_to_all_buffers(
+    moe_layers, d_model: int, b: int, ep: int, algorithm: str, settings, chunks: int = 1
+) -> int:
+    """Send and receive buffers of one MoE layer's exchange (the rows a capacity allows at most):
+    unchunked, :func:`~moetrain.comm.chunking.unchunked_comm_bytes` (received rows, the encoded rows
+    sent with a bf16/fp16 wire, the 2-D algorithm's stage copies); chunked,
+    :func:`~moetrain.comm.chunking.chunked_comm_bytes` (the pool's peak, which the layer reports),
+    ``min(2 * stages, n) * (S + R) / n``."""
     if not moe_layers or ep == 1:
         return 0
     rows = moe_layers[0].rows
-    total = (rows.sent + rows.received) * d_model * b
-    if algorithm == "hierarchical":
-        total += 3 * rows.sent * d_model * b
-    if settings.comm_dtype is not None and b != 2:
-        total += (rows.sent + rows.received) * d_model * 2
-    return total
+    row_bytes = _wire_row_bytes(d_model, b, settings.comm_dtype)
+    sent, received = rows.sent * row_bytes, rows.received * row_bytes
+    stages = 2 if algorithm == "hierarchical" else 1
+    if chunks > 1:
+        return math.ceil(chunked_comm_bytes(sent, received, stages, chunks))
+    encoded = settings.comm_dtype is not None and b != 2
+    return math.ceil(unchunked_comm_bytes(sent, received, stages, encoded))

@@ -44,7 +44,9 @@ class PlanSettings:
       ``recompute_budget_bytes``, as :func:`moetrain.recompute.solve_recompute` picks); ``"auto"``:
       the budget is what the GPU has left after every other term (nothing recomputed if the
       activations already fit).
-    - ``all_to_all``, ``ep_layout``, ``comm_dtype``: as in :class:`moetrain.ParallelConfig`.
+    - ``all_to_all``, ``ep_layout``, ``comm_dtype``, ``a2a_chunks``: as in
+      :class:`moetrain.ParallelConfig` (``a2a_chunks="auto"``: the count with the least modelled
+      time, :mod:`moetrain.planner.overlap`).
     - ``capacity_factor``: ``"model"`` (the model config's training value), a number, or ``None`` /
       ``0`` (dropless); ``min_capacity`` comes from the model config.
     - ``compute_efficiency``: fraction of the GPU's peak FLOP/s the model's matmuls reach (0, 1].
@@ -74,6 +76,7 @@ class PlanSettings:
     all_to_all: str = "auto"
     ep_layout: str = "packed"
     comm_dtype: str | None = None
+    a2a_chunks: int | str = 1
     capacity_factor: float | str | None = MODEL_CAPACITY
     compute_efficiency: float = 0.4
     memory_headroom: float = DEFAULT_MEMORY_HEADROOM
@@ -119,6 +122,12 @@ class PlanSettings:
         require_choice("all_to_all", self.all_to_all, ALL_TO_ALL_ALGORITHMS)
         require_choice("ep_layout", self.ep_layout, EP_LAYOUTS)
         require_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
+        if self.a2a_chunks != "auto" and not (
+            isinstance(self.a2a_chunks, int)
+            and not isinstance(self.a2a_chunks, bool)
+            and self.a2a_chunks >= 1
+        ):
+            raise ValueError(f"a2a_chunks must be an integer >= 1 or 'auto', got {self.a2a_chunks!r}")
         cf = self.capacity_factor
         if not (cf is None or cf == MODEL_CAPACITY or (_is_number(cf) and cf >= 0)):
             raise ValueError(
