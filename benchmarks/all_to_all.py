@@ -123,7 +123,7 @@ def measure(rank: int, world: int, local: int, args, sizes_kib: list[int]) -> li
 def _spawned(rank: int, args, out_path: str, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=LOOPBACK_WORLD, timeout=timedelta(seconds=300))
-    rows = measure(rank, LOOPBACK_WORLD, LOOPBACK_LOCAL, args, SIZES_KIB["loopback"])
+    rows = measure(rank, LOOPBACK_WORLD, LOOPBACK_LOCAL, args, args.sizes_kib or SIZES_KIB["loopback"])
     if rank == 0:
         Path(out_path).write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -134,7 +134,7 @@ def _launched(args) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ["LOCAL_WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
-    rows = measure(rank, world, local, args, SIZES_KIB["emulated"])
+    rows = measure(rank, world, local, args, args.sizes_kib or SIZES_KIB["emulated"])
     if rank == 0:
         Path(args.worker).write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -208,6 +208,7 @@ def main() -> None:
     parser.add_argument(
         "--inter-node-gbps", type=float, default=35.0, help="node link of the 60x8 prediction"
     )
+    parser.add_argument("--sizes-kib", type=int, nargs="+", help="payloads per rank (default: per mode)")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)  # a launched rank
     args = parser.parse_args()
@@ -223,6 +224,8 @@ def main() -> None:
                 parser.error(f"--emulated-mbit: cannot emulate the cluster: {problem}")
             for rate in args.emulated_mbit:
                 forwarded = ["--worker", out, "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
+                if args.sizes_kib:
+                    forwarded += ["--sizes-kib", *map(str, args.sizes_kib)]
                 code = run_on_emulated_cluster(
                     [__file__, *forwarded], args.ranks_per_node, rate, timeout_s=3000
                 )

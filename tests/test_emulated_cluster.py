@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ def _exchange_worker(rank, world):
     return exchange(rank, world)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(PROBLEM is not None, reason=f"emulated cluster unavailable: {PROBLEM}")
 @pytest.mark.timeout(180)
 def test_all_to_all_over_the_emulated_cluster_equals_loopback(tmp_path):
@@ -93,3 +95,49 @@ def test_an_interrupted_launch_removes_the_namespaces(signum):
             launcher.kill()
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"moe{launcher.pid % 100000}n" not in listed
+
+
+SMALL = {  # appended to each documented command (argparse keeps the last value): a quick run
+    "all_to_all.py": [
+        "--emulated-mbit",
+        "200",
+        "--repeats",
+        "1",
+        "--warmup",
+        "1",
+        "--sizes-kib",
+        "16",
+        "64",
+        "256",
+    ],
+    "fit_links.py": [],
+    "moe_layer_ep.py": [
+        "--emulated-mbit",
+        "200",
+        "--repeats",
+        "1",
+        "--warmup",
+        "1",
+        "--tokens",
+        "32",
+        "--chunks",
+        "1",
+        "2",
+    ],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(PROBLEM is not None, reason=f"emulated cluster unavailable: {PROBLEM}")
+@pytest.mark.timeout(600)
+def test_the_documented_emulated_cluster_commands_run(tmp_path):
+    doc = (ROOT / "docs" / "expert_parallel.md").read_text(encoding="utf-8")
+    block = doc.split("## An emulated two-node cluster", 1)[1].split("```\n", 2)[1]
+    commands = [shlex.split(line, comments=True) for line in block.splitlines() if line.strip()]
+    assert [words[1] for words in commands] == [f"benchmarks/{name}" for name in SMALL]
+    for words in commands:
+        script = words[1].split("/")[-1]
+        argv = [sys.executable, str(ROOT / words[1]), *words[2:], *SMALL[script]]
+        done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip(), script

@@ -94,6 +94,8 @@ def hidden_seconds(
     """Communication time the overlap hides: the unchunked time (latency paid once per exchange)
     minus the overlapped time. Can be negative when the chunks' extra latencies cost more than they
     hide."""
+    if chunks == 1:
+        return 0.0
     serial = 4 * (exchange.latency + exchange.transfer) + forward + backward_input + backward_weight
     return serial - sum(overlapped_seconds(exchange, forward, backward_input, backward_weight, chunks))
 

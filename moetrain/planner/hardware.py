@@ -268,12 +268,16 @@ class Links:
 
 # fit-constants:begin (written by benchmarks/fit_links.py; edit the script's inputs, not this block)
 EMULATED_GLOO_LINKS = Links(
-    intra_node_latency=489.8e-6,
-    inter_node_latency=489.8e-6,
-    intra_node_bandwidth=1 / 11.192e-9,
-    inter_node_bandwidth=1 / 54.567e-9,
-    flops_per_s=20e9,
-    source="provisional",
+    intra_node_latency=0.0001534,
+    inter_node_latency=0.0001534,
+    intra_node_bandwidth=25910000.0,
+    inter_node_bandwidth=22830000.0,  # 200 Mbit/s tbf
+    flops_per_s=17340000000.0,
+    source=(
+        "fitted 2026-11-24 from benchmarks/all_to_all.py --emulated-mbit 100 200 400 (2 nodes x 2 "
+        "ranks, gloo, one fit: the node link is the 200 Mbit/s run's) and a 1-thread fp32 GEMM on "
+        "this machine"
+    ),
 )
 # fit-constants:end
 
