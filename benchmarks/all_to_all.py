@@ -12,11 +12,12 @@ the messages sent, the bytes to ranks of the same node and the bytes its node se
 Every case is warmed up first; then each measured round runs every case once, in turn, so machine
 drift hits all cases alike (a median over rounds).
 
-Fit (fp32-wire rows, least squares, per link rate): ``t = alpha * messages + beta_intra *
-intra_bytes + beta_inter * node_inter_bytes`` where ``node_inter_bytes`` is what the rank's node
-sends across (its ranks share the link). ``beta_inter`` times the nominal rate is the link's
-efficiency (TCP and tbf overheads); the 60 nodes x 8 prediction uses the fitted alpha and
-beta_intra and a 35 Gb/s node link at that efficiency.
+Fit (fp32-wire rows, least squares weighted by 1/t): emulated, one fit over every rate, ``t = alpha
+* messages + beta_intra * intra_bytes + beta_inter[rate] * node_inter_bytes`` where
+``node_inter_bytes`` is what the rank's node sends across (its ranks share the link);
+``beta_inter`` times the nominal rate is the link's efficiency (TCP and tbf overheads). Loopback:
+alpha and one beta for every byte. Each fit is carried to 60 nodes x 8 with a 35 Gb/s node link at
+that efficiency (at most 100%): what this CPU cluster's constants would give at that scale.
 
 Usage: ``python benchmarks/all_to_all.py [--emulated-mbit R ...] [--ranks-per-node L] [--json PATH]``.
 """
@@ -140,6 +141,44 @@ def _launched(args) -> None:
     dist.destroy_process_group()
 
 
+def fit_loopback(rows: list[dict]) -> dict:
+    """Loopback: intra- and inter-node bytes take the same path, so one beta per rank's bytes:
+    ``t = alpha * messages + beta * (intra_bytes + cross_node_bytes)``, weighted by ``1 / t``."""
+    a = torch.tensor(
+        [[r["messages_per_rank"], r["intra_bytes_per_rank"] + r["cross_node_bytes_per_rank"]] for r in rows],
+        dtype=torch.float64,
+    )
+    t = torch.tensor([r["round_trip_ms"] * 1e-3 for r in rows], dtype=torch.float64)
+    weight = (1 / t).unsqueeze(1)
+    alpha, beta = torch.linalg.lstsq(a * weight, t.unsqueeze(1) * weight).solution.view(-1).tolist()
+    return {"alpha_s": alpha, "beta_intra_s_per_byte": beta, "beta_inter_s_per_byte": beta}
+
+
+def joint_fit(runs: dict[str, list[dict]]) -> dict:
+    """One least-squares fit over the fp32-wire rows of every emulated run: ``t = alpha * messages +
+    beta_intra * intra_bytes + beta_inter[rate] * node_inter_bytes``, one ``beta_inter`` per link
+    rate and one alpha and beta_intra for all (more rows than per run, so steadier), each row
+    weighted by ``1 / t``."""
+    names = sorted(runs)
+    features, times = [], []
+    for i, name in enumerate(names):
+        for r in runs[name]:
+            if r["wire"] != "fp32":
+                continue
+            inter = [0.0] * len(names)
+            inter[i] = r["node_inter_bytes"]
+            features.append([r["messages_per_rank"], r["intra_bytes_per_rank"], *inter])
+            times.append(r["round_trip_ms"] * 1e-3)
+    a, t = torch.tensor(features, dtype=torch.float64), torch.tensor(times, dtype=torch.float64)
+    weight = (1 / t).unsqueeze(1)
+    solution = torch.linalg.lstsq(a * weight, t.unsqueeze(1) * weight).solution.view(-1).tolist()
+    return {
+        "alpha_s": solution[0],
+        "beta_intra_s_per_byte": solution[1],
+        "beta_inter_s_per_byte": dict(zip(names, solution[2:], strict=True)),
+    }
+
+
 def fit_links(rows: list[dict]) -> dict:
     """Least squares of ``t = alpha * messages + beta_intra * intra_bytes + beta_inter *
     node_inter_bytes`` (seconds, bytes) over ``rows``, each row weighted by ``1 / t`` (relative
@@ -210,10 +249,15 @@ def main() -> None:
     )
     parser.add_argument("--sizes-kib", type=int, nargs="+", help="payloads per rank (default: per mode)")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--report", metavar="JSON", help="print the tables and fits of a saved --json run")
     parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)  # a launched rank
     args = parser.parse_args()
     if args.worker:
         _launched(args)
+        return
+    if args.report:
+        saved = json.loads(Path(args.report).read_text())["runs"]
+        report({name: run["rows"] for name, run in saved.items()}, args)
         return
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -235,8 +279,14 @@ def main() -> None:
         else:
             mp.spawn(_spawned, args=(args, out, _free_port()), nprocs=LOOPBACK_WORLD, join=True)
             runs["loopback"] = json.loads(Path(out).read_text())
+    report(runs, args)
 
-    report = {"benchmark": "all_to_all", "runs": {}}
+
+def report(runs: dict[str, list[dict]], args) -> None:
+    """Prints each run's table; the fit (loopback: alpha and one beta; emulated: one fit over every
+    rate, :func:`joint_fit`, with each rate's node link) and the 60 x 8 prediction; writes them to
+    ``args.json``."""
+    saved = {"benchmark": "all_to_all", "runs": {name: {"rows": rows} for name, rows in runs.items()}}
     for name, rows in runs.items():
         local = LOOPBACK_LOCAL if name == "loopback" else args.ranks_per_node
         world = LOOPBACK_WORLD if name == "loopback" else 2 * local
@@ -244,20 +294,36 @@ def main() -> None:
         print_table(
             rows, f"all-to-all round trip (exchange + reverse), world {world} = 2 nodes x {local}, {link}"
         )
-        fit = fit_links([r for r in rows if r["wire"] == "fp32"])
-        line = (
-            f"fit over the fp32-wire rows: alpha = {fit['alpha_s'] * 1e6:.1f} us/message, "
-            f"beta_intra = {fit['beta_intra_s_per_byte'] * 1e9:.3f} ns/byte, "
-            f"beta_inter = {fit['beta_inter_s_per_byte'] * 1e9:.3f} ns/byte of the node link"
+        print()
+    fits = {}
+    if "loopback" in runs:
+        fit = fit_loopback([r for r in runs["loopback"] if r["wire"] == "fp32"])
+        print(
+            f"loopback fit over the fp32-wire rows (one beta: every link is loopback): alpha = "
+            f"{fit['alpha_s'] * 1e6:.1f} us/message, beta = {fit['beta_intra_s_per_byte'] * 1e9:.3f} ns/byte"
         )
-        if name != "loopback":
-            rate = float(name[:-4])
-            fit["link_efficiency"] = 8 / (rate * 1e6) / fit["beta_inter_s_per_byte"]
-            achieved = 8 / fit["beta_inter_s_per_byte"] / 1e6
-            line += f" ({achieved:.0f} Mbit/s: {fit['link_efficiency']:.0%} of nominal)"
-        print(line)
-        efficiency = fit.get("link_efficiency", 1.0)
-        beta_inter = 8 / (args.inter_node_gbps * 1e9 * efficiency)
+        fits["loopback"] = {**fit, "link_efficiency": 1.0}
+    emulated = {name: rows for name, rows in runs.items() if name != "loopback"}
+    if emulated:
+        joint = joint_fit(emulated)
+        print(
+            f"emulated fit, fp32-wire rows of every rate: alpha = {joint['alpha_s'] * 1e6:.1f} us/msg, "
+            f"beta_intra = {joint['beta_intra_s_per_byte'] * 1e9:.2f} ns/byte "
+            f"({1 / joint['beta_intra_s_per_byte'] / 1e6:.0f} MB/s per rank inside a node)"
+        )
+        efficiencies = []
+        for name, beta in joint["beta_inter_s_per_byte"].items():
+            efficiency = 8 / (float(name[:-4]) * 1e6) / beta
+            efficiencies.append(efficiency)
+            print(f"  node link at {name[:-4]} Mbit/s: {8 / beta / 1e6:.0f} Mbit/s ({efficiency:.0%} of it)")
+        fits["emulated"] = {
+            "alpha_s": joint["alpha_s"],
+            "beta_intra_s_per_byte": joint["beta_intra_s_per_byte"],
+            "beta_inter_s_per_byte": joint["beta_inter_s_per_byte"],
+            "link_efficiency": min(statistics.median(efficiencies), 1.0),
+        }
+    for name, fit in fits.items():
+        beta_inter = 8 / (args.inter_node_gbps * 1e9 * fit["link_efficiency"])
         predictions = {}
         for payload_mib in (1, 16):
             pred = predict(
@@ -265,14 +331,13 @@ def main() -> None:
             )
             predictions[f"{payload_mib}MiB"] = pred
             print(
-                f"model at 60 nodes x 8 (fitted alpha and beta_intra, {args.inter_node_gbps:g} Gb/s node "
-                f"link at {efficiency:.0%}), {payload_mib} MiB per rank: flat {pred['flat_ms']:.1f} ms, "
+                f"{name} fit carried to 60 nodes x 8 ({args.inter_node_gbps:g} Gb/s node link at "
+                f"{fit['link_efficiency']:.0%}), {payload_mib} MiB per rank: flat {pred['flat_ms']:.1f} ms, "
                 f"hierarchical {pred['hierarchical_ms']:.1f} ms, {pred['speedup']:.2f}x"
             )
-        print()
-        report["runs"][name] = {"rows": rows, "fit": fit, "prediction_60x8": predictions}
+        saved[f"fit_{name}"] = {**fit, "prediction_60x8": predictions}
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        Path(args.json).write_text(json.dumps(saved, indent=2))
 
 
 def _free_port() -> int:

@@ -20,12 +20,16 @@ import argparse
 import json
 import re
 import statistics
+import sys
 import textwrap
 import time
 from datetime import date
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from all_to_all import joint_fit  # noqa: E402
 
 HARDWARE = Path(__file__).resolve().parent.parent / "moetrain" / "planner" / "hardware.py"
 BEGIN, END = "# fit-constants:begin", "# fit-constants:end"
@@ -46,31 +50,6 @@ def gemm_flops_per_s(rows: int = 1024, d_model: int = 256, d_ff: int = 1024, rep
         return 2 * 2 * rows * d_model * d_ff / statistics.median(times)
     finally:
         torch.set_num_threads(threads)
-
-
-def joint_fit(runs: dict[str, list[dict]]) -> dict:
-    """One least-squares fit over the fp32-wire rows of every emulated run: ``t = alpha * messages +
-    beta_intra * intra_bytes + beta_inter[rate] * node_inter_bytes``, one ``beta_inter`` per link
-    rate and one alpha and beta_intra for all (more rows than per run, so steadier), each row
-    weighted by ``1 / t``."""
-    names = sorted(runs)
-    features, times = [], []
-    for i, name in enumerate(names):
-        for r in runs[name]:
-            if r["wire"] != "fp32":
-                continue
-            inter = [0.0] * len(names)
-            inter[i] = r["node_inter_bytes"]
-            features.append([r["messages_per_rank"], r["intra_bytes_per_rank"], *inter])
-            times.append(r["round_trip_ms"] * 1e-3)
-    a, t = torch.tensor(features, dtype=torch.float64), torch.tensor(times, dtype=torch.float64)
-    weight = (1 / t).unsqueeze(1)
-    solution = torch.linalg.lstsq(a * weight, t.unsqueeze(1) * weight).solution.view(-1).tolist()
-    return {
-        "alpha_s": solution[0],
-        "beta_intra_s_per_byte": solution[1],
-        "beta_inter_s_per_byte": dict(zip(names, solution[2:], strict=True)),
-    }
 
 
 def _number(value: float) -> str:
@@ -113,7 +92,7 @@ def main() -> None:
         raise SystemExit(
             f"no emulated run at {args.rate:g} Mbit/s in {args.all_to_all_json} (has {sorted(runs)})"
         )
-    fits = joint_fit(runs)
+    fits = joint_fit(runs)  # the same fit benchmarks/all_to_all.py prints
     for name, beta in fits["beta_inter_s_per_byte"].items():
         rate = float(name[:-4])
         print(f"{name}: node link {8 / beta / 1e6:.0f} Mbit/s ({8 / beta / (rate * 1e6):.0%} of nominal)")
