@@ -48,13 +48,14 @@ def split_counts(counts: torch.Tensor, chunks: int, chunk: int) -> torch.Tensor:
 
 def chunk_major_order(counts: torch.Tensor, chunks: int) -> tuple[torch.Tensor, list[int]]:
     """For rows stored as consecutive blocks of ``counts`` (flattened in order) rows: the row indices
-    chunk by chunk (each chunk's rows in storage order) and the rows of each chunk. Row j of a block
-    of s rows is in chunk ``ceil(n (j + 1) / s) - 1``."""
+    chunk by chunk (each chunk's rows in storage order, on ``counts``' device) and the rows of each
+    chunk. Row j of a block of s rows is in chunk ``ceil(n (j + 1) / s) - 1``."""
     counts = counts.reshape(-1).to(torch.int64)
+    device = counts.device
     rows = int(counts.sum())
-    block_R = torch.repeat_interleave(torch.arange(counts.numel()), counts, output_size=rows)
+    block_R = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts, output_size=rows)
     start_B = torch.cumsum(counts, 0) - counts
-    j_R = torch.arange(rows) - start_B[block_R]
+    j_R = torch.arange(rows, device=device) - start_B[block_R]
     s_R = counts[block_R]
     chunk_R = (chunks * (j_R + 1) + s_R - 1) // s_R - 1
     order = torch.sort(chunk_R, stable=True).indices

@@ -184,7 +184,9 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
     run eagerly (``torch.compiler.disable``): a compiled layer breaks its graph around the
     exchanges and nowhere else (the permutations are opaque operators either way). With recompute
     replay on, the round's record keeps the exchange plan and the received rows, and a recompute
-    replays them.
+    replays them. ``ParallelConfig.a2a_chunks`` other than 1: :meth:`compute` runs the exchange,
+    the experts and the return exchange as one chunked, overlapped pipeline
+    (:mod:`moetrain.layers.overlap`) instead of dispatch -> experts -> combine.
     """
 
     _runs_eagerly = False  # dispatch and combine wrapped by torch.compiler.disable yet?
