@@ -35,6 +35,7 @@ bench: build
 	$(PY) benchmarks/checkpoint_stall.py --json benchmarks/checkpoint_stall.json
 	$(PY) benchmarks/log_every.py --json benchmarks/log_every.json
 	$(PY) benchmarks/decode.py --json benchmarks/decode.json
+	$(PY) benchmarks/parallelize_classifier.py --json benchmarks/parallelize_classifier.json
 	$(PY) benchmarks/m6_data.py workers --json benchmarks/m6_data_workers.json
 	$(PY) benchmarks/m6_data.py index --json benchmarks/m6_data_index.json
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moetrain import MoEConfig, MoELayer
+from moetrain import MoEConfig, MoELayer, shard_experts
 from moetrain.parallel import ParallelContext
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -53,7 +53,7 @@ def measure(rank: int, world: int, local: int, args) -> list[dict]:
                 ep_size=world, all_to_all=algorithm, local_world_size=local, a2a_chunks=chunks
             )
             torch.manual_seed(0)
-            cases.append((algorithm, chunks, MoELayer(cfg, parallel=ctx)))
+            cases.append((algorithm, chunks, shard_experts(MoELayer(cfg), ctx)))
 
     def step(layer) -> float:
         layer.zero_grad(set_to_none=True)

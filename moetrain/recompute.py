@@ -56,7 +56,8 @@ from torch.utils.checkpoint import checkpoint
 
 from moetrain.layers import MoELayer
 from moetrain.layers.dispatch import AllToAllTokenDispatcher
-from moetrain.validation import require_int
+from moetrain.layers.experts import local_tensor
+from moetrain.validation import require_bool, require_int, require_number
 
 log = logging.getLogger(__name__)
 
@@ -263,6 +264,7 @@ def _resolve_candidates(model: nn.Module, candidates: Sequence[str] | None) -> d
 
 
 def _storage_key(t: torch.Tensor) -> StorageKey:
+    t = local_tensor(t)  # a DTensor (split or FSDP parameter) has no storage of its own: its shard has
     return (t.device.type, -1 if t.device.index is None else t.device.index, t.untyped_storage().data_ptr())
 
 
@@ -705,15 +707,7 @@ def plan_recompute(
     Raises ValueError naming the minimum achievable activation memory when no plan fits.
     ``model`` (optional) only fills ``moe_replay`` with the MoELayers inside recomputed blocks.
     """
-    if (
-        isinstance(memory_budget_bytes, bool)
-        or not isinstance(memory_budget_bytes, (int, float))
-        or not math.isfinite(memory_budget_bytes)
-        or memory_budget_bytes < 0
-    ):
-        raise ValueError(
-            f"memory_budget_bytes must be a finite number of bytes >= 0, got {memory_budget_bytes!r}"
-        )
+    require_number("memory_budget_bytes", memory_budget_bytes, low=0, note="(bytes)")
     budget = int(memory_budget_bytes)
     minimum = profile.min_activation_bytes
     if profile.baseline_bytes <= budget:
@@ -842,8 +836,7 @@ def auto_checkpoint(
     backward. ``candidates``: module names to choose from (default: :func:`default_candidates`).
     Raises ValueError, naming the minimum achievable bytes, when no choice fits the budget.
     """
-    if not isinstance(verbose, bool):
-        raise ValueError(f"verbose must be True or False, got {verbose!r}")
+    require_bool("verbose", verbose)
     profile = profile_activations(
         model, example_batch, loss_fn=loss_fn, candidates=candidates, timing_repeats=timing_repeats
     )

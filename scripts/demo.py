@@ -66,6 +66,9 @@ def evaluate(out_dir: Path) -> None:
     from m6_moe.evaluate import evaluate_captioning
     from moetrain.checkpoint import load_checkpoint
     from moetrain.cli import build_train_config
+    from moetrain.logs import configure_console
+
+    configure_console("INFO")  # the captioning progress bar (a log record) on stderr
 
     config = build_train_config(str(CONFIG), [f"out_dir={out_dir}"])
     torch.manual_seed(0)

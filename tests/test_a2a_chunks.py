@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from moetrain import MoEConfig, MoELayer
+from moetrain import MoEConfig, MoELayer, shard_experts
 from moetrain.comm.chunking import chunk_major_order, split_counts
 from moetrain.parallel import ParallelContext
 from tests.dist_utils import run_distributed
@@ -52,7 +52,7 @@ def chunks_worker(rank, world, local_world, cases):
         results = []
         for a2a_chunks in (1, chunks):
             torch.manual_seed(1234)
-            layer = MoELayer(cfg, parallel=_context(base, a2a_chunks=a2a_chunks)).to(dtype)
+            layer = shard_experts(MoELayer(cfg), _context(base, a2a_chunks=a2a_chunks)).to(dtype)
             if checkpointed:
                 layer.set_recompute_replay(True)
             g = torch.Generator().manual_seed(100 + rank)
@@ -162,7 +162,7 @@ def peak_worker(rank, world, local_world):
                     d_model=D_MODEL, d_ff=D_FF, num_experts=world, top_k=world, capacity_factor=None
                 )
                 torch.manual_seed(3)
-                layer = MoELayer(cfg, parallel=ctx)
+                layer = shard_experts(MoELayer(cfg), ctx)
                 x = torch.randn(12, D_MODEL, requires_grad=True)
                 layer(x).sum().backward()
                 out.append(

@@ -262,6 +262,7 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         x_ND = permute_tokens(x_TD, plan, self.kernels)
         if record is not None and record.replayed:
             received = replay_all_to_all(x_ND, record.received_rows, record.a2a_plan, self.comm_dtype, True)
+            record.received_rows = None  # replayed once: the rebuilt graph keeps what it needs
         else:
             record = record if record is not None else DispatchRecord()
             kept_PE = plan.kept_per_expert_E.view(self.parallel.ep_size, -1)
@@ -281,6 +282,7 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         returned = regroup_chunks(y_ND, record.recv_counts_PE.t().contiguous(), self.comm_kernels)
         if record.replayed:
             y_ND = replay_all_to_all(returned, record.returned_rows, record.a2a_plan, self.comm_dtype, False)
+            record.returned_rows = None
         else:
             y_ND = all_to_all_reverse(returned, record.a2a_plan, self.comm_dtype)
             if self.replay is not None and record is self.replay.current:

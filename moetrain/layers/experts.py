@@ -121,8 +121,11 @@ class GroupedExperts(nn.Module):
     weights (the biases ``b1_EF``, ``b2_ED`` only with ``bias=True``, initialised to zero).
 
     Under expert parallelism a rank holds the ``num_experts`` experts starting at global index
-    ``first_expert``. Each expert is initialised from its own generator seeded with
-    ``seed + global index``, so an expert's initial weights do not depend on the parallel layout.
+    ``first_expert`` of ``total_experts`` (default: ``num_experts``, all of them). Each expert is
+    initialised from its own generator seeded with ``seed + global index``, so an expert's initial
+    weights do not depend on the parallel layout nor on the device the module was built on (on
+    ``meta`` nothing is initialised until :meth:`reset_parameters` runs on the materialised
+    module). ``seed`` None: drawn from torch's global CPU generator.
     """
 
     def __init__(
@@ -134,10 +137,12 @@ class GroupedExperts(nn.Module):
         first_expert: int = 0,
         seed: int | None = None,
         bias: bool = False,
+        total_experts: int | None = None,
     ):
         super().__init__()
         self.num_experts = num_experts
         self.first_expert = first_expert
+        self.total_experts = num_experts if total_experts is None else total_experts
         self.activation = activation
         inner = 2 * d_ff if activation == "swiglu" else d_ff
         self.w1_EDF = nn.Parameter(torch.empty(num_experts, d_model, inner))
@@ -150,15 +155,40 @@ class GroupedExperts(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """``nn.Linear``'s default per expert: ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``."""
+        """``nn.Linear``'s default per expert: ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` (biases: 0).
+        Weights sharded by FSDP (DTensors over the expert-data-parallel ranks) initialise the
+        experts whose rows this rank holds."""
         if self.w1_EDF.device.type == "meta":
             return
-        for local in range(self.num_experts):
-            generator = torch.Generator().manual_seed(self.seed + self.first_expert + local)
-            for weight in (self.w1_EDF, self.w2_EFD):
+        first_row, rows = local_rows(self.w1_EDF)
+        weights = [(weight, local_tensor(weight)) for weight in (self.w1_EDF, self.w2_EFD)]
+        for row in range(rows):
+            generator = torch.Generator().manual_seed(self.seed + self.first_expert + first_row + row)
+            for weight, local_weight in weights:
                 bound = 1.0 / math.sqrt(weight.shape[1])
                 values = torch.empty(weight.shape[1:]).uniform_(-bound, bound, generator=generator)
-                weight[local].copy_(values)
+                local_weight[row].copy_(values)
+        for bias in (self.b1_EF, self.b2_ED):
+            if bias is not None:
+                local_tensor(bias).zero_()
+
+    def slice_experts(self, start: int, stop: int) -> GroupedExperts:
+        """A new module holding local experts ``[start, stop)`` of this one (copies of their
+        weights; on ``meta``, a ``meta`` module that :meth:`reset_parameters` initialises with the
+        same per-expert seeds)."""
+        if not 0 <= start < stop <= self.num_experts:
+            raise ValueError(f"expert slice [{start}, {stop}) is outside [0, {self.num_experts})")
+        d_model, inner = self.w1_EDF.shape[1:]
+        d_ff = self.w2_EFD.shape[1]
+        with torch.device("meta"):
+            part = GroupedExperts(
+                stop - start, d_model, d_ff, self.activation, self.first_expert + start, self.seed,
+                self.b1_EF is not None, self.total_experts,
+            )  # fmt: skip
+        if self.w1_EDF.device.type != "meta":
+            for name, param in self.named_parameters(recurse=False):
+                setattr(part, name, nn.Parameter(param.detach()[start:stop].clone(), param.requires_grad))
+        return part
 
     def forward(self, x_ND: torch.Tensor, rows_per_expert_E: torch.Tensor) -> torch.Tensor:
         """``x_ND`` rows in expert order, ``rows_per_expert_E`` (int64 ``[E]``) rows per expert ->
@@ -203,6 +233,48 @@ class GroupedExperts(nn.Module):
         return grouped_mm(apply_activation(h_NF, self.activation), w2_EFD, rows_per_expert_E, False)
 
 
+def derive_seed(seed: int, name: str) -> int:
+    """A seed in ``[0, 2**62)`` for the module ``name`` of a model built with seed ``seed``: the
+    first 62 bits of ``sha256(f"{seed}/{name}")``, so every layer's experts get their own seeds,
+    the same on every rank and device."""
+    import hashlib
+
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 2
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this rank holds: a DTensor's local shard (the same storage), else
+    the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_rows(tensor: torch.Tensor) -> tuple[int, int]:
+    """``(first row, row count)`` of dim 0 that this rank holds: everything for a plain tensor; for
+    a DTensor sharded on dim 0 over one mesh dimension (FSDP2), the chunk ``torch.chunk`` gives
+    this rank: ``ceil(n / shards)`` rows per rank, the last ranks possibly fewer or none."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(tensor, DTensor):
+        return 0, tensor.shape[0]
+    rows = tensor.shape[0]
+    first = 0
+    for dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Shard):
+            if placement.dim != 0:
+                raise ValueError(
+                    f"expert weights must be sharded on dim 0, got placements {tensor.placements}"
+                )
+            shards = tensor.device_mesh.size(dim)
+            per_shard = -(-rows // shards)
+            index = tensor.device_mesh.get_local_rank(dim)
+            first = min(index * per_shard, rows)
+            rows = min(first + per_shard, rows) - first
+    return first, rows
+
+
 class DenseFFN(nn.Module):
     """A plain FFN ``act(x @ w1) @ w2`` (the shared expert, and the dense layer MoE replaces)."""
 
@@ -212,6 +284,11 @@ class DenseFFN(nn.Module):
         inner = 2 * d_ff if activation == "swiglu" else d_ff
         self.w1_DF = nn.Parameter(torch.empty(d_model, inner))
         self.w2_FD = nn.Parameter(torch.empty(d_ff, d_model))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` per matrix."""
         for weight in (self.w1_DF, self.w2_FD):
             bound = 1.0 / math.sqrt(weight.shape[0])
             nn.init.uniform_(weight, -bound, bound)

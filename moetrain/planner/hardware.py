@@ -15,10 +15,9 @@ are stated assumptions: override them with measured values when you have them.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields, replace
 
-from moetrain.config import require_int
+from moetrain.validation import require_int, require_nonneg_float, require_positive_float
 
 GiB = 2**30
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -27,17 +26,6 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 def gbps_to_bytes(gbps: float) -> float:
     """Network gigabits per second -> bytes per second: ``gbps * 1e9 / 8``."""
     return float(gbps) * 1e9 / 8
-
-
-def _require_positive(name: str, value, allow_zero: bool = False) -> None:
-    ok = (
-        not isinstance(value, bool)
-        and isinstance(value, (int, float))
-        and math.isfinite(value)
-        and (value >= 0 if allow_zero else value > 0)
-    )
-    if not ok:
-        raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -66,9 +54,9 @@ class GPUSpec:
                 raise ValueError(
                     f"gpu.peak_flops keys must be among {', '.join(map(repr, PRECISIONS))}, got {precision!r}"
                 )
-            _require_positive(f"gpu.peak_flops[{precision!r}]", flops)
-        _require_positive("gpu.memory_bandwidth", self.memory_bandwidth)
-        _require_positive("gpu.pcie_bandwidth", self.pcie_bandwidth)
+            require_positive_float(f"gpu.peak_flops[{precision!r}]", flops)
+        require_positive_float("gpu.memory_bandwidth", self.memory_bandwidth)
+        require_positive_float("gpu.pcie_bandwidth", self.pcie_bandwidth)
 
     def flops_for(self, precision: str) -> float:
         """Peak FLOP/s for ``precision``; ValueError naming the supported ones if absent."""
@@ -198,9 +186,9 @@ class ClusterSpec:
         require_int("nodes", self.nodes, 1)
         require_int("gpus_per_node", self.gpus_per_node, 1)
         for name in ("intra_node_bandwidth", "inter_node_bandwidth", "host_memory_bandwidth"):
-            _require_positive(name, getattr(self, name))
+            require_positive_float(name, getattr(self, name))
         for name in ("intra_node_latency", "inter_node_latency"):
-            _require_positive(name, getattr(self, name), allow_zero=True)
+            require_nonneg_float(name, getattr(self, name))
         require_int("host_memory_bytes", self.host_memory_bytes, 0)
         require_int("host_reserved_bytes", self.host_reserved_bytes, 0)
         require_int("gpu_reserved_bytes", self.gpu_reserved_bytes, 0, allow_none=True)

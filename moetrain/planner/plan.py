@@ -12,7 +12,10 @@
   moments) and pinned staging (two apply groups of gradients + weight copies) for each of the
   node's GPUs, plus the node's reserve;
 - traffic per optimizer step (:mod:`moetrain.planner.comm`): all-to-all rows and counts, the DP
-  all-reduce of dense gradients, the expert-DP all-reduce of expert gradients;
+  all-reduce of dense gradients (over the ``world / tp_size`` ranks of a tp index), the expert-DP
+  all-reduce of expert gradients, and with ``tp_size > 1`` the activation all-reduces of the split
+  units in the tp group (:mod:`moetrain.planner.split`); split units' parameters count ``1/tp``
+  per rank in the memory terms and their FLOPs ``1/tp`` in the compute;
 - step time = compute + recompute + all-to-all + gradient sync + optimizer step, not overlapped
   (an upper bound: DDP overlaps its all-reduce with backward in practice):
   compute ``= grad_accum * 3 * forward FLOPs / (peak * compute_efficiency)`` (backward = 2x forward),
@@ -20,8 +23,8 @@
   ``= max(params * max(grad, weight bytes) / PCIe, gpus_per_node * params * (24 + grad + weight
   bytes) / host memory bandwidth)`` (CPU Adam is bound by host memory; copies overlap it).
 
-Terms that are estimates, not validated by a test: all-to-all buffers, the reserve, and every time
-(the step peak is checked against measured peaks on the CPU).
+Terms that are estimates, not validated by a test: the reserve and every time (the step peak and
+the all-to-all buffers are checked against measured peaks on the CPU, tests/test_planner_validation.py).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from moetrain.planner.overlap import layer_overlap_inputs, plan_chunks
 from moetrain.planner.peak import StepPeak, layer_working_bytes, loss_working_bytes, step_peak
 from moetrain.planner.reserve import FRAGMENTATION, Communicator, reserve_terms
 from moetrain.planner.settings import MODEL_CAPACITY, PlanSettings
+from moetrain.planner.split import split_plan_terms
 from moetrain.recompute import RecomputeOption, solve_recompute
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -313,10 +317,10 @@ def make_plan(
     maximum, and the plan's ``settings`` say which."""
     settings = resolve_seq_len(model, settings)
     world = cluster.world_size
-    ep = settings.ep_size
-    if world % ep:
+    ep, tp = settings.ep_size, settings.tp_size
+    if world % (ep * tp):
         raise ValueError(
-            f"ep_size = {ep} must divide the world size = {world} "
+            f"ep_size = {ep}{f' x tp_size = {tp}' if tp > 1 else ''} must divide the world size = {world} "
             f"({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs)"
         )
     arch = model.arch
@@ -336,14 +340,16 @@ def make_plan(
     peak = cluster.gpu.flops_for(settings.precision)
     flops_per_s = peak * settings.compute_efficiency
     params = model.params
-    dense, experts = params.dense, params.expert_per_rank(ep)
+    split = split_plan_terms(model, settings, cluster)  # tensor parallelism: 1/tp of these per rank
+    split_saved = split["elements"] - split["elements"] // tp if tp > 1 else 0
+    dense, experts = params.dense - split_saved, params.expert_per_rank(ep)
     per_rank = dense + experts
     b = ITEMSIZE[settings.precision]
     weight_b = 4 if settings.autocast or settings.precision == "fp32" else b
     optimizer_b = 8 if weight_b == 4 else ADAM_STATE_BYTES  # an fp32 weight is its own master
     notes: list[str] = []
 
-    groups, expert_dp_groups = expert_groups(world, ep, settings.ep_layout)
+    groups, expert_dp_groups = expert_groups(world, ep, settings.ep_layout, tp)
     algorithm = (
         choose_all_to_all(settings.all_to_all, ep, groups, cluster.gpus_per_node) if ep > 1 else "flat"
     )
@@ -396,9 +402,10 @@ def make_plan(
     layer_elements = [count.per_rank(ep) for count in model.layer_params]
     layer_gradients = [elements * weight_b for elements in layer_elements]
     if settings.grad_accum > 1:  # micro-steps after the first start with every gradient allocated
-        layer_gradients, other_gradients = [0] * len(layer_gradients), gradient_bytes
+        layer_gradients, other_gradients, input_gradients = [0] * len(layer_gradients), gradient_bytes, 0
     else:
-        other_gradients = gradient_bytes - sum(layer_gradients)
+        input_gradients = model.input_params * weight_b  # after layer 0's backward
+        other_gradients = gradient_bytes - sum(layer_gradients) - input_gradients
     cpu_buffers = kernels == "cpu" and copies > 0
     if cpu_buffers:  # the CPU grouped GEMM keeps every layer's low-precision expert-gradient buffer
         other_gradients += experts * 2
@@ -421,6 +428,8 @@ def make_plan(
             other_copies,
             transient_low_precision_grads=not cpu_buffers,
             kept_copies=kept_copies,
+            replayed=choice.ffn_recomputed,
+            input_gradients=input_gradients,
         )
 
     # "auto": the activation budget is what the rest leaves of the usable memory (fragmentation on
@@ -500,10 +509,17 @@ def make_plan(
                 f"all-to-all bytes assume balanced routing ({balanced_rows} rows sent per layer); "
                 f"at most {rows.sent} when every expert fills its capacity {rows.capacity}"
             )
-    world_layout = group_layout(list(range(world)), cluster.gpus_per_node)
+    dense_layout = group_layout(list(range(0, world, tp)), cluster.gpus_per_node)  # same tp index
     traffic.append(
-        all_reduce_traffic(cluster, "dp_all_reduce", world_layout, dense * weight_b, DDP_BUCKET_BYTES)
+        all_reduce_traffic(cluster, "dp_all_reduce", dense_layout, dense * weight_b, DDP_BUCKET_BYTES)
     )
+    if tp > 1:
+        traffic.append(
+            Traffic(
+                "tp_all_reduce", split["calls"], split["intra_bytes"], split["inter_bytes"],
+                split["messages"], 0, split["seconds"],
+            )
+        )  # fmt: skip
     if experts:
         expert_layout = group_layout(expert_dp_groups[0], cluster.gpus_per_node)
         traffic.append(
@@ -513,7 +529,7 @@ def make_plan(
         )
 
     # ---- time per optimizer step
-    forward = acts.forward_flops
+    forward = acts.forward_flops - (split["flops"] * settings.micro_batch * (1 - 1 / tp))
     compute = accum * 3 * forward / flops_per_s
     recompute_s = accum * recompute.extra_flops / flops_per_s
     a2a_s = sum(t.seconds for t in traffic if t.name.startswith("all_to_all"))
@@ -521,7 +537,8 @@ def make_plan(
     if overlap is not None:  # per MoE layer and micro-step (see moetrain.planner.overlap)
         cost, expert_s = overlap
         hidden_s = len(moe_layers) * accum * hidden_seconds(cost, expert_s, expert_s, expert_s, chunks)
-    sync_s = sum(t.seconds for t in traffic if t.name.endswith("all_reduce"))
+    sync_s = sum(t.seconds for t in traffic if t.name.endswith("all_reduce") and t.name != "tp_all_reduce")
+    tp_s = sum(t.seconds for t in traffic if t.name == "tp_all_reduce")
     if settings.offload:
         pcie = per_rank * weight_b / cluster.gpu.pcie_bandwidth
         cpu = (
@@ -533,8 +550,9 @@ def make_plan(
         optimizer_s = max(pcie, cpu)
     else:
         optimizer_s = per_rank * GPU_ADAM_TRAFFIC / cluster.gpu.memory_bandwidth
-    step = compute + recompute_s + a2a_s - hidden_s + sync_s + optimizer_s
-    tokens = world * settings.micro_batch * (arch.image_tokens + settings.seq_len) * accum
+    step = compute + recompute_s + a2a_s - hidden_s + sync_s + tp_s + optimizer_s
+    streams = world // tp  # a tensor-parallel group reads one data stream
+    tokens = streams * settings.micro_batch * (arch.image_tokens + settings.seq_len) * accum
     time = {
         "compute_s": compute,
         "recompute_s": recompute_s,
@@ -542,11 +560,12 @@ def make_plan(
         "all_to_all_hidden_s": hidden_s,
         "a2a_chunks": chunks,
         "grad_sync_s": sync_s,
+        "tp_all_reduce_s": tp_s,
         "optimizer_s": optimizer_s,
         "step_s": step,
         "tokens_per_step": tokens,
         "tokens_per_s": tokens / step,
-        "samples_per_s": world * settings.micro_batch * accum / step,
+        "samples_per_s": streams * settings.micro_batch * accum / step,
         "model_flops_utilization": accum * 3 * forward / (step * peak),
     }
     return Plan(
@@ -555,7 +574,7 @@ def make_plan(
         settings=settings,
         world_size=world,
         dp_size=world,
-        expert_dp_size=world // ep,
+        expert_dp_size=world // (ep * tp),
         all_to_all=algorithm,
         capacity_factor=cf,
         params={

@@ -110,12 +110,17 @@ _RESERVE_LABELS = {
 
 def reserve_lines(plan) -> list[str]:
     """The reserve by term: the CUDA context, NCCL per communicator, fragmentation."""
-    lines = []
+    from moetrain.planner.reserve import figures_for
+
+    lines, assumed = [], figures_for(plan.cluster.gpu.name).assumed
     for term, value in plan.reserve.items():
         label = (
             _RESERVE_LABELS.get(term) or f"NCCL, {term.removeprefix('nccl_').replace('_', ' ')} communicator"
         )
-        lines.append(f"    {label:<44} {_gib(value)}")
+        note = ""
+        if term.startswith("nccl_") and assumed:
+            note, assumed = f"  ({assumed})", ""  # once, on the first NCCL line
+        lines.append(f"    {label:<44} {_gib(value)}{note}")
     return lines
 
 
