@@ -29,11 +29,14 @@ bench: build
 	$(PY) benchmarks/moe_layer.py --json benchmarks/moe_layer.json
 	$(PY) benchmarks/cpu_adam.py --json benchmarks/cpu_adam.json
 	$(PY) benchmarks/all_to_all.py --json benchmarks/all_to_all.json
+	$(PY) benchmarks/node_limited.py --json benchmarks/node_limited.json
+	$(PY) benchmarks/moe_layer_ep.py --json benchmarks/moe_layer_ep.json
 	$(PY) benchmarks/compile.py --json benchmarks/compile.json
 	$(PY) benchmarks/grouped_mm.py --json benchmarks/grouped_mm.json
 	$(PY) benchmarks/checkpoint_stall.py --json benchmarks/checkpoint_stall.json
 	$(PY) benchmarks/log_every.py --json benchmarks/log_every.json
 	$(PY) benchmarks/decode.py --json benchmarks/decode.json
+	$(PY) benchmarks/parallelize_classifier.py --json benchmarks/parallelize_classifier.json
 	$(PY) benchmarks/m6_data.py workers --json benchmarks/m6_data_workers.json
 	$(PY) benchmarks/m6_data.py index --json benchmarks/m6_data_index.json
 

@@ -1,30 +1,25 @@
-"""Flat vs hierarchical (2-D) all-to-all on world 8 emulated as 2 nodes x 4 ranks (gloo, CPU).
+"""Flat vs hierarchical (2-D) all-to-all, on loopback or on an emulated two-node cluster.
 
-For per-rank payloads of fp32 rows from 4 KiB to 16 MiB it measures the round trip (exchange +
-reverse, as in MoE dispatch + combine) of both algorithms in the same run, on three wires: fp32 as
-is, ``comm_dtype="bf16"`` and ``comm_dtype="fp16"`` (scaled), the last two including their encode
-and decode, and counts per rank the messages sent and the bytes that cross between emulated nodes.
-It then fits the alpha-beta model ``t = alpha * messages + beta * bytes`` (least squares over the
-fp32-wire measurements: communication only) and states what the model predicts at 60 nodes x 8
-GPUs.
+Loopback (default): world 8 emulated as 2 nodes x 4 ranks on this machine (gloo, every link the
+same). ``--emulated-mbit R``: the ranks run in two network namespaces joined by a link limited to R
+Mbit/s per direction (``benchmarks/emulated_cluster.py``, root only), so the inter-node link is
+slow and intra-node traffic is not; several rates may be given.
 
-Usage: ``python benchmarks/all_to_all.py [--json PATH] [--repeats N]``. The 8 ranks share this
-machine's cores and talk over loopback, so intra- and inter-node links cost the same here; the
-message-count advantage is what the measurement shows, the bandwidth gap is what the model adds.
+For per-rank payloads of fp32 rows it measures the round trip (exchange + reverse, as in MoE
+dispatch + combine) of both algorithms on three wires: fp32 as is, ``comm_dtype="bf16"`` and
+``comm_dtype="fp16"`` (scaled), the last two including their encode and decode, and counts per rank
+the messages sent, the bytes to ranks of the same node and the bytes its node sends to the other.
+Every case is warmed up first; then each measured round runs every case once, in turn, so machine
+drift hits all cases alike (a median over rounds).
 
-``--node-limited``: instead, what node-limited routing (``max_nodes_per_token``) changes in the
-exchanges, at world 8 as 2 nodes x 4 ranks and as 4 nodes x 2, for the three algorithms. Every rank
-routes 4,096 random tokens through a real ``MoELayer`` (32 experts, top-4, d_model 64; the same
-random weights on every rank and for every algorithm: orthonormal router rows, which make every
-choice of 4 experts equally likely, or the router's own N(0, 0.02) initialisation) and runs one
-forward + backward with ``all_to_all`` = flat, hierarchical and node_dedup, while a wrapper of
-``dist.all_to_all_single`` counts, from the split sizes of every call, the rows and bytes each rank
-sends to ranks on other nodes. Compared with the planner's expectation
-(:mod:`moetrain.planner.node_limit`): the per-slot algorithms send ``K (N - 1) / N`` rows per token
-across whatever the limit; node_dedup sends one copy per other node a token reaches,
-``remote_nodes_per_token``. Then the layer's forward + backward is timed for each algorithm
-(orthonormal router only). On loopback every hop costs the same, so the time ratio shows the extra
-work and messages of the dedup path, not the inter-node bandwidth it saves.
+Fit (fp32-wire rows, least squares weighted by 1/t): emulated, one fit over every rate, ``t = alpha
+* messages + beta_intra * intra_bytes + beta_inter[rate] * node_inter_bytes`` where
+``node_inter_bytes`` is what the rank's node sends across (its ranks share the link);
+``beta_inter`` times the nominal rate is the link's efficiency (TCP and tbf overheads). Loopback:
+alpha and one beta for every byte. Each fit is carried to 60 nodes x 8 with a 35 Gb/s node link at
+that efficiency (at most 100%): what this CPU cluster's constants would give at that scale.
+
+Usage: ``python benchmarks/all_to_all.py [--emulated-mbit R ...] [--ranks-per-node L] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -33,285 +28,177 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moetrain import MoEConfig, MoELayer
 from moetrain.comm.all_to_all import all_to_all, all_to_all_reverse, exchange_counts
 from moetrain.parallel import ParallelContext
-from moetrain.planner.node_limit import cross_node_row_share, remote_nodes_per_token
 
-WORLD, LOCAL = 8, 4
-SIZES_KIB = [4, 64, 1024, 16384]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from emulated_cluster import can_emulate, run_on_emulated_cluster  # noqa: E402
+
+LOOPBACK_WORLD, LOOPBACK_LOCAL = 8, 4
+SIZES_KIB = {"loopback": [4, 64, 1024, 16384], "emulated": [16, 256, 1024, 4096]}
 WIRES = ("fp32", "bf16", "fp16")  # fp32 rows sent as they are, as bf16, as scaled fp16
+HIDDEN = 32
 
 
 def traffic(ctx, plan, row_bytes: int) -> tuple[int, int, int]:
-    """(messages this rank sends with a non-empty payload, bytes it sends to other ranks, bytes it
-    sends to other nodes) for one exchange, counted from the plan's split sizes."""
+    """(messages this rank sends with a non-empty payload, bytes it sends to ranks of its node,
+    bytes it sends to other nodes) for one exchange, from the plan's split sizes."""
     if ctx.all_to_all == "flat":
         others = [(p, n) for p, n in enumerate(plan.send) if ctx.ep_ranks[p] != ctx.rank]
-        messages = sum(1 for _, n in others if n)
-        sent = sum(n for _, n in others)
         cross = sum(n for p, n in others if ctx.ep_ranks[p] // ctx.local_world_size != ctx.node)
-        return messages, sent * row_bytes, cross * row_bytes
+        return (
+            sum(1 for _, n in others if n),
+            (sum(n for _, n in others) - cross) * row_bytes,
+            cross * row_bytes,
+        )
     nodes, per_node = ctx.ep_node_grid
     my_m, my_l = divmod(ctx.ep_rank, per_node)
     intra = [n for lp, n in enumerate(plan.intra_send) if lp != my_l]
     inter = [n for mp_, n in enumerate(plan.inter_send) if mp_ != my_m]
-    messages = sum(1 for n in intra + inter if n)
-    return messages, (sum(intra) + sum(inter)) * row_bytes, sum(inter) * row_bytes
+    return sum(1 for n in intra + inter if n), sum(intra) * row_bytes, sum(inter) * row_bytes
 
 
-def worker(rank: int, args, out_path: str, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def measure(rank: int, world: int, local: int, args, sizes_kib: list[int]) -> list[dict]:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
     contexts = {
-        algo: ParallelContext(ep_size=WORLD, all_to_all=algo, local_world_size=LOCAL)
+        algo: ParallelContext(ep_size=world, all_to_all=algo, local_world_size=local)
         for algo in ("flat", "hierarchical")
     }
-    hidden = 32
-    rows_out = []
-    for size_kib in SIZES_KIB:
-        rows = max(WORLD, size_kib * 1024 // (4 * hidden))
-        counts = torch.full((WORLD, 1), rows // WORLD)
-        x = torch.randn(int(counts.sum()), hidden)
+    cases = []
+    for size_kib in sizes_kib:
+        rows = max(world, size_kib * 1024 // (4 * HIDDEN))
+        counts = torch.full((world, 1), rows // world)
+        x = torch.randn(int(counts.sum()), HIDDEN)
         for wire in WIRES:
-            comm_dtype = None if wire == "fp32" else wire
-            row_bytes = {"fp32": 4 * hidden, "bf16": 2 * hidden, "fp16": 2 * (hidden + 1)}[wire]
             for algo, ctx in contexts.items():
                 _, plan = exchange_counts(counts, ctx)
-                samples = []
-                for i in range(args.warmup + args.repeats):
-                    dist.barrier()
-                    start = time.perf_counter()
-                    all_to_all_reverse(all_to_all(x, plan, comm_dtype), plan, comm_dtype)
-                    elapsed = torch.tensor([time.perf_counter() - start])
-                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                    if i >= args.warmup:
-                        samples.append(float(elapsed))
-                messages, sent, cross = traffic(ctx, plan, row_bytes)
-                rows_out.append(
-                    {
-                        "algorithm": algo,
-                        "wire": wire,
-                        "payload_bytes": int(x.numel() * x.element_size()),
-                        "round_trip_ms": 1e3 * statistics.median(samples),
-                        "messages_per_rank": 2 * messages,
-                        "sent_bytes": 2 * sent,
-                        "cross_node_bytes_per_rank": 2 * cross,
-                    }
-                )
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(rows_out, f)
-    dist.destroy_process_group()
+                cases.append((size_kib, wire, algo, ctx, plan, x))
 
-
-NL_EXPERTS, NL_TOP_K, NL_DIM, NL_FF, NL_TOKENS = 32, 4, 64, 32, 4096
-NL_GRIDS = (4, 2)  # ranks per node: 2 nodes x 4, 4 nodes x 2
-NL_LIMITS = (None, 1, 2)
-NL_ALGORITHMS = ("flat", "hierarchical", "node_dedup")
-
-
-class CrossNodeCounter:
-    """Wraps ``dist.all_to_all_single`` and logs, per call, the rows and bytes this rank sends to
-    ranks on other nodes (from the split sizes it is called with: what really travels), whether
-    its group spans nodes, and the payload dtype."""
-
-    def __init__(self, local_world_size: int):
-        self.local = local_world_size
-        self.calls: list[dict] = []
-        self.node = dist.get_rank() // local_world_size
-        self._original = dist.all_to_all_single
-
-    def __enter__(self):
-        def counting(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kw):
-            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(WORLD))
-            splits = input_split_sizes or [input.shape[0] // len(ranks)] * len(ranks)
-            row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
-            cross = sum(n for rank, n in zip(ranks, splits, strict=True) if rank // self.local != self.node)
-            spans = len({rank // self.local for rank in ranks}) > 1
-            self.calls.append({"dtype": input.dtype, "cross_rows": cross, "cross_bytes": cross * row_bytes,
-                               "spans_nodes": spans})  # fmt: skip
-            return self._original(output, input, output_split_sizes, input_split_sizes, group=group, **kw)
-
-        dist.all_to_all_single = counting
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_to_all_single = self._original
-
-    def dispatch_cross_rows(self) -> int:
-        """Rows of the forward's first token exchange across nodes (int64 calls carry counts)."""
-        return next(c["cross_rows"] for c in self.calls if c["spans_nodes"] and c["dtype"] != torch.int64)
-
-
-def _node_limited_layer(config, ctx, weights: str) -> MoELayer:
-    torch.manual_seed(0)  # the same router and experts on every rank and for every algorithm
-    layer = MoELayer(config, parallel=ctx)
-    if weights == "orthonormal":
-        with torch.no_grad():
-            basis = torch.linalg.qr(torch.randn(NL_DIM, NL_EXPERTS))[0]  # orthonormal columns
-            layer.router.weight.copy_(basis.t())
-    return layer
-
-
-def _layer_ms(layer, x, upstream, args) -> float:
-    """Median over ``args.repeats`` of one forward + backward (the slowest rank's time)."""
-    samples = []
-    for i in range(args.warmup + args.repeats):
-        xi = x.clone().requires_grad_(True)
+    def round_trip(case) -> float:
+        _, wire, _, _, plan, x = case
+        comm_dtype = None if wire == "fp32" else wire
         dist.barrier()
         start = time.perf_counter()
-        layer(xi).backward(upstream)
+        all_to_all_reverse(all_to_all(x, plan, comm_dtype), plan, comm_dtype)
         elapsed = torch.tensor([time.perf_counter() - start])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if i >= args.warmup:
-            samples.append(float(elapsed))
-    return 1e3 * statistics.median(samples)
+        return float(elapsed)
 
-
-def node_limited_worker(rank: int, args, out_path: str, port: int) -> None:
-    """Routes, exchanges, counts and times (module docstring) for every grid, router weights, limit
-    and algorithm; rank 0 writes the totals over the 8 ranks."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300))
+    for case in cases:  # every case warmed up before any is measured
+        for _ in range(args.warmup):
+            round_trip(case)
+    samples = [[] for _ in cases]
+    for _ in range(args.repeats):
+        for i, case in enumerate(cases):
+            samples[i].append(round_trip(case))
     rows_out = []
-    for local in NL_GRIDS:
-        contexts = {
-            algo: ParallelContext(ep_size=WORLD, all_to_all=algo, local_world_size=local)
-            for algo in NL_ALGORITHMS
-        }
-        nodes, per_node = contexts["flat"].ep_node_grid
-        for weights in ("orthonormal", "default"):
-            for limit in NL_LIMITS:
-                config = MoEConfig(d_model=NL_DIM, d_ff=NL_FF, num_experts=NL_EXPERTS, top_k=NL_TOP_K,
-                                   capacity_factor=None, max_nodes_per_token=limit)  # fmt: skip
-                g = torch.Generator().manual_seed(100 + rank)
-                x, upstream = (
-                    torch.randn(NL_TOKENS, NL_DIM, generator=g),
-                    torch.randn(NL_TOKENS, NL_DIM, generator=g),
-                )
-                row = {
-                    "nodes": nodes,
-                    "ranks_per_node": per_node,
-                    "weights": weights,
-                    "max_nodes_per_token": limit,
-                }
-                for algo, ctx in contexts.items():
-                    layer = _node_limited_layer(config, ctx, weights)
-                    with CrossNodeCounter(local) as counter:
-                        layer(x.clone().requires_grad_(True)).backward(upstream)
-                    totals = torch.tensor(
-                        [counter.dispatch_cross_rows(), sum(c["cross_bytes"] for c in counter.calls)],
-                        dtype=torch.float64,
-                    )
-                    dist.all_reduce(totals)
-                    row[f"{algo}_dispatch_cross_rows_per_token"] = float(totals[0]) / (WORLD * NL_TOKENS)
-                    row[f"{algo}_cross_node_bytes_per_rank"] = float(totals[1]) / WORLD
-                    if weights == "orthonormal":
-                        row[f"{algo}_layer_ms"] = _layer_ms(layer, x, upstream, args)
-                with torch.no_grad():
-                    expert_ids = layer.router(x).expert_ids_TK
-                node_TK = expert_ids // (NL_EXPERTS // nodes)
-                reached_TN = torch.zeros(NL_TOKENS, nodes, dtype=torch.bool).scatter_(1, node_TK, True)
-                remote = torch.tensor([float(reached_TN.sum() - reached_TN[:, rank // per_node].sum())])
-                span = torch.tensor([int(reached_TN.sum(1).max())])
-                dist.all_reduce(remote)
-                dist.all_reduce(span, op=dist.ReduceOp.MAX)
-                row.update(
-                    limit_binds=layer.router.limits_nodes,
-                    remote_nodes_per_token=float(remote) / (WORLD * NL_TOKENS),
-                    expected_cross_node_rows_per_token=NL_TOP_K * cross_node_row_share(nodes),
-                    expected_remote_nodes_per_token=remote_nodes_per_token(
-                        NL_EXPERTS, NL_TOP_K, nodes, 1, limit
-                    ),
-                    expected_is_bound=layer.router.limits_nodes and limit > 1,
-                    # 4 row trips of w bytes per copy vs per slot, + 12 K bytes of ids and gates per copy
-                    expected_dedup_byte_ratio=remote_nodes_per_token(NL_EXPERTS, NL_TOP_K, nodes, 1, limit)
-                    / (NL_TOP_K * cross_node_row_share(nodes))
-                    * (1 + 3 * NL_TOP_K / (4 * NL_DIM)),  # fp32 rows: w = 4 * NL_DIM bytes
-                    max_nodes_reached=int(span),
-                )
-                rows_out.append(row)
+    for case, times in zip(cases, samples, strict=True):
+        _, wire, algo, ctx, plan, x = case
+        row_bytes = {"fp32": 4 * HIDDEN, "bf16": 2 * HIDDEN, "fp16": 2 * (HIDDEN + 1)}[wire]
+        messages, intra, cross = traffic(ctx, plan, row_bytes)
+        rows_out.append(
+            {
+                "algorithm": algo,
+                "wire": wire,
+                "payload_bytes": int(x.numel() * x.element_size()),
+                "round_trip_ms": 1e3 * statistics.median(times),
+                "messages_per_rank": 2 * messages,
+                "intra_bytes_per_rank": 2 * intra,
+                "cross_node_bytes_per_rank": 2 * cross,
+                "node_inter_bytes": 2 * cross * local,
+            }
+        )
+    return rows_out
+
+
+def _spawned(rank: int, args, out_path: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=LOOPBACK_WORLD, timeout=timedelta(seconds=300))
+    rows = measure(rank, LOOPBACK_WORLD, LOOPBACK_LOCAL, args, args.sizes_kib or SIZES_KIB["loopback"])
     if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(rows_out, f)
+        Path(out_path).write_text(json.dumps(rows))
     dist.destroy_process_group()
 
 
-def _limit_label(r) -> str:
-    limit = "none" if r["max_nodes_per_token"] is None else str(r["max_nodes_per_token"])
-    return limit + (" (no-op)" if r["max_nodes_per_token"] is not None and not r["limit_binds"] else "")
+def _launched(args) -> None:
+    """One rank of an emulated-cluster run (torchrun's variables set by the launcher)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    rows = measure(rank, world, local, args, args.sizes_kib or SIZES_KIB["emulated"])
+    if rank == 0:
+        Path(args.worker).write_text(json.dumps(rows))
+    dist.destroy_process_group()
 
 
-def print_node_limited(rows) -> None:
-    print(
-        f"node-limited routing at world {WORLD}: {NL_TOKENS} tokens per rank, {NL_EXPERTS} experts, "
-        f"top-{NL_TOP_K}, fp32 rows of {4 * NL_DIM} B, one MoELayer forward + backward; totals over the "
-        f"{WORLD} ranks, counted from the split sizes of every all_to_all_single call"
+def fit_loopback(rows: list[dict]) -> dict:
+    """Loopback: intra- and inter-node bytes take the same path, so one beta per rank's bytes:
+    ``t = alpha * messages + beta * (intra_bytes + cross_node_bytes)``, weighted by ``1 / t``."""
+    a = torch.tensor(
+        [[r["messages_per_rank"], r["intra_bytes_per_rank"] + r["cross_node_bytes_per_rank"]] for r in rows],
+        dtype=torch.float64,
     )
-    print(
-        "per-slot x-node rows/token: rows of the dispatch exchange a token sends to other nodes by flat (and "
-        "hierarchical: the same); dedup copies/token: the same for node_dedup (one per other node "
-        "reached); x-node KiB/rank: every exchange of the forward and backward, counts included"
-    )
-    header = ["grid", "weights", "limit", "per-slot/tok", "expected", "dedup/tok", "expected",
-              "KiB flat", "KiB hier", "KiB dedup", "dedup/flat", "expected", "max nodes"]  # fmt: skip
-    print(" | ".join(f"{h:>12}" for h in header))
-    for r in rows:
-        expected = f"{'<= ' if r['expected_is_bound'] else ''}{r['expected_remote_nodes_per_token']:.4f}"
-        line = [
-            f"{r['nodes']} x {r['ranks_per_node']}",
-            r["weights"],
-            _limit_label(r),
-            f"{r['flat_dispatch_cross_rows_per_token']:.4f}",
-            f"{r['expected_cross_node_rows_per_token']:.4f}",
-            f"{r['node_dedup_dispatch_cross_rows_per_token']:.4f}",
-            expected,
-            f"{r['flat_cross_node_bytes_per_rank'] / 1024:.0f}",
-            f"{r['hierarchical_cross_node_bytes_per_rank'] / 1024:.0f}",
-            f"{r['node_dedup_cross_node_bytes_per_rank'] / 1024:.0f}",
-            f"{r['node_dedup_cross_node_bytes_per_rank'] / r['flat_cross_node_bytes_per_rank']:.3f}",
-            f"{'<= ' if r['expected_is_bound'] else ''}{r['expected_dedup_byte_ratio']:.3f}",
-            r["max_nodes_reached"],
-        ]
-        print(" | ".join(f"{v!s:>12}" for v in line))
-    print("\ntime per layer (forward + backward, median, slowest rank), orthonormal router, gloo on loopback")
-    header = ["grid", "limit", "flat ms", "hier ms", "dedup ms", "dedup/flat", "dedup/hier"]
-    print(" | ".join(f"{h:>12}" for h in header))
-    for r in rows:
-        if "flat_layer_ms" not in r:
-            continue
-        flat, hier, dedup = r["flat_layer_ms"], r["hierarchical_layer_ms"], r["node_dedup_layer_ms"]
-        line = [f"{r['nodes']} x {r['ranks_per_node']}", _limit_label(r), f"{flat:.1f}", f"{hier:.1f}",
-                f"{dedup:.1f}", f"{dedup / flat:.2f}", f"{dedup / hier:.2f}"]  # fmt: skip
-        print(" | ".join(f"{v!s:>12}" for v in line))
-
-
-def fit_alpha_beta(rows) -> tuple[float, float]:
-    """Least squares of ``t = alpha * messages + beta * bytes_sent`` (a rank's bytes over all stages)."""
-    a = torch.tensor([[r["messages_per_rank"], r["sent_bytes"]] for r in rows], dtype=torch.float64)
     t = torch.tensor([r["round_trip_ms"] * 1e-3 for r in rows], dtype=torch.float64)
-    solution = torch.linalg.lstsq(a, t.unsqueeze(1)).solution.view(-1)
-    return float(solution[0]), float(solution[1])
+    weight = (1 / t).unsqueeze(1)
+    alpha, beta = torch.linalg.lstsq(a * weight, t.unsqueeze(1) * weight).solution.view(-1).tolist()
+    return {"alpha_s": alpha, "beta_intra_s_per_byte": beta, "beta_inter_s_per_byte": beta}
+
+
+def joint_fit(runs: dict[str, list[dict]]) -> dict:
+    """One least-squares fit over the fp32-wire rows of every emulated run: ``t = alpha * messages +
+    beta_intra * intra_bytes + beta_inter[rate] * node_inter_bytes``, one ``beta_inter`` per link
+    rate and one alpha and beta_intra for all (more rows than per run, so steadier), each row
+    weighted by ``1 / t``."""
+    names = sorted(runs)
+    features, times = [], []
+    for i, name in enumerate(names):
+        for r in runs[name]:
+            if r["wire"] != "fp32":
+                continue
+            inter = [0.0] * len(names)
+            inter[i] = r["node_inter_bytes"]
+            features.append([r["messages_per_rank"], r["intra_bytes_per_rank"], *inter])
+            times.append(r["round_trip_ms"] * 1e-3)
+    a, t = torch.tensor(features, dtype=torch.float64), torch.tensor(times, dtype=torch.float64)
+    weight = (1 / t).unsqueeze(1)
+    solution = torch.linalg.lstsq(a * weight, t.unsqueeze(1) * weight).solution.view(-1).tolist()
+    return {
+        "alpha_s": solution[0],
+        "beta_intra_s_per_byte": solution[1],
+        "beta_inter_s_per_byte": dict(zip(names, solution[2:], strict=True)),
+    }
+
+
+def fit_links(rows: list[dict]) -> dict:
+    """Least squares of ``t = alpha * messages + beta_intra * intra_bytes + beta_inter *
+    node_inter_bytes`` (seconds, bytes) over ``rows``, each row weighted by ``1 / t`` (relative
+    errors: the small payloads, which carry alpha, count as much as the large ones)."""
+    a = torch.tensor(
+        [[r["messages_per_rank"], r["intra_bytes_per_rank"], r["node_inter_bytes"]] for r in rows],
+        dtype=torch.float64,
+    )
+    t = torch.tensor([r["round_trip_ms"] * 1e-3 for r in rows], dtype=torch.float64)
+    weight = (1 / t).unsqueeze(1)
+    solution = torch.linalg.lstsq(a * weight, (t.unsqueeze(1) * weight)).solution
+    alpha, beta_intra, beta_inter = solution.view(-1).tolist()
+    return {"alpha_s": alpha, "beta_intra_s_per_byte": beta_intra, "beta_inter_s_per_byte": beta_inter}
 
 
 def predict(
     nodes: int, per_node: int, payload: float, alpha: float, beta_intra: float, beta_inter: float
 ) -> dict:
-    """Round-trip time of each algorithm for a per-rank payload at nodes x per_node ranks.
-
-    ``beta_inter`` is the seconds per byte of a node's link to the others, which the node's
-    ``per_node`` ranks share: each rank's inter-node bytes cost ``per_node * beta_inter``."""
+    """Round-trip time of each algorithm for a per-rank payload at nodes x per_node ranks;
+    ``beta_inter``: seconds per byte of a node's link, which its ``per_node`` ranks share."""
     p = nodes * per_node
     shared_inter = per_node * beta_inter
     flat = 2 * (
@@ -328,63 +215,13 @@ def predict(
     return {"flat_ms": 1e3 * flat, "hierarchical_ms": 1e3 * hier, "speedup": flat / hier}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument(
-        "--inter-node-gbps", type=float, default=35.0, help="inter-node link for the prediction"
-    )
-    parser.add_argument("--json", metavar="PATH")
-    parser.add_argument(
-        "--node-limited",
-        action="store_true",
-        help="count and time what max_nodes_per_token changes for flat, hierarchical and node_dedup",
-    )
-    args = parser.parse_args()
-    port = _free_port()
-    if args.node_limited:
-        with tempfile.TemporaryDirectory() as tmp:
-            out_path = os.path.join(tmp, "rows.json")
-            mp.spawn(node_limited_worker, args=(args, out_path, port), nprocs=WORLD, join=True)
-            with open(out_path) as f:
-                rows = json.load(f)
-        print_node_limited(rows)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"benchmark": "all_to_all_node_limited", "rows": rows}, f, indent=2)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "rows.json")
-        mp.spawn(worker, args=(args, out_path, port), nprocs=WORLD, join=True)
-        with open(out_path) as f:
-            rows = json.load(f)
-
-    alpha, beta = fit_alpha_beta([r for r in rows if r["wire"] == "fp32"])
-    print(
-        f"all-to-all round trip (exchange + reverse), world {WORLD} = 2 nodes x {LOCAL} ranks, "
-        "gloo on loopback"
-    )
-    header = [
-        "payload",
-        "wire",
-        "flat ms",
-        "hier ms",
-        "flat/hier",
-        "msgs flat",
-        "msgs hier",
-        "x-node B flat",
-        "x-node B hier",
-    ]
+def print_table(rows: list[dict], title: str) -> None:
+    print(title)
+    header = ["payload", "wire", "flat ms", "hier ms", "flat/hier", "msgs flat", "msgs hier", "x-node B/rank"]
     print(" | ".join(f"{h:>13}" for h in header))
-    table = []
     for size in sorted({r["payload_bytes"] for r in rows}):
         for wire in WIRES:
             pair = {r["algorithm"]: r for r in rows if r["payload_bytes"] == size and r["wire"] == wire}
-            if len(pair) < 2:
-                continue
             f, h = pair["flat"], pair["hierarchical"]
             line = [
                 f"{size / 1024:.0f} KiB",
@@ -395,38 +232,112 @@ def main() -> None:
                 f["messages_per_rank"],
                 h["messages_per_rank"],
                 f["cross_node_bytes_per_rank"],
-                h["cross_node_bytes_per_rank"],
             ]
-            table.append(line)
             print(" | ".join(f"{v!s:>13}" for v in line))
-    print(
-        f"\nalpha-beta fit over the {len(rows) // len(WIRES)} fp32-wire measurements: "
-        f"alpha = {alpha * 1e6:.1f} us/message, "
-        f"beta = {beta * 1e9:.3f} ns/byte ({1 / beta / 1e9 if beta > 0 else float('inf'):.2f} GB/s)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    beta_inter = 8 / (args.inter_node_gbps * 1e9)
-    predictions = {}
-    for payload_mib in (1, 16):
-        pred = predict(60, 8, payload_mib * 2**20, alpha, beta, beta_inter)
-        predictions[f"{payload_mib}MiB"] = pred
-        print(
-            f"model at 60 nodes x 8 (fitted alpha, fitted beta inside a node, {args.inter_node_gbps:g} Gb/s "
-            f"per node shared by its 8 ranks), {payload_mib} MiB per rank: flat {pred['flat_ms']:.1f} ms, "
-            f"hierarchical {pred['hierarchical_ms']:.1f} ms, {pred['speedup']:.2f}x"
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--emulated-mbit", type=float, nargs="*", help="inter-node link rates to emulate")
+    parser.add_argument("--ranks-per-node", type=int, default=2, help="emulated cluster only")
+    parser.add_argument(
+        "--inter-node-gbps", type=float, default=35.0, help="node link of the 60x8 prediction"
+    )
+    parser.add_argument("--sizes-kib", type=int, nargs="+", help="payloads per rank (default: per mode)")
+    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--report", metavar="JSON", help="print the tables and fits of a saved --json run")
+    parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)  # a launched rank
+    args = parser.parse_args()
+    if args.worker:
+        _launched(args)
+        return
+    if args.report:
+        saved = json.loads(Path(args.report).read_text())["runs"]
+        report({name: run["rows"] for name, run in saved.items()}, args)
+        return
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        if args.emulated_mbit:
+            problem = can_emulate()
+            if problem is not None:
+                parser.error(f"--emulated-mbit: cannot emulate the cluster: {problem}")
+            for rate in args.emulated_mbit:
+                forwarded = ["--worker", out, "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
+                if args.sizes_kib:
+                    forwarded += ["--sizes-kib", *map(str, args.sizes_kib)]
+                code = run_on_emulated_cluster(
+                    [__file__, *forwarded], args.ranks_per_node, rate, timeout_s=3000
+                )
+                if code != 0:
+                    raise SystemExit(f"a rank failed with exit status {code}")
+                runs[f"{rate:g}mbit"] = json.loads(Path(out).read_text())
+        else:
+            mp.spawn(_spawned, args=(args, out, _free_port()), nprocs=LOOPBACK_WORLD, join=True)
+            runs["loopback"] = json.loads(Path(out).read_text())
+    report(runs, args)
+
+
+def report(runs: dict[str, list[dict]], args) -> None:
+    """Prints each run's table; the fit (loopback: alpha and one beta; emulated: one fit over every
+    rate, :func:`joint_fit`, with each rate's node link) and the 60 x 8 prediction; writes them to
+    ``args.json``."""
+    saved = {"benchmark": "all_to_all", "runs": {name: {"rows": rows} for name, rows in runs.items()}}
+    for name, rows in runs.items():
+        local = LOOPBACK_LOCAL if name == "loopback" else args.ranks_per_node
+        world = LOOPBACK_WORLD if name == "loopback" else 2 * local
+        link = "gloo on loopback" if name == "loopback" else f"inter-node link {name[:-4]} Mbit/s (tbf)"
+        print_table(
+            rows, f"all-to-all round trip (exchange + reverse), world {world} = 2 nodes x {local}, {link}"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "benchmark": "all_to_all",
-                    "rows": rows,
-                    "alpha_s": alpha,
-                    "beta_s_per_byte": beta,
-                    "prediction_60x8": predictions,
-                },
-                f,
-                indent=2,
+        print()
+    fits = {}
+    if "loopback" in runs:
+        fit = fit_loopback([r for r in runs["loopback"] if r["wire"] == "fp32"])
+        print(
+            f"loopback fit over the fp32-wire rows (one beta: every link is loopback): alpha = "
+            f"{fit['alpha_s'] * 1e6:.1f} us/message, beta = {fit['beta_intra_s_per_byte'] * 1e9:.3f} ns/byte"
+        )
+        fits["loopback"] = {**fit, "link_efficiency": 1.0}
+    emulated = {name: rows for name, rows in runs.items() if name != "loopback"}
+    if emulated:
+        joint = joint_fit(emulated)
+        print(
+            f"emulated fit, fp32-wire rows of every rate: alpha = {joint['alpha_s'] * 1e6:.1f} us/msg, "
+            f"beta_intra = {joint['beta_intra_s_per_byte'] * 1e9:.2f} ns/byte "
+            f"({1 / joint['beta_intra_s_per_byte'] / 1e6:.0f} MB/s per rank inside a node)"
+        )
+        efficiencies = []
+        for name, beta in joint["beta_inter_s_per_byte"].items():
+            efficiency = 8 / (float(name[:-4]) * 1e6) / beta
+            efficiencies.append(efficiency)
+            print(f"  node link at {name[:-4]} Mbit/s: {8 / beta / 1e6:.0f} Mbit/s ({efficiency:.0%} of it)")
+        fits["emulated"] = {
+            "alpha_s": joint["alpha_s"],
+            "beta_intra_s_per_byte": joint["beta_intra_s_per_byte"],
+            "beta_inter_s_per_byte": joint["beta_inter_s_per_byte"],
+            "link_efficiency": min(statistics.median(efficiencies), 1.0),
+        }
+    for name, fit in fits.items():
+        beta_inter = 8 / (args.inter_node_gbps * 1e9 * fit["link_efficiency"])
+        predictions = {}
+        for payload_mib in (1, 16):
+            pred = predict(
+                60, 8, payload_mib * 2**20, fit["alpha_s"], fit["beta_intra_s_per_byte"], beta_inter
             )
+            predictions[f"{payload_mib}MiB"] = pred
+            print(
+                f"{name} fit carried to 60 nodes x 8 ({args.inter_node_gbps:g} Gb/s node link at "
+                f"{fit['link_efficiency']:.0%}), {payload_mib} MiB per rank: flat {pred['flat_ms']:.1f} ms, "
+                f"hierarchical {pred['hierarchical_ms']:.1f} ms, {pred['speedup']:.2f}x"
+            )
+        saved[f"fit_{name}"] = {**fit, "prediction_60x8": predictions}
+    if args.json:
+        Path(args.json).write_text(json.dumps(saved, indent=2))
 
 
 def _free_port() -> int:

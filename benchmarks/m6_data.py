@@ -8,7 +8,9 @@ pages: here the libraries' code, since the index is read with ``pread``, not map
 
 - ``new``: open the dataset from its cached index, build the sampler and draw ``--batches``
   micro-batches of 16 (images decoded, 0 workers), for the full manifest and for its first 10k
-  records: the difference between the two is what the corpus size costs a rank;
+  records: the difference between the two is what the corpus size costs a rank. RSS resolves
+  only ~0.3 MiB, so two finer figures follow (see ``HEAP_CHILD``): the Python heap the
+  pipeline's objects hold (tracemalloc, exact) and the RSS per pipeline of ``--opens`` kept open;
 - ``old``: the in-memory way this replaced (every record parsed into a Python object, its text
   tokenized, the task pools as lists: the code of ``ManifestDataset._read`` and ``TaskSampler``
   before the index, copied below), on the first 100k and 500k records; its cost per record is
@@ -24,7 +26,8 @@ Thread policies: ``default`` (each case with the run's default threads,
 time with 0 workers / with N workers (of the medians, and per round).
 
 Usage:
-    python benchmarks/m6_data.py index [--records 10000000] [--batches 200] [--json PATH] [--dir DIR]
+    python benchmarks/m6_data.py index [--records 10000000] [--batches 200] [--opens 50] [--json PATH]
+        [--dir DIR]
     python benchmarks/m6_data.py workers [--workers 1] [--steps 30] [--rounds 3] [--json PATH]
 """
 
@@ -130,6 +133,54 @@ print(json.dumps({"records": len(dataset), "before": before, "after": after, "op
 """
 )
 
+# RSS moves by whole pages and with the allocator's pools (±0.3 MiB between two fresh processes),
+# coarser than the target for 10M records (records / 100 = 100 KB). Two finer measurements: the
+# Python heap (objects and numpy arrays) the pipeline's objects hold, exact to the byte with
+# tracemalloc (what stays allocated after drawing and is freed with the pipeline; one warm-up
+# pipeline first takes the one-time costs: imports, decoder plugins); and the RSS of ``opens``
+# more pipelines kept open at once, each after one batch, divided by ``opens``.
+HEAP_CHILD = (
+    MEMORY
+    + """
+import gc, json, sys, tracemalloc
+import torch
+from m6_moe.config import M6TaskConfig
+from m6_moe.data import ManifestDataset
+from m6_moe.loader import M6Batches
+from m6_moe.tasks import TaskSampler
+from m6_moe.tokenizer import ByteTokenizer
+torch.set_num_threads(1)
+manifest, drawn, opens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+def open_and_draw(batches):
+    dataset = ManifestDataset(manifest, image_size=32)
+    sampler = TaskSampler(dataset, ByteTokenizer(), M6TaskConfig(), seq_len=40)
+    pipeline = M6Batches(sampler, 16, num_patches=16)
+    for _ in range(batches):
+        pipeline.next()
+    return pipeline
+
+open_and_draw(2)
+gc.collect()
+tracemalloc.start()
+pipeline = open_and_draw(drawn)
+gc.collect()
+with_pipeline = tracemalloc.get_traced_memory()[0]
+records = len(pipeline.sampler.dataset)
+del pipeline
+gc.collect()
+without = tracemalloc.get_traced_memory()[0]
+tracemalloc.stop()
+gc.collect()
+before = memory()
+kept = [open_and_draw(1) for _ in range(opens)]
+gc.collect()
+after = memory()
+print(json.dumps({"records": records, "heap_held": with_pipeline - without, "opens": opens,
+                  "rss_per_open": (after["VmRSS"] - before["VmRSS"]) / opens}))
+"""
+)
+
 OLD_CHILD = (
     MEMORY
     + '''
@@ -213,6 +264,8 @@ def run_index(args) -> dict:
         small = head_manifest(manifest, 10_000, base / "small")
         new_full = run_child(NEW_CHILD, manifest, args.batches)
         new_small = run_child(NEW_CHILD, small, args.batches)
+        heap_full = run_child(HEAP_CHILD, manifest, args.batches, args.opens)
+        heap_small = run_child(HEAP_CHILD, small, args.batches, args.opens)
         olds = {
             n: run_child(OLD_CHILD, head_manifest(manifest, n, base / f"old_{n}")) for n in (100_000, 500_000)
         }
@@ -236,6 +289,8 @@ def run_index(args) -> dict:
             "file_delta_full": delta(new_full, "RssFile"),
             "rss_delta_full": delta(new_full, "VmRSS"),
             "rss_delta_small": delta(new_small, "VmRSS"),
+            "heap_full": heap_full,
+            "heap_small": heap_small,
         },
         "old": {
             str(n): {"rss_delta": delta(r, "VmRSS"), "per_record": old_per_record[n], "seconds": r["seconds"]}
@@ -269,6 +324,19 @@ def print_index(result: dict) -> None:
         f"  what the corpus size costs a rank (full - small): RSS {size_cost / mib:+.2f} MiB = "
         f"{size_cost / records:+.4f} bytes/record (target: <= records / 100 bytes, i.e. 0.01 bytes/record); "
         "the index is read with pread, never mapped: what it reads stays in the node's page cache"
+    )
+    heap_cost = new["heap_full"]["heap_held"] - new["heap_small"]["heap_held"]
+    print(
+        f"  finer: Python heap the pipeline holds (tracemalloc, exact): {new['heap_full']['heap_held']:,} "
+        f"bytes at {records:,} records, {new['heap_small']['heap_held']:,} at 10,000: the corpus size costs "
+        f"{heap_cost:+,} bytes = {heap_cost / records:+.1e} bytes/record"
+    )
+    rss_cost = new["heap_full"]["rss_per_open"] - new["heap_small"]["rss_per_open"]
+    print(
+        f"  finer: RSS per pipeline, {new['heap_full']['opens']} kept open at once: "
+        f"{new['heap_full']['rss_per_open'] / 1024:.1f} KiB at {records:,} records, "
+        f"{new['heap_small']['rss_per_open'] / 1024:.1f} KiB at 10,000: the corpus size costs "
+        f"{rss_cost / 1024:+.1f} KiB = {rss_cost / records:+.4f} bytes/record"
     )
     for n, run in old.items():
         print(f"old, in memory, {int(n):,} records: RSS +{run['rss_delta'] / mib:.1f} MiB = "
@@ -306,6 +374,7 @@ def time_steps(manifest: Path, workers: int, threads: int, steps: int, warmup: i
 
     from m6_moe import M6Config, build_m6
     from moetrain.config import DataConfig, TrainConfig
+    from moetrain.registry import DataShard
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -314,7 +383,7 @@ def time_steps(manifest: Path, workers: int, threads: int, steps: int, warmup: i
         data=DataConfig(source=str(manifest), micro_batch_size=16, seq_len=40, num_workers=workers),
         out_dir=str(out_dir),
     )
-    model, batches, loss_fn = build_m6(config, None, 0)
+    model, batches, loss_fn = build_m6(config, DataShard())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step_s, wait_s = [], []
     try:
@@ -411,6 +480,7 @@ def main() -> None:
     index = sub.add_parser("index")
     index.add_argument("--records", type=int, default=10_000_000)
     index.add_argument("--batches", type=int, default=200)
+    index.add_argument("--opens", type=int, default=50, help="pipelines kept open for the RSS per pipeline")
     index.add_argument(
         "--dir", default=None, help="where the temporary manifest goes (default: the system's)"
     )
@@ -421,6 +491,9 @@ def main() -> None:
     loader.add_argument("--rounds", type=int, default=3)
     loader.add_argument("--json")
     args = parser.parse_args()
+    from moetrain.logs import configure_console
+
+    configure_console("INFO")  # the index build's progress bar and log line on stderr
     if args.mode == "index":
         result = run_index(args)
         print_index(result)

@@ -2,9 +2,17 @@
 
 from moetrain._version import __version__
 from moetrain.config import MoEConfig, ParallelConfig
-from moetrain.layers import MoELayer, MoEModelStats, MoEStats, collect_moe_stats, set_aux_loss_scale
+from moetrain.layers import (
+    MoELayer,
+    MoEModelStats,
+    MoEStats,
+    collect_moe_stats,
+    set_aux_loss_scale,
+    shard_experts,
+)
 from moetrain.moefy import moefy
 from moetrain.parallel import ParallelContext
+from moetrain.parallelize import Parallelized, materialize, parallelize
 
 __all__ = [
     "MoEConfig",
@@ -13,8 +21,12 @@ __all__ = [
     "MoEStats",
     "ParallelConfig",
     "ParallelContext",
+    "Parallelized",
     "__version__",
     "collect_moe_stats",
+    "materialize",
     "moefy",
+    "parallelize",
     "set_aux_loss_scale",
+    "shard_experts",
 ]

@@ -21,11 +21,15 @@ import torch
 
 from moetrain._source_hash import csrc_fingerprint
 
+# Two ways moetrain gets onto a machine, two ways to rebuild: a repository checkout (the Makefile's
+# editable install) and a copy installed from the source with pip (README).
+CHECKOUT_BUILD = "`make build` (or `pip install -e . --no-build-isolation` inside the virtual environment)"
+CHECKOUT_REBUILD = "`make clean && make build` (or `pip install -e . --no-build-isolation`)"
+INSTALLED_REBUILD = "`pip install --no-build-isolation --force-reinstall --no-deps <the moetrain source>`"
 BUILD_HINT = (
-    "build it from the repository root with `make build` "
-    "(or `pip install -e . --no-build-isolation` inside the virtual environment)"
+    f"build it: in a repository checkout, from its root with {CHECKOUT_BUILD}; for an installed copy, "
+    f"{INSTALLED_REBUILD}"
 )
-REBUILD_COMMAND = "make clean && make build"
 # The literal csrc/bindings.cpp compiles into the binary (kTorchVersionRecord): prefix, version, ";".
 _TORCH_VERSION_PREFIX = b"moetrain-built-against-torch="
 
@@ -45,7 +49,8 @@ def built_against_torch_version(binary: Path) -> str | None:
 def torch_mismatch_message(built: str, running: str) -> str:
     return (
         f"moetrain._C was built against torch {built} but torch {running} is installed; rebuild the "
-        f"extension for this torch: `{REBUILD_COMMAND}` (or `pip install -e . --no-build-isolation`)"
+        f"extension for this torch: in a repository checkout {CHECKOUT_REBUILD}; for an installed copy "
+        f"{INSTALLED_REBUILD}"
     )
 
 
@@ -75,7 +80,8 @@ if _CSRC_DIR.is_dir():
     if _C.source_fingerprint() != _expected:
         raise ImportError(
             f"moetrain._C is stale: it was built from csrc/ sources with fingerprint "
-            f"{_C.source_fingerprint()} but {_CSRC_DIR} now has {_expected}; rebuild: {BUILD_HINT}"
+            f"{_C.source_fingerprint()} but {_CSRC_DIR} now has {_expected}; rebuild from the repository "
+            f"root: {CHECKOUT_BUILD}"
         )
 
 HAS_CUDA_KERNELS = _C.source_fingerprint().startswith("cuda:")

@@ -46,19 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moetrain.validation import require_int
-
-
-def _require_positive_numbers(name: str, values: Sequence[float], allow_zero: bool = False) -> list[float]:
-    out = []
-    for i, value in enumerate(values):
-        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-        if not ok or (value < 0 if allow_zero else value <= 0):
-            raise ValueError(
-                f"{name}[{i}] must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}"
-            )
-        out.append(float(value))
-    return out
+from moetrain.validation import require_int, require_numbers
 
 
 @dataclass(frozen=True)
@@ -110,14 +98,10 @@ def balance_batch(
     world = len(speeds)
     if world == 0:
         raise ValueError("speeds must hold one speed per data-parallel rank, got an empty list")
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < world:
-        raise ValueError(
-            f"global_batch must be an integer >= the number of ranks {world} (each rank takes at least one "
-            f"sequence), got {global_batch!r}"
-        )
-    speeds = _require_positive_numbers("speeds", speeds)
+    require_int("global_batch", global_batch, world, note="(the ranks: each takes at least one sequence)")
+    speeds = list(require_numbers("speeds", list(speeds), low=0, low_open=True))
     overheads = (
-        [0.0] * world if overheads is None else _require_positive_numbers("overheads", overheads, True)
+        [0.0] * world if overheads is None else list(require_numbers("overheads", list(overheads), low=0))
     )
     if len(overheads) != world:
         raise ValueError(f"overheads must have one entry per rank ({world}), got {len(overheads)}")

@@ -1,6 +1,6 @@
 """The ``moetrain`` command.
 
-    moetrain train --config run.yaml [--set optim.lr=1e-3 --set steps=200 ...]
+    moetrain train --config run.yaml [--set optim.lr=1e-3 --set steps=200 ...] [--strategy plan.json]
     moetrain plan --model m6-1T --cluster v100-32gb --nodes 60 --inter-node-gbps 35 --recommend
 
 The config file (YAML or JSON) is one :class:`moetrain.config.TrainConfig` tree; ``--set`` overrides
@@ -86,13 +86,49 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def build_train_config(config_path: str, overrides: list[str]) -> TrainConfig:
-    """The validated config of a file and ``--set`` overrides. Modules named under ``imports`` are
+STRATEGY_FILE_PARALLEL_KEYS = ("ep_size", "tp_size", "ep_layout", "replica")
+
+
+def load_strategy_file(path: str) -> dict:
+    """A strategy file (``moetrain train --strategy FILE``): a JSON or YAML mapping with
+    ``strategy`` (module-name patterns -> kinds) and optionally ``parallel`` (the sizes it was made
+    for: any of ``STRATEGY_FILE_PARALLEL_KEYS``). Other top-level keys are the figures of the
+    report that ``moetrain plan --recommend --json`` writes beside them, and are not read.
+    Returns ``{"strategy": ..., "parallel": ...}``."""
+    data = load_config_file(path)
+    if "strategy" not in data:
+        raise ValueError(
+            f"strategy file {path} has no 'strategy' key (a mapping of module patterns to kinds)"
+        )
+    parallel = data.get("parallel") or {}
+    if not isinstance(parallel, dict) or set(parallel) - set(STRATEGY_FILE_PARALLEL_KEYS):
+        extra = (
+            sorted(set(parallel) - set(STRATEGY_FILE_PARALLEL_KEYS))
+            if isinstance(parallel, dict)
+            else parallel
+        )
+        raise ValueError(
+            f"strategy file {path}: 'parallel' may hold {', '.join(STRATEGY_FILE_PARALLEL_KEYS)}, "
+            f"got {extra!r}"
+        )
+    return {"strategy": data["strategy"], "parallel": parallel}
+
+
+def build_train_config(
+    config_path: str, overrides: list[str], strategy_file: str | None = None
+) -> TrainConfig:
+    """The validated config of a file, ``--set`` overrides and a ``--strategy`` file (its
+    ``strategy`` and ``parallel`` sizes replace the config's). Modules named under ``imports`` are
     looked up next to the config file first (a user's model beside its config)."""
     directory = str(Path(config_path).resolve().parent)
     if directory not in sys.path:
         sys.path.insert(0, directory)
-    return config_from_dict(TrainConfig, apply_overrides(load_config_file(config_path), overrides))
+    data = apply_overrides(load_config_file(config_path), overrides)
+    if strategy_file is not None:
+        chosen = load_strategy_file(strategy_file)
+        section = data.get("parallel") or {}
+        data["parallel"] = {**section, **chosen["parallel"], "strategy": chosen["strategy"]}
+    return config_from_dict(TrainConfig, data)
 
 
 # Exceptions that mean bad input (a config, a file, a checkpoint, a missing optional package): the
@@ -108,7 +144,7 @@ def _train(args) -> int:
     from moetrain.parallel import read_launch_environment
 
     overrides = list(args.set) + ([f"resume_from={args.resume_from}"] if args.resume_from else [])
-    config = build_train_config(args.config, overrides)
+    config = build_train_config(args.config, overrides, args.strategy)
     launch = read_launch_environment()
     configure_console(args.log_level, launch.rank)
     check_fits(config, launch.world_size)
@@ -126,6 +162,8 @@ def _train(args) -> int:
         trainer.close()
         return 0
     except Exception as error:  # noqa: BLE001 - every failure becomes one line + the log file
+        if position.watchdog is not None:
+            position.watchdog.look_now()  # a collective's timeout may beat the periodic look
         line = describe_failure(error, position, position.model, log_path)
         log.error("moetrain: error: %s", line, exc_info=error if log_path is not None else None)
         return 2 if isinstance(error, INPUT_ERRORS) else 1
@@ -195,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--config", required=True, help="YAML or JSON TrainConfig file")
     train.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
+    train.add_argument(
+        "--strategy",
+        metavar="FILE",
+        help="a JSON/YAML strategy file ('strategy' patterns and 'parallel' sizes, e.g. the output of "
+        "`moetrain plan --recommend --json`): replaces parallel.strategy and the sizes it gives",
     )
     train.add_argument(
         "--resume-from",

@@ -14,6 +14,7 @@ from moetrain.validation import (  # noqa: F401 - re-exported: models validate w
     require_fraction,
     require_int,
     require_nonneg_float,
+    require_numbers,
     require_positive_float,
 )
 
@@ -187,12 +188,44 @@ ALL_TO_ALL_ALGORITHMS = ("auto", "flat", "hierarchical", "node_dedup")
 COMM_DTYPES = (None, "bf16", "fp16")
 
 
+STRATEGY_KINDS = ("replica", "expert", "split", "split.row", "split.head")
+REPLICA_MODES = ("ddp", "fsdp")
+
+
+def validate_strategy(name: str, strategy) -> dict[str, str]:
+    """A strategy: a mapping of module-name patterns (``fnmatch``) to one of ``STRATEGY_KINDS``, in
+    the order given (the first matching pattern wins); returned as a new dict."""
+    if not isinstance(strategy, dict) or not strategy:
+        raise ValueError(
+            f"{name} must be a non-empty mapping of module-name patterns to one of "
+            f"{', '.join(map(repr, STRATEGY_KINDS))}, got {strategy!r}"
+        )
+    for pattern, kind in strategy.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"{name}: patterns must be non-empty strings, got {pattern!r}")
+        if kind not in STRATEGY_KINDS:
+            raise ValueError(
+                f"{name}[{pattern!r}] must be one of {', '.join(map(repr, STRATEGY_KINDS))}, got {kind!r}"
+            )
+    return dict(strategy)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How ranks are arranged for expert parallelism.
+    """How ranks are arranged: a mesh of ``dp x ep x tp`` ranks (see :mod:`moetrain.parallel`);
+    the data-parallel degree ``dp = world / (ep_size * tp_size)`` follows from the world size.
 
     - ``ep_size``: ranks that share one token exchange and split the experts between them;
       must divide the world size (and ``num_experts``).
+    - ``tp_size``: ranks that split the layers a strategy marks ``split`` (tensor parallelism);
+      they see the same data. Innermost in the rank grid (consecutive ranks: one node).
+    - ``replica``: how replicated parameters are kept in sync: ``"ddp"`` (every rank holds them,
+      gradients all-reduced) or ``"fsdp"`` (FSDP2 ``fully_shard``: parameters, gradients and
+      optimizer states sharded over the data-parallel ranks, gathered per unit when used).
+    - ``fsdp_cpu_offload``: with ``replica: fsdp``, FSDP2's CPU offload policy (parameters,
+      gradients and optimizer steps in host memory; needs a GPU).
+    - ``strategy``: module-name patterns -> ``replica`` / ``expert`` / ``split`` /
+      ``split.row`` / ``split.head`` (see :func:`moetrain.parallelize`); None: the model's default.
     - ``ep_layout``: ``"packed"`` puts an expert-parallel group on consecutive ranks (inside a node
       first); ``"spread"`` takes one rank every ``world_size / ep_size`` (across nodes).
     - ``all_to_all``: ``"flat"``, ``"hierarchical"`` (2-D: intra-node, then inter-node among the
@@ -206,6 +239,12 @@ class ParallelConfig:
       ``SLURM_NTASKS_PER_NODE``; tests set it to emulate several nodes on one machine.
     - ``kernels``: the implementation of the all-to-all's chunk transpose and fp16 packing,
       ``"auto"``, ``"custom"`` or ``"torch"`` (as :class:`MoEConfig`'s ``kernels``).
+    - ``a2a_chunks``: each MoE layer splits its exchange into this many chunks and overlaps chunk
+      i + 1's all-to-all with chunk i's experts, forward and backward (1: no chunks, the plain
+      exchange -> experts -> exchange; results are bit-identical either way on the CPU). ``"auto"``:
+      the count the planner's alpha-beta model finds fastest for each layer call (agreed by the EP
+      group). The node-deduplicating exchange (``all_to_all: node_dedup``) is not chunked:
+      ``"auto"`` is 1 there, other counts are refused. See ``docs/expert_parallel.md``.
     """
 
     ep_size: int = option(
@@ -234,11 +273,56 @@ class ParallelConfig:
         None, ("ranks per node; None: from the launcher (LOCAL_WORLD_SIZE, SLURM); set it to emulate nodes")
     )
     kernels: str = option("auto", ("all-to-all layout kernels: 'auto', 'custom' or 'torch' (as moe.kernels)"))
+    a2a_chunks: int | str = option(
+        1,
+        (
+            "chunks each MoE layer's all-to-all is split into, overlapped with the experts: an "
+            "integer >= 1 (1: no overlap) or 'auto' (the planner's model picks per layer call)"
+        ),
+    )
+    tp_size: int = option(
+        1, "ranks that split the 'split' layers of the strategy (tensor parallelism); they share their data"
+    )
+    replica: str = option(
+        "ddp", "replicated parameters: 'ddp' (all-reduced gradients) or 'fsdp' (FSDP2 fully_shard)"
+    )
+    fsdp_cpu_offload: bool = option(
+        False, "with replica 'fsdp': FSDP2's CPU offload policy (weights, gradients, optimizer on the host)"
+    )
+    strategy: dict | None = option(
+        None,
+        (
+            "module-name patterns -> 'replica', 'expert', 'split', 'split.row' or 'split.head' (first"
+            " match wins); None: the model's default strategy"
+        ),
+    )
 
     def __post_init__(self) -> None:
         require_int("ep_size", self.ep_size, 1)
+        if self.a2a_chunks != "auto":
+            try:
+                require_int("a2a_chunks", self.a2a_chunks, 1)
+            except ValueError:
+                raise ValueError(
+                    f"a2a_chunks must be an integer >= 1 or 'auto', got {self.a2a_chunks!r}"
+                ) from None
+        require_int("tp_size", self.tp_size, 1)
+        require_choice("replica", self.replica, REPLICA_MODES)
+        require_bool("fsdp_cpu_offload", self.fsdp_cpu_offload)
+        if self.fsdp_cpu_offload and self.replica != "fsdp":
+            raise ValueError(
+                f"fsdp_cpu_offload needs replica = 'fsdp' (it is FSDP2's offload policy), got replica = "
+                f"{self.replica!r}"
+            )
+        if self.strategy is not None:
+            object.__setattr__(self, "strategy", validate_strategy("strategy", self.strategy))
         require_choice("ep_layout", self.ep_layout, EP_LAYOUTS)
         require_choice("all_to_all", self.all_to_all, ALL_TO_ALL_ALGORITHMS)
+        if self.all_to_all == "node_dedup" and self.a2a_chunks not in (1, "auto"):
+            raise ValueError(
+                f"a2a_chunks = {self.a2a_chunks!r} chunks the flat and hierarchical all-to-all only; with "
+                "all_to_all = 'node_dedup' use 1 or 'auto' (which is 1 there)"
+            )
         require_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
         if self.local_world_size is not None:
             require_int("local_world_size", self.local_world_size, 1)
@@ -335,14 +419,8 @@ class OptimConfig:
     def __post_init__(self) -> None:
         require_choice("optim.name", self.name, OPTIMIZERS)
         require_nonneg_float("optim.lr", self.lr)
-        betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else None
-        if (
-            betas is None
-            or len(betas) != 2
-            or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)
-        ):
-            raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas!r}")
-        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
+        betas = require_numbers("optim.betas", self.betas, count=2, low=0, high=1, high_open=True)
+        object.__setattr__(self, "betas", betas)
         require_nonneg_float("optim.eps", self.eps)
         require_nonneg_float("optim.weight_decay", self.weight_decay)
         require_int("optim.warmup_steps", self.warmup_steps, 0)
@@ -443,7 +521,11 @@ class TrainConfig:
         ("output directory: checkpoints/, logs/, metrics.jsonl, config.json, config_history.jsonl"),
     )
     log_every: int = option(
-        10, ("a metrics line (and the metrics' host synchronisation) every this many steps, and at the last")
+        10,
+        (
+            "a metrics line (and the metrics' host synchronisation) every this many steps, and at the last; "
+            "the all-reduced gradient norm alone is read every step (the skip decision on inf/NaN)"
+        ),
     )
     checkpoint_every: int = option(0, "a checkpoint every this many steps; 0: only at the end and on SIGTERM")
     checkpoint_every_minutes: float | None = option(
@@ -529,6 +611,24 @@ class TrainConfig:
             raise ValueError(
                 f"param_dtype = {self.param_dtype!r} needs precision = {self.param_dtype!r} (the weights' "
                 f"dtype is the compute dtype), got precision = {self.precision!r}"
+            )
+        parallel = self.parallel
+        sharded = parallel.tp_size > 1 or parallel.replica == "fsdp"
+        what = "parallel.tp_size > 1" if parallel.tp_size > 1 else "parallel.replica = 'fsdp'"
+        if sharded and self.optim.name == "offload":
+            raise ValueError(
+                f"optim.name = 'offload' steps plain tensors, and {what} makes DTensor parameters: use "
+                "optim.name 'adamw' (with replica 'fsdp', parallel.fsdp_cpu_offload keeps the optimizer in "
+                "host memory)"
+            )
+        if sharded and self.precision == "fp16":
+            raise ValueError(
+                f"precision = 'fp16' (loss scaling) is not supported with {what}: use precision 'bf16'"
+            )
+        if parallel.tp_size > 1 and self.balance.enabled:
+            raise ValueError(
+                "balance splits the batch between ranks by speed, but with parallel.tp_size > 1 the ranks of "
+                "a tensor-parallel group must read the same batch: turn balance off or use tp_size 1"
             )
         if self.param_dtype != "fp32" and self.optim.name != "offload":
             raise ValueError(

@@ -2,10 +2,15 @@
 
 One optimizer step = ``grad_accum`` micro-steps of ``data.micro_batch_size`` sequences per rank:
 
-1. forward under autocast (bf16 / fp16) and ``loss / grad_accum`` backward (DDP syncs dense
-   gradients on the last micro-step only); MoE aux losses are injected into the same backward with
-   the matching scale (``set_aux_loss_scale``: ``loss_scale / grad_accum``);
-2. expert gradients reduced over their expert-data-parallel group;
+0. the model is built by its registry builder with no parallel layout, then the run's strategy
+   (``parallel.strategy``, ``--strategy FILE``, else the model's default) is applied by
+   :func:`moetrain.parallelize` over the mesh of :class:`~moetrain.parallel.ParallelContext`;
+1. forward under autocast (bf16 / fp16) and ``loss / grad_accum`` backward (DDP or FSDP2 syncs
+   replicated gradients on the last micro-step only; vocabulary-sharded logits go through
+   ``loss_parallel()``); MoE aux losses are injected into the same backward with the matching
+   scale (``set_aux_loss_scale``: ``loss_scale / grad_accum``);
+2. expert gradients reduced over their expert-data-parallel group (and, under DDP, the split
+   layers' shards over the dense group);
 3. clipping by the true global norm (each expert once), optimizer step (AdamW, group-wise or
    CPU-offloaded), LR schedule: linear warm-up then cosine decay to ``min_lr_ratio * lr``.
    fp16: the norm is taken of the still-scaled gradients (clipping at ``grad_clip * scale``) and,
@@ -52,16 +57,23 @@ from moetrain.checkpoint import (
     remove_debris,
     verify_checkpoint,
 )
-from moetrain.comm.grad_sync import ExpertGradReducer, clip_grad_norm_, global_grad_norm, wrap_data_parallel
 from moetrain.config import TrainConfig
 from moetrain.cpus import cpus_per_rank, default_threads
 from moetrain.failures import RunPosition
-from moetrain.layers import MoELayer, collect_moe_stats, set_aux_loss_scale, update_score_biases
+from moetrain.layers import (
+    MoELayer,
+    collect_moe_stats,
+    discard_routed_counts,
+    set_aux_loss_scale,
+    update_score_biases,
+)
+from moetrain.layers.experts import local_tensor
 from moetrain.metrics import MetricsWriter
 from moetrain.offload import GroupwiseApply, OffloadOptimizer
-from moetrain.parallel import ParallelContext, init_distributed, read_launch_environment
+from moetrain.parallel import ParallelContext, check_sizes, init_distributed, read_launch_environment
+from moetrain.parallelize import default_strategy, parallelize
 from moetrain.progress import ProgressBar
-from moetrain.registry import spec_for_config
+from moetrain.registry import DataShard, spec_for_config
 from moetrain.run_dir import RunLock, check_out_dir, config_changes, record_config
 from moetrain.watchdog import Watchdog
 
@@ -123,6 +135,11 @@ class Trainer:
             torch.set_num_threads(config.threads)
         launch = read_launch_environment()
         self.device = resolve_device(config.device, launch.local_rank, launch.local_world_size)
+        if config.parallel.fsdp_cpu_offload and self.device.type != "cuda":
+            raise ValueError(
+                "parallel.fsdp_cpu_offload needs device 'cuda' (FSDP2 copies the offloaded weights to the "
+                f"GPU for compute); this run's device is {self.device.type!r}: set fsdp_cpu_offload: false"
+            )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.position.phase = "process-group set-up"
@@ -132,7 +149,9 @@ class Trainer:
         self.position.rank = dist.get_rank() if dist.is_initialized() else 0
         self.position.phase = "start-up checks"
         check_same_start(asdict(config), dist.get_world_size() if dist.is_initialized() else 1)
-        self.parallel = ParallelContext(config.parallel, timeout_s=config.dist_timeout_s)
+        self.parallel = ParallelContext(
+            config.parallel, timeout_s=config.dist_timeout_s, device_type=self.device.type
+        )
         self.rank = self.parallel.rank
         self.is_main = self.rank == 0
         self.out_dir = Path(config.out_dir)
@@ -146,11 +165,14 @@ class Trainer:
                 self.launch.store, self.rank, self.parallel.world_size, self.position,
                 interval_s=min(10.0, stall_s / 4), stall_s=stall_s,
             ).start()  # fmt: skip
+            self.position.watchdog = self.watchdog
         self.position.phase = "model set-up"
         torch.manual_seed(config.seed)  # identical on every rank: dense replicas start equal
         random.seed(config.seed)
-        builder = spec_for_config(config.model).builder
-        self.model, self.batches, self.loss_fn = builder(config, self.parallel, self.rank)
+        spec = spec_for_config(config.model)
+        p = self.parallel
+        shard = DataShard(p.data_index, p.data_count, p.rank, p.world_size, p.dense_group)
+        self.model, self.batches, self.loss_fn = spec.builder(config, shard)
         if config.threads is None:
             self._choose_threads()
         self.position.model = self.model
@@ -158,9 +180,9 @@ class Trainer:
         if config.param_dtype != "fp32":  # fp32 masters: built by the OffloadOptimizer below
             self.model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[config.param_dtype])
         self.loss_weight = 1.0  # hardware-aware balancing: W * n_r / N
-        self.global_batch = config.data.micro_batch_size * self.parallel.world_size
-        self.ddp = wrap_data_parallel(self.model, self.parallel)
-        self.reducer = ExpertGradReducer(self.model, self.parallel)
+        self.global_batch = config.data.micro_batch_size * self.parallel.data_count
+        self.strategy = run_strategy(config, spec, self.model)
+        self.trained = parallelize(self.model, self.parallel, self.strategy)
         self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_at(step, config))
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
@@ -239,7 +261,11 @@ class Trainer:
             return OffloadOptimizer(
                 groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, num_apply_groups=optim.num_apply_groups
             )
-        adamw = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, foreach=True)
+        # torch's multi-tensor kernels cannot mix DTensors (split layers) with plain tensors in one list
+        kinds = {type(p).__name__ == "DTensor" for p in self.model.parameters()}
+        adamw = torch.optim.AdamW(
+            groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, foreach=len(kinds) == 1
+        )
         return GroupwiseApply(adamw, optim.num_apply_groups) if optim.name == "groupwise" else adamw
 
     def _plan_recompute(self) -> None:
@@ -252,9 +278,9 @@ class Trainer:
             remove_recompute,
         )
 
-        probe = self.batches.probe(self.batches.batch, self.config.seed * 31 + 7 + self.rank)
+        probe = self.batches.probe(self.batches.batch, self.config.seed * 31 + 7 + self.parallel.data_index)
         inputs, targets = to_device(probe, self.device)
-        with self._autocast():
+        with self._autocast(), self.trained.loss_context():
             profile = profile_activations(self.model, inputs, loss_fn=lambda out: self.loss_fn(out, targets))
         budget = self.config.recompute_budget_mb * 2**20 or profile.min_activation_bytes
         plan = plan_recompute(profile, int(budget), self.model)
@@ -373,15 +399,16 @@ class Trainer:
                 scheduler=self.scheduler,
                 parallel=self.parallel,
                 step=step,
+                extra_state_rank=self.parallel.data_leader,  # a tensor-parallel group reads one stream
             )
         except CheckpointError as error:
             raise CheckpointError(f"{error}{self._intact_hint(step)}") from None
         self.step = loaded["step"]
         extra = loaded["extra_state"]
-        if loaded["extra_state_rank"] == self.rank:
+        if loaded["extra_state_rank"] == self.parallel.data_leader:
             self.batches.load_state_dict(extra["data"])
         else:  # a rank the saved run did not have: a fresh stream, distinct from the others
-            self.batches.reseed(self.config.seed, self.rank, self.step)
+            self.batches.reseed(self.config.seed, self.parallel.data_index, self.step)
         if self.scaler is not None and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
         self.skipped_steps = int(extra.get("skipped_steps", 0))
@@ -481,17 +508,17 @@ class Trainer:
         share = self._loss_share(targets)
         weight = share / accum
         set_aux_loss_scale(self.model, loss_scale * self.loss_weight / accum)
-        sync = last or self.ddp is self.model
-        context = contextlib.nullcontext() if sync else self.ddp.no_sync()
+        context = contextlib.nullcontext() if last else self.trained.no_sync()
         with context:
             self.position.phase = "forward"
             with self._autocast():
-                output = self.ddp(**inputs) if isinstance(inputs, dict) else self.ddp(inputs)
-            loss = self.loss_fn(output, targets)
-            scaled = loss * weight
-            self.position.phase = "backward"
-            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-        return loss.detach().float(), self._aux_loss_now(), share
+                output = self.trained(**inputs) if isinstance(inputs, dict) else self.trained(inputs)
+            with self.trained.loss_context(output):  # loss_parallel() for vocabulary-sharded logits
+                loss = self.loss_fn(output, targets)
+                scaled = loss * weight
+                self.position.phase = "backward"
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        return local_tensor(loss.detach()).float(), self._aux_loss_now(), share
 
     def _is_logging_step(self, step: int) -> bool:
         return step % self.config.log_every == 0 or step == self.config.steps
@@ -504,8 +531,10 @@ class Trainer:
         A step whose global gradient norm is not finite (inf / NaN anywhere, known on every rank
         from the all-reduced norm) is skipped on every rank: weights, optimizer state and LR
         schedule stay as they were (fp16 also lowers the loss scale). ``max_consecutive_skips``
-        skipped steps in a row stop the run; with fp16, skips while the loss scale is still above
-        1 are the scaler's calibration and do not count toward that limit."""
+        skipped steps in a row stop the run; with fp16, a skip whose losses were finite on every
+        rank while the loss scale is still above 1 is the scaler's calibration (the scaled
+        backward overflowed) and does not count toward that limit; a non-finite loss always
+        counts (no loss scale made it)."""
         config = self.config
         start = time.perf_counter()
         loss_scale = self.scaler.get_scale() if self.scaler is not None else 1.0
@@ -516,19 +545,17 @@ class Trainer:
             losses.append(loss * share)
             auxes.append(aux)
         self.position.phase = "gradient sync"
-        self.reducer.reduce()
+        self.trained.reduce_gradients()
         # With fp16 the gradients are still multiplied by loss_scale: clip at the scaled threshold.
         if config.optim.grad_clip > 0:
-            scaled_norm = float(
-                clip_grad_norm_(self.model, config.optim.grad_clip * loss_scale, self.parallel)
-            )
+            scaled_norm = float(self.trained.clip_grad_norm_(config.optim.grad_clip * loss_scale))
         else:
-            scaled_norm = float(global_grad_norm(self.model, self.parallel))
+            scaled_norm = float(self.trained.grad_norm())
         grad_norm = scaled_norm / loss_scale
         self.position.phase = "optimizer step"
         skipped = not math.isfinite(scaled_norm)
         if skipped:
-            self._skip_step(loss_scale)
+            self._skip_step(loss_scale, losses)
         else:
             self.consecutive_skips = 0
             if self.scaler is None:
@@ -559,11 +586,14 @@ class Trainer:
         ``grad_accum`` micro-steps summed over every rank (the routers are replicated on all)."""
         update_score_biases(self.model)
 
-    def _skip_step(self, loss_scale: float) -> None:
-        """Drops the gradients; counts the skip; stops the run after too many in a row."""
+    def _skip_step(self, loss_scale: float, losses: list[torch.Tensor]) -> None:
+        """Drops the gradients and the step's routed counts (aux-free balancing); counts the skip
+        (not an fp16 calibration skip: finite losses on every rank, loss scale above 1); stops the
+        run after too many in a row."""
         self.optimizer.zero_grad(set_to_none=True)
+        discard_routed_counts(self.model)
         self.skipped_steps += 1
-        calibrating = self.scaler is not None and loss_scale > 1.0
+        calibrating = self.scaler is not None and loss_scale > 1.0 and self._losses_finite(losses)
         if self.scaler is not None:
             self._back_off_loss_scale()
         if not calibrating:
@@ -580,6 +610,14 @@ class Trainer:
                 "step %d skipped: non-finite gradient norm%s", self.step + 1,
                 f" (fp16 loss scale {loss_scale:g} lowered)" if self.scaler is not None else "",
             )  # fmt: skip
+
+    def _losses_finite(self, losses: list[torch.Tensor]) -> bool:
+        """Whether this step's losses were finite on every rank (one all-reduce; every rank calls it
+        on the same skipped step, so all of them count it alike)."""
+        finite = torch.stack(losses).isfinite().all().to(torch.float32).reshape(1)
+        if dist.is_initialized() and self.parallel.world_size > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        return bool(finite.item())
 
     def _back_off_loss_scale(self) -> None:
         """Lowers the fp16 scale exactly as ``GradScaler.update`` does after an overflow (scale *
@@ -756,7 +794,7 @@ class Trainer:
             close_batches()
         if self.watchdog is not None:
             self.watchdog.stop()
-            self.watchdog = None
+            self.watchdog = self.position.watchdog = None
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -766,12 +804,24 @@ class NonFiniteGradientsError(RuntimeError):
     """Too many consecutive optimizer steps had inf / NaN gradients (``max_consecutive_skips``)."""
 
 
+def run_strategy(config: TrainConfig, spec, model) -> dict[str, str]:
+    """The strategy a run applies: the config's ``parallel.strategy`` (or ``--strategy``), else the
+    model's registered default (its ``strategy`` hook), else :func:`default_strategy`."""
+    if config.parallel.strategy is not None:
+        return dict(config.parallel.strategy)
+    if spec.strategy is not None:
+        return spec.strategy(config)
+    return default_strategy(model)
+
+
 def check_fits(config: TrainConfig, world_size: int) -> None:
     """Validates the parallel layout against the model before anything is built: one-line
     ValueErrors naming the numbers."""
-    ep = config.parallel.ep_size
-    if world_size % ep:
-        raise ValueError(f"parallel.ep_size = {ep} must divide the world size = {world_size}")
+    ep, tp = config.parallel.ep_size, config.parallel.tp_size
+    try:
+        check_sizes(world_size, ep, tp)
+    except ValueError as error:
+        raise ValueError(f"parallel.{error}") from None
     moe = getattr(config.model, "moe", None)
     has_moe_layers = moe is not None and getattr(config.model, "num_moe_layers", 1) > 0
     if has_moe_layers and moe.num_experts % ep:

@@ -16,12 +16,17 @@ from torch import nn
 @dataclass
 class RunPosition:
     """Where a run is: updated by the engine as it goes (``step`` is the step being run: the
-    number of completed optimizer steps + 1 inside a step, None before training starts)."""
+    number of completed optimizer steps + 1 inside a step, None before training starts).
+    ``stall``: the watchdog's finding while this rank is stuck where it is (the ranks that stopped
+    or lag behind; :class:`moetrain.watchdog.Watchdog`), None once it moves on. ``watchdog``: that
+    watchdog while it runs, asked to look once more (``look_now()``) before an error line is written."""
 
     rank: int = 0
     step: int | None = None
     phase: str = "set-up"
     model: nn.Module | None = None  # the model once built (to name the module that raised)
+    stall: str | None = None
+    watchdog: object | None = None
 
 
 def module_in_traceback(traceback: TracebackType | None, model: nn.Module | None) -> str | None:
@@ -46,13 +51,17 @@ def first_line(error: BaseException) -> str:
 def describe_failure(
     error: BaseException, position: RunPosition, model: nn.Module | None = None, log_path=None
 ) -> str:
-    """``rank R, step S, <phase> of module M: <Error>: <first line>; full traceback in <log>``."""
+    """``rank R, step S, <phase> of module M: [<stall>; ]<Error>: <first line>; full traceback in
+    <log>``; ``<stall>``: the watchdog's finding when this rank was stuck waiting for others
+    (``rank 1 stopped making progress at step 5, forward (last heard 7 s ago)``), which a
+    collective's timeout error does not name."""
     where = [f"rank {position.rank}"]
     if position.step is not None:
         where.append(f"step {position.step}")
     module = module_in_traceback(error.__traceback__, model)
     where.append(f"{position.phase} of module {module}" if module else position.phase)
-    text = f"{', '.join(where)}: {first_line(error)}"
+    stall = f"{position.stall}; " if position.stall else ""
+    text = f"{', '.join(where)}: {stall}{first_line(error)}"
     if log_path is not None:
         text += f"; full traceback in {log_path}"
     return text

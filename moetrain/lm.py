@@ -15,6 +15,7 @@ from torch import nn
 
 from moetrain.config import MoEConfig, option
 from moetrain.layers import MoELayer
+from moetrain.layers.experts import derive_seed
 from moetrain.validation import require_int
 
 
@@ -40,26 +41,37 @@ class LMConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    """Causal multi-head attention with separate q / k / v projections (each can be split by
+    columns over tensor-parallel ranks, heads staying whole) and an output projection (split by
+    rows). The views count heads from the projections' local width: ``heads = width / head_dim``
+    (``num_heads / tp_size`` on a tensor-parallel rank)."""
+
     def __init__(self, d_model: int, num_heads: int):
         super().__init__()
         self.num_heads = num_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.head_dim = d_model // num_heads
+        self.q = nn.Linear(d_model, d_model, bias=False)
+        self.k = nn.Linear(d_model, d_model, bias=False)
+        self.v = nn.Linear(d_model, d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model, bias=False)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        batch, seq, d_model = x_BSD.shape
-        q, k, v = self.qkv(x_BSD).view(batch, seq, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(attn.transpose(1, 2).reshape(batch, seq, d_model))
+        batch, seq, _ = x_BSD.shape
+        q, k, v = (
+            proj(x_BSD).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.q, self.k, self.v)
+        )
+        attn_BHSd = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(attn_BHSd.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: LMConfig, parallel=None):
+    def __init__(self, config: LMConfig, expert_seed: int | None = None):
         super().__init__()
         self.attn_norm = nn.LayerNorm(config.d_model)
         self.attn = CausalSelfAttention(config.d_model, config.num_heads)
         self.ffn_norm = nn.LayerNorm(config.d_model)
-        self.ffn = MoELayer(config.moe, parallel=parallel)
+        self.ffn = MoELayer(config.moe, seed=expert_seed)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
@@ -67,17 +79,27 @@ class TransformerBlock(nn.Module):
 
 
 class MoETransformerLM(nn.Module):
-    """Token ids ``[B, S]`` -> next-token logits ``[B, S, V]``. ``parallel``: a ParallelContext
-    for expert parallelism (each MoE layer then holds this rank's slice of the experts)."""
+    """Token ids ``[B, S]`` -> next-token logits ``[B, S, V]`` (a DTensor sharded over the
+    vocabulary when the head is split with ``split.head``). Built without any parallel layout;
+    :func:`moetrain.parallelize` applies one (:func:`default_lm_strategy`). ``seed``: the experts'
+    initialisation (each layer's from :func:`~moetrain.layers.experts.derive_seed` of ``seed`` and
+    its name), so a model built on ``meta`` and materialised has the CPU build's experts."""
 
-    def __init__(self, config: LMConfig, parallel=None):
+    def __init__(self, config: LMConfig, *, seed: int = 0):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.pos = nn.Parameter(torch.zeros(config.max_seq_len, config.d_model))
-        self.blocks = nn.ModuleList(TransformerBlock(config, parallel) for _ in range(config.num_layers))
+        self.pos = nn.Parameter(torch.empty(config.max_seq_len, config.d_model))
+        self.blocks = nn.ModuleList(
+            TransformerBlock(config, derive_seed(seed, f"blocks.{i}.ffn")) for i in range(config.num_layers)
+        )
         self.norm = nn.LayerNorm(config.d_model)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The embedding and positions ``N(0, 0.02)`` (the model's own tensors; every submodule
+        resets its own)."""
         nn.init.normal_(self.embed.weight, std=0.02)
         nn.init.normal_(self.pos, std=0.02)
 
@@ -89,6 +111,25 @@ class MoETransformerLM(nn.Module):
         for block in self.blocks:
             x_BSD = block(x_BSD)
         return self.head(self.norm(x_BSD))
+
+
+def default_lm_strategy(config: LMConfig, tp_size: int = 1) -> dict[str, str]:
+    """``moe_lm``'s default strategy: every block's MoE FFN ``expert``; with ``tp_size > 1`` the
+    attention's q / k / v ``split`` (by columns: whole heads per rank), its output projection
+    ``split.row``, the head ``split.head`` (logits sharded over the vocabulary, parallel
+    cross-entropy) and the embedding ``split`` (vocabulary-parallel); everything else replicated."""
+    strategy = {"blocks.*.ffn": "expert"}
+    if tp_size > 1:
+        strategy.update(
+            {
+                "blocks.*.attn.[qkv]": "split",
+                "blocks.*.attn.proj": "split.row",
+                "head": "split.head",
+                "embed": "split",
+            }
+        )
+    strategy["blocks.*"] = "replica"  # one FSDP unit per block under replica: fsdp
+    return strategy
 
 
 def load_tiny_corpus() -> torch.Tensor:
@@ -168,21 +209,29 @@ class TextBatches:
         self.batches_drawn = state["batches_drawn"]
 
 
-def build_moe_lm(config, parallel, rank: int):
+def build_moe_lm(config, shard):
     """The registry builder of ``moe_lm``: (model, batches, loss function) for a ``TrainConfig``
-    whose ``model`` is an :class:`LMConfig` (``data.source``: ``embedded`` or a UTF-8 text file)."""
+    whose ``model`` is an :class:`LMConfig` (``data.source``: ``embedded`` or a UTF-8 text file);
+    ``shard``: this rank's data stream (:class:`moetrain.registry.DataShard`)."""
     if config.data.seq_len > config.model.max_seq_len:
         raise ValueError(
             f"data.seq_len = {config.data.seq_len} exceeds model.max_seq_len = {config.model.max_seq_len}"
         )
     corpus = load_text_corpus(config.data.source, config.data.seq_len + 2)
-    model = MoETransformerLM(config.model, parallel)
-    batches = TextBatches(corpus, config.data.micro_batch_size, config.data.seq_len, config.seed, rank)
+    model = MoETransformerLM(config.model, seed=config.seed)
+    batches = TextBatches(corpus, config.data.micro_batch_size, config.data.seq_len, config.seed, shard.index)
+    return model, batches, lm_loss
 
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
-    return model, batches, loss_fn
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy (fp32); ``logits`` may be a vocabulary-sharded DTensor, under
+    ``torch.distributed.tensor.parallel.loss_parallel()``."""
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def lm_strategy(config) -> dict[str, str]:
+    """The registry's strategy hook: :func:`default_lm_strategy` for the run's ``tp_size``."""
+    return default_lm_strategy(config.model, config.parallel.tp_size)
 
 
 def describe_lm(config: LMConfig, name: str = "moe_lm"):
@@ -199,6 +248,7 @@ def describe_lm(config: LMConfig, name: str = "moe_lm"):
         max_seq_len=config.max_seq_len,
         moe=config.moe,
         moe_layers=tuple(range(config.num_layers)),
+        input_modules=("embed", "pos"),
     )
     return ModelDescription(name, arch, config, lambda: MoETransformerLM(config))
 
@@ -207,4 +257,4 @@ def register() -> None:
     """Registers ``moe_lm`` (the registry calls it; see :mod:`moetrain.registry`)."""
     from moetrain.registry import register_model
 
-    register_model("moe_lm", LMConfig, build_moe_lm, describe=describe_lm)
+    register_model("moe_lm", LMConfig, build_moe_lm, describe=describe_lm, strategy=lm_strategy)

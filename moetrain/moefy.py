@@ -152,7 +152,6 @@ def moefy(
     num_experts: int,
     top_k: int = 2,
     upcycle: bool = True,
-    parallel=None,
     **moe_options,
 ) -> list[str]:
     """Replaces the FFNs of ``model`` that ``match`` selects with MoELayers, in place; returns their
@@ -165,8 +164,9 @@ def moefy(
     ``expert_bias`` come from the FFN. Defaults that differ from MoEConfig's: dropless routing
     (``capacity_factor=None``) and, with ``upcycle``, normalised gates (``normalize_gates=True``,
     which the step-0 equality needs; with ``top_k=1`` the gate is then 1 and the router learns
-    through the aux loss only). ``parallel``: a :class:`~moetrain.ParallelContext` for expert
-    parallelism (each rank builds its own experts). The new layers take the FFN's device and dtype.
+    through the aux loss only). The new layers hold every expert and take the FFN's device and
+    dtype; expert parallelism is applied afterwards (:func:`moetrain.parallelize` with
+    ``expert``, or :func:`moetrain.shard_experts`).
     """
     accepts = _matcher(match)
     chosen = [(name, module) for name, module in model.named_modules() if name and accepts(name, module)]
@@ -196,7 +196,7 @@ def moefy(
             },
             "moefy",
         )
-        layer = MoELayer(config, parallel=parallel).to(device=dense.w1_DH.device, dtype=dense.w1_DH.dtype)
+        layer = MoELayer(config).to(device=dense.w1_DH.device, dtype=dense.w1_DH.dtype)
         if upcycle:
             upcycle_into(layer, dense)
         replacement = layer if dense.after is None else nn.Sequential(layer, dense.after)

@@ -1,18 +1,28 @@
-"""ParallelContext: the process groups and node topology of a run, created once and passed explicitly.
+"""ParallelContext: the device mesh, process groups and node topology of a run, created once and
+passed explicitly.
 
-World = DP x EP for expert layers. Groups (all built here, never read from global state elsewhere):
+World = DP x EP x TP, one :class:`~torch.distributed.device_mesh.DeviceMesh` with the named
+dimensions ``("dp", "ep", "tp")`` over the rank grid of :func:`rank_grid` (tp innermost, so a
+tensor-parallel group sits on consecutive ranks, inside a node). Every group is derived from that
+one grid (all built here, never read from global state elsewhere):
 
-- ``dp_group``: every rank; dense parameters are averaged over it.
-- ``ep_group``: the ``ep_size`` ranks that exchange tokens and split the experts; EP rank ``i``
-  holds global experts ``[i * E / ep_size, (i + 1) * E / ep_size)``.
-- ``expert_dp_group``: the ``world / ep_size`` ranks holding copies of the same experts (same EP
-  rank); expert gradients are reduced only over it.
+- ``tp_group`` (mesh dim ``tp``): the ``tp_size`` ranks that split the ``split`` layers; they see
+  the same data.
+- ``ep_group`` (mesh dim ``ep``): the ``ep_size`` ranks that exchange tokens and split the
+  experts; EP rank ``i`` holds global experts ``[i * E / ep_size, (i + 1) * E / ep_size)``.
+- ``dp_group`` = ``expert_dp_group`` (mesh dim ``dp``): the ``dp = world / (ep * tp)`` ranks
+  holding copies of the same experts (and the same tensor-parallel shards); expert gradients are
+  reduced only over it.
+- ``dense_group``: the ``dp * ep`` ranks with this rank's tp index (the mesh's ``("dp", "ep")``
+  submesh): replicated parameters are averaged over it; each of its ranks reads its own data
+  (``data_index`` of ``data_count = dp * ep`` streams).
 - ``intra_node_group`` / ``inter_node_group``: inside an EP group, its members on this node, and
   its members with this node-local index on every node: the two stages of the 2-D all-to-all
   and of the node-deduplicating dispatch (``all_to_all="node_dedup"``).
 
 Ranks are numbered node-major (rank = node * local_world_size + local_rank), as torchrun and
-SLURM do, so an EP group's ranks sorted by number are also node-major.
+SLURM do, so an EP group's ranks sorted by number are also node-major. Room is left for a
+``pp`` (pipeline) dimension outside ``dp``: not implemented.
 """
 
 from __future__ import annotations
@@ -195,12 +205,55 @@ def _local_world_size_from_env(world_size: int) -> int:
     return launch.local_world_size if launch.world_size == world_size else world_size
 
 
-def ep_group_ranks(world_size: int, ep_size: int, layout: str) -> list[list[int]]:
-    """The expert-parallel groups: consecutive ranks (packed) or one every world/ep (spread)."""
-    dp = world_size // ep_size
-    if layout == "packed":
-        return [list(range(g * ep_size, (g + 1) * ep_size)) for g in range(dp)]
-    return [[d + i * dp for i in range(ep_size)] for d in range(dp)]
+MESH_DIMS = ("dp", "ep", "tp")
+
+
+def check_sizes(world_size: int, ep_size: int, tp_size: int = 1) -> None:
+    """ValueError naming the numbers when ``ep_size * tp_size`` does not divide the world size."""
+    if world_size % (ep_size * tp_size):
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        if tp_size == 1:
+            raise ValueError(
+                f"ep_size = {ep_size} must divide the world size = {world_size} (possible: {divisors})"
+            )
+        raise ValueError(
+            f"ep_size x tp_size = {ep_size} x {tp_size} = {ep_size * tp_size} must divide the world size = "
+            f"{world_size} (divisors: {divisors})"
+        )
+
+
+def rank_grid(world_size: int, ep_size: int, tp_size: int = 1, ep_layout: str = "packed") -> torch.Tensor:
+    """The global rank at each mesh coordinate, an int64 tensor ``[dp, ep, tp]``: tp varies
+    fastest (consecutive ranks), then ep, then dp (``"packed"``: ``rank = (d * ep + e) * tp + t``),
+    or dp before ep (``"spread"``: ``rank = (e * dp + d) * tp + t``, an EP group spread over the
+    world)."""
+    check_sizes(world_size, ep_size, tp_size)
+    dp = world_size // (ep_size * tp_size)
+    ranks = torch.arange(world_size, dtype=torch.int64)
+    if ep_layout == "packed":
+        return ranks.view(dp, ep_size, tp_size)
+    if ep_layout == "spread":
+        return ranks.view(ep_size, dp, tp_size).transpose(0, 1).contiguous()
+    raise ValueError(f"ep_layout must be 'packed' or 'spread', got {ep_layout!r}")
+
+
+def grid_groups(grid: torch.Tensor) -> dict[str, list[list[int]]]:
+    """Every group of a ``[dp, ep, tp]`` rank grid, each a list of rank lists partitioning the
+    world: ``dp``, ``ep``, ``tp`` (one mesh dimension varying) and ``dense`` (dp and ep varying,
+    sorted)."""
+    dp, ep, tp = grid.shape
+    return {
+        "dp": [grid[:, e, t].tolist() for e in range(ep) for t in range(tp)],
+        "ep": [grid[d, :, t].tolist() for d in range(dp) for t in range(tp)],
+        "tp": [grid[d, e, :].tolist() for d in range(dp) for e in range(ep)],
+        "dense": [sorted(grid[:, :, t].reshape(-1).tolist()) for t in range(tp)],
+    }
+
+
+def ep_group_ranks(world_size: int, ep_size: int, layout: str, tp_size: int = 1) -> list[list[int]]:
+    """The expert-parallel groups of :func:`rank_grid` (with ``tp_size`` 1: consecutive ranks when
+    packed, one every world/ep when spread)."""
+    return grid_groups(rank_grid(world_size, ep_size, tp_size, layout))["ep"]
 
 
 def node_grid(ranks: list[int], local_world_size: int) -> tuple[int, int] | None:
@@ -214,12 +267,22 @@ def node_grid(ranks: list[int], local_world_size: int) -> tuple[int, int] | None
 
 
 class ParallelContext:
-    """Process groups and topology. ``ParallelContext()`` is the single-process context; with
-    ``torch.distributed`` initialised, it builds every group (a collective call: all ranks must
-    construct the same context in the same order). ``timeout_s``: the timeout of every subgroup
-    (None: torch's default); give the one the world group was initialised with."""
+    """The mesh, process groups and topology. ``ParallelContext()`` is the single-process context
+    (no mesh); with ``torch.distributed`` initialised, it builds every group and the mesh (a
+    collective call: all ranks must construct the same context in the same order). ``timeout_s``:
+    the timeout of every group it creates (None: torch's default); give the one the world group
+    was initialised with. ``device_type``: of the mesh (None: ``"cuda"`` under NCCL, else
+    ``"cpu"``). :meth:`from_mesh` wraps an existing mesh instead."""
 
-    def __init__(self, config: ParallelConfig | None = None, *, timeout_s: float | None = None, **options):
+    def __init__(
+        self,
+        config: ParallelConfig | None = None,
+        *,
+        timeout_s: float | None = None,
+        device_type: str | None = None,
+        mesh=None,
+        **options,
+    ):
         if config is None:
             config = ParallelConfig(**options)
         elif options:
@@ -231,15 +294,12 @@ class ParallelContext:
         initialized = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if initialized else 1
         self.rank = dist.get_rank() if initialized else 0
-        self.ep_size = config.ep_size
-        if self.world_size % self.ep_size:
+        self.ep_size, self.tp_size = config.ep_size, config.tp_size
+        check_sizes(self.world_size, self.ep_size, self.tp_size)
+        if self.world_size == 1 and not initialized and (config.ep_size > 1 or config.tp_size > 1):
             raise ValueError(
-                f"ep_size = {self.ep_size} must divide the world size = {self.world_size} "
-                f"(possible: {[d for d in range(1, self.world_size + 1) if self.world_size % d == 0]})"
-            )
-        if self.world_size == 1 and not initialized and config.ep_size > 1:
-            raise ValueError(
-                f"ep_size = {config.ep_size} needs torch.distributed initialised with that many ranks"
+                f"ep_size = {config.ep_size}, tp_size = {config.tp_size} need torch.distributed initialised "
+                "with that many ranks"
             )
         self.local_world_size = config.local_world_size or _local_world_size_from_env(self.world_size)
         if self.world_size % self.local_world_size:
@@ -250,26 +310,73 @@ class ParallelContext:
         self.num_nodes = self.world_size // self.local_world_size
         self.node = self.rank // self.local_world_size
         self.local_rank = self.rank % self.local_world_size
-        self.expert_dp_size = self.world_size // self.ep_size
-
-        groups = ep_group_ranks(self.world_size, self.ep_size, config.ep_layout)
-        self.ep_ranks = next(g for g in groups if self.rank in g)
-        self.ep_rank = self.ep_ranks.index(self.rank)
-        self.expert_dp_ranks = [g[self.ep_rank] for g in groups]
+        self.dp_size = self.world_size // (self.ep_size * self.tp_size)
+        self.expert_dp_size = self.dp_size
+        self.grid = rank_grid(self.world_size, self.ep_size, self.tp_size, config.ep_layout)
+        groups = grid_groups(self.grid)
+        self.dp_rank, self.ep_rank, self.tp_rank = (self.grid == self.rank).nonzero()[0].tolist()
+        self.ep_ranks = self.grid[self.dp_rank, :, self.tp_rank].tolist()
+        self.expert_dp_ranks = self.grid[:, self.ep_rank, self.tp_rank].tolist()
+        self.tp_ranks = self.grid[self.dp_rank, self.ep_rank, :].tolist()
+        self.dense_ranks = sorted(self.grid[:, :, self.tp_rank].reshape(-1).tolist())
+        self.data_index = self.dense_ranks.index(self.rank)  # = this rank's rank in dense_group
+        self.data_count = self.dp_size * self.ep_size
         grid = node_grid(self.ep_ranks, self.local_world_size)
-        uniform = all(node_grid(g, self.local_world_size) == grid for g in groups)
+        uniform = all(node_grid(g, self.local_world_size) == grid for g in groups["ep"])
         self.ep_node_grid = grid if uniform else None
         self.all_to_all = self._choose_algorithm()
 
-        self.dp_group = self.ep_group = self.expert_dp_group = None
+        self.mesh = None
+        self.dp_group = self.ep_group = self.tp_group = self.expert_dp_group = self.dense_group = None
         self.intra_node_group = self.inter_node_group = None
-        if initialized:
-            self.dp_group = dist.group.WORLD
-            self.ep_group, _ = dist.new_subgroups_by_enumeration(groups, timeout=self.timeout)
-            expert_dp = [[g[i] for g in groups] for i in range(self.ep_size)]
-            self.expert_dp_group, _ = dist.new_subgroups_by_enumeration(expert_dp, timeout=self.timeout)
-            if self.all_to_all in NODE_GRID_ALGORITHMS:
-                self._build_node_groups(groups)
+        if not initialized:
+            return
+        if mesh is None:
+            made = {
+                dim: dist.new_subgroups_by_enumeration(groups[dim], timeout=self.timeout)[0]
+                for dim in MESH_DIMS
+            }
+            from torch.distributed.device_mesh import DeviceMesh
+
+            if device_type is None:
+                device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            mesh = DeviceMesh.from_group(
+                [made[dim] for dim in MESH_DIMS], device_type, mesh=self.grid, mesh_dim_names=MESH_DIMS
+            )
+        self.mesh = mesh
+        self.dp_group, self.ep_group, self.tp_group = (mesh.get_group(dim) for dim in MESH_DIMS)
+        self.expert_dp_group = self.dp_group
+        if self.tp_size == 1:
+            self.dense_group = dist.group.WORLD
+        else:
+            self.dense_group, _ = dist.new_subgroups_by_enumeration(groups["dense"], timeout=self.timeout)
+        if self.all_to_all in NODE_GRID_ALGORITHMS:
+            self._build_node_groups(groups["ep"])
+
+    @classmethod
+    def from_mesh(cls, mesh, config: ParallelConfig | None = None, *, timeout_s: float | None = None):
+        """Wraps an existing mesh whose dimensions are named ``("dp", "ep", "tp")`` in that order
+        (sizes may be 1), over the ranks of the world (the node groups of the 2-D all-to-all and the
+        dense group are created here). ``config`` gives the other options; its ``ep_size`` /
+        ``tp_size`` are replaced by the mesh's. A collective."""
+        names = tuple(mesh.mesh_dim_names or ())
+        if names != MESH_DIMS:
+            raise ValueError(f"mesh dimensions must be named {MESH_DIMS}, got {names or None}")
+        sizes = dict(zip(MESH_DIMS, mesh.mesh.shape, strict=True))
+        config = replace(config or ParallelConfig(), ep_size=sizes["ep"], tp_size=sizes["tp"])
+        context = cls.__new__(cls)
+        world = dist.get_world_size()
+        for layout in ("packed", "spread"):
+            if torch.equal(mesh.mesh.cpu(), rank_grid(world, sizes["ep"], sizes["tp"], layout)):
+                config = replace(config, ep_layout=layout)
+                break
+        else:
+            raise ValueError(
+                "the mesh's rank grid must be one of moetrain.parallel.rank_grid's (packed or spread over "
+                f"{world} ranks), got {mesh.mesh.tolist()}"
+            )
+        cls.__init__(context, config, timeout_s=timeout_s, mesh=mesh)
+        return context
 
     def _choose_algorithm(self) -> str:
         choice = self.config.all_to_all
@@ -299,6 +406,16 @@ class ParallelContext:
         ``m*L .. (m+1)*L - 1``. None when its nodes hold different numbers of its ranks."""
         return None if self.ep_node_grid is None else self.ep_node_grid[0]
 
+    def submesh(self, *dims: str):
+        """The mesh restricted to ``dims`` (e.g. ``("dp", "ep")``); None without a mesh."""
+        return None if self.mesh is None else self.mesh[dims if len(dims) > 1 else dims[0]]
+
+    @property
+    def data_leader(self) -> int:
+        """The global rank of tp index 0 in this rank's tensor-parallel group (whose data position
+        the whole group resumes from)."""
+        return self.tp_ranks[0]
+
     def local_experts(self, num_experts: int) -> range:
         """Global indices of the experts this rank holds."""
         if num_experts % self.ep_size:
@@ -312,7 +429,7 @@ class ParallelContext:
     def __repr__(self) -> str:
         return (
             f"ParallelContext(rank={self.rank}/{self.world_size}, "
-            f"nodes={self.num_nodes}x{self.local_world_size}, "
-            f"ep_size={self.ep_size} ep_rank={self.ep_rank}, expert_dp_size={self.expert_dp_size}, "
-            f"all_to_all={self.all_to_all!r})"
+            f"nodes={self.num_nodes}x{self.local_world_size}, dp={self.dp_size} "
+            f"ep_size={self.ep_size} ep_rank={self.ep_rank} tp_size={self.tp_size}, "
+            f"expert_dp_size={self.expert_dp_size}, all_to_all={self.all_to_all!r})"
         )

@@ -1,36 +1,47 @@
-"""A dependency-free progress bar for long loops: ``step/total``, metrics, rate and ETA on one line."""
+"""Progress of long loops as log records: ``step/total``, metrics, rate and ETA on one line.
+
+A :class:`ProgressBar` writes nothing itself; it logs through ``logging.getLogger("moetrain.progress")``
+so that library code with no handler configured stays silent (Python's last-resort handler shows
+WARNING and above only), and whoever configures logging decides where progress goes:
+
+- every ``log_every`` steps and at the last step the line is an INFO record (``record.progress ==
+  "line"``): any handler shows it as a plain line (the command line's console, a rank's log file, a
+  user's ``logging.basicConfig``);
+- the updates in between are DEBUG records marked ``record.progress == "redraw"``, and ``close()``
+  logs one marked ``"end"``; they are formatted only when the logger is enabled for DEBUG. The
+  command line's console handler (:class:`moetrain.logs.ConsoleHandler`) enables them on a terminal
+  and redraws the bar in place; its file handlers and a console that is not a terminal drop them.
+"""
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
-from typing import TextIO
+
+log = logging.getLogger(__name__)
+
+PROGRESS_ATTR = "progress"  # the LogRecord attribute: "line", "redraw" or "end"
+
+
+def progress_kind(record: logging.LogRecord) -> str | None:
+    """``"line"``, ``"redraw"`` or ``"end"`` for a record of a :class:`ProgressBar`, else None."""
+    return getattr(record, PROGRESS_ATTR, None)
 
 
 class ProgressBar:
-    """Redraws one line on ``stream`` (a terminal: with ``\\r``; a log file: a line every
-    ``log_every`` steps). ``update(step, **metrics)`` formats floats with 4 significant digits.
-    ``initial``: steps already done before this bar started (a resumed run); the ETA uses the
-    rate of the steps done since."""
+    """``update(step, **metrics)`` formats floats with 4 significant digits. ``initial``: steps
+    already done before this bar started (a resumed run); the ETA uses the rate of the steps done
+    since. ``log_every``: steps between the INFO lines (see the module docstring)."""
 
     def __init__(
-        self,
-        total: int,
-        description: str = "",
-        width: int = 24,
-        stream: TextIO | None = None,
-        log_every: int = 50,
-        initial: int = 0,
+        self, total: int, description: str = "", width: int = 24, log_every: int = 50, initial: int = 0
     ):
         self.total = max(total, 1)
         self.description = description
         self.width = width
-        self.stream = stream if stream is not None else sys.stderr
-        self.interactive = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.log_every = log_every
+        self.log_every = max(1, log_every)
         self.initial = initial
         self.start = time.perf_counter()
-        self._last_len = 0
 
     def _render(self, step: int, metrics: dict) -> str:
         done = min(step, self.total)
@@ -44,15 +55,13 @@ class ProgressBar:
         return f"{prefix}[{bar}] {done}/{self.total} | " + " | ".join(parts) + f" | eta {eta:4.0f}s"
 
     def update(self, step: int, **metrics) -> None:
-        line = self._render(step, metrics)
-        if self.interactive:
-            self.stream.write("\r" + line + " " * max(0, self._last_len - len(line)))
-            self._last_len = len(line)
-        elif step % self.log_every == 0 or step >= self.total:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+        if step % self.log_every == 0 or step >= self.total:
+            level, kind = logging.INFO, "line"
+        else:
+            level, kind = logging.DEBUG, "redraw"
+        if log.isEnabledFor(level):
+            log.log(level, "%s", self._render(step, metrics), extra={PROGRESS_ATTR: kind})
 
     def close(self) -> None:
-        if self.interactive:
-            self.stream.write("\n")
-            self.stream.flush()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s", self.description, extra={PROGRESS_ATTR: "end"})

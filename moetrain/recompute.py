@@ -56,8 +56,9 @@ from torch.utils.checkpoint import checkpoint
 
 from moetrain.layers import MoELayer
 from moetrain.layers.dispatch import AllToAllTokenDispatcher
+from moetrain.layers.experts import local_tensor
 from moetrain.layers.node_dispatch import NodeDedupTokenDispatcher
-from moetrain.validation import require_int
+from moetrain.validation import require_bool, require_int, require_number
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +265,7 @@ def _resolve_candidates(model: nn.Module, candidates: Sequence[str] | None) -> d
 
 
 def _storage_key(t: torch.Tensor) -> StorageKey:
+    t = local_tensor(t)  # a DTensor (split or FSDP parameter) has no storage of its own: its shard has
     return (t.device.type, -1 if t.device.index is None else t.device.index, t.untyped_storage().data_ptr())
 
 
@@ -413,6 +415,8 @@ class _MoEReplayRecorder:
     def _layer_post(self, name):
         def hook(layer, args, output):
             call = self._pending.pop(name)
+            if "received" not in call:  # the chunked exchange computes the experts without the module
+                call["received"], call["d_model"], call["itemsize"] = layer.dispatcher.last_received
             communicates = isinstance(layer.dispatcher, AllToAllTokenDispatcher)
             received = call["received"] if communicates else 0
             returned = int(layer.last_stats.kept_per_expert.sum()) if communicates else 0
@@ -723,15 +727,7 @@ def plan_recompute(
     Raises ValueError naming the minimum achievable activation memory when no plan fits.
     ``model`` (optional) only fills ``moe_replay`` with the MoELayers inside recomputed blocks.
     """
-    if (
-        isinstance(memory_budget_bytes, bool)
-        or not isinstance(memory_budget_bytes, (int, float))
-        or not math.isfinite(memory_budget_bytes)
-        or memory_budget_bytes < 0
-    ):
-        raise ValueError(
-            f"memory_budget_bytes must be a finite number of bytes >= 0, got {memory_budget_bytes!r}"
-        )
+    require_number("memory_budget_bytes", memory_budget_bytes, low=0, note="(bytes)")
     budget = int(memory_budget_bytes)
     minimum = profile.min_activation_bytes
     if profile.baseline_bytes <= budget:
@@ -860,8 +856,7 @@ def auto_checkpoint(
     backward. ``candidates``: module names to choose from (default: :func:`default_candidates`).
     Raises ValueError, naming the minimum achievable bytes, when no choice fits the budget.
     """
-    if not isinstance(verbose, bool):
-        raise ValueError(f"verbose must be True or False, got {verbose!r}")
+    require_bool("verbose", verbose)
     profile = profile_activations(
         model, example_batch, loss_fn=loss_fn, candidates=candidates, timing_repeats=timing_repeats
     )

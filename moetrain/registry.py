@@ -3,16 +3,22 @@
 
 A model is registered with :func:`register_model`: a name, its config dataclass (validated in
 ``__post_init__``; presets through ``preset_names()`` / ``preset(name)`` if it has any) and a
-builder ``builder(train_config, parallel, rank) -> (model, batches, loss_fn)``:
+builder ``builder(train_config, shard) -> (model, batches, loss_fn)``, where ``shard`` is this
+rank's :class:`DataShard` (``index`` of ``count`` data streams; tensor-parallel ranks share one,
+so their batches must be equal: seed the data from ``shard.index``, not from the rank):
 
-- ``model``: an ``nn.Module`` called as ``model(inputs)`` or ``model(**inputs)``;
+- ``model``: an ``nn.Module`` built with no knowledge of the parallel layout (the engine applies
+  the strategy with :func:`moetrain.parallelize` afterwards), called as ``model(inputs)`` or
+  ``model(**inputs)``;
 - ``batches``: ``next() -> (inputs, targets)``, ``probe(sequences, seed)``, ``state_dict()`` /
   ``load_state_dict()`` (the data position in checkpoints), ``reseed(seed, rank, step)``,
   ``tokens_per_batch``, a settable ``batch`` (sequences per micro-batch); optionally ``close()``
   (stops loader workers; the engine calls it when a run ends);
 - ``loss_fn(output, targets) -> scalar`` (a mean), optionally with ``loss_units(targets)``.
 
-Optional hooks: ``describe`` (the planner's model description, see ``moetrain.planner``),
+Optional hooks: ``strategy(train_config) -> {pattern: kind}`` (the model's default strategy, used
+when the config gives none; without it: every ``MoELayer`` ``expert``, everything else
+replicated), ``describe`` (the planner's model description, see ``moetrain.planner``),
 ``evaluate`` and ``generate`` (the ``moetrain eval`` / ``moetrain generate`` commands: each gets
 the parsed command-line arguments and the training config and returns an exit code).
 
@@ -35,6 +41,20 @@ ENTRY_POINT_GROUP = "moetrain.models"
 
 
 @dataclass(frozen=True)
+class DataShard:
+    """Which data stream a rank reads: ``index`` in ``[0, count)``; ``group``: a process group of
+    one rank per stream, in which this rank has rank ``index`` (None in a single process: for data
+    loaders that agree on positions); ``rank`` / ``world_size``: the process in the world (for work
+    done once per run or per rank, like preparing files)."""
+
+    index: int = 0
+    count: int = 1
+    rank: int = 0
+    world_size: int = 1
+    group: object = None
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     config_class: type
@@ -42,6 +62,7 @@ class ModelSpec:
     describe: Callable | None = None
     evaluate: Callable | None = None
     generate: Callable | None = None
+    strategy: Callable | None = None
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -56,6 +77,7 @@ def register_model(
     describe: Callable | None = None,
     evaluate: Callable | None = None,
     generate: Callable | None = None,
+    strategy: Callable | None = None,
 ) -> ModelSpec:
     """Registers (or replaces) model ``name``. Returns its :class:`ModelSpec`."""
     if not isinstance(name, str) or not name.isidentifier():
@@ -64,7 +86,9 @@ def register_model(
         raise ValueError(f"config_class of model {name!r} must be a class, got {config_class!r}")
     if not callable(builder):
         raise ValueError(f"builder of model {name!r} must be callable, got {builder!r}")
-    spec = ModelSpec(name, config_class, builder, describe, evaluate, generate)
+    if strategy is not None and not callable(strategy):
+        raise ValueError(f"strategy hook of model {name!r} must be callable, got {strategy!r}")
+    spec = ModelSpec(name, config_class, builder, describe, evaluate, generate, strategy)
     _REGISTRY[name] = spec
     return spec
 

@@ -29,35 +29,75 @@ def require_choice(name: str, value, allowed: tuple) -> None:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
 
 
-def require_nonneg_float(name: str, value, allow_none: bool = False) -> None:
-    """A finite number >= 0 (or None when ``allow_none``)."""
+def is_finite_number(value) -> bool:
+    return is_number(value) and math.isfinite(value)
+
+
+def _number_range(low, high, low_open: bool, high_open: bool) -> str:
+    if low is not None and high is not None:
+        return f"a number in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    if low is not None:
+        return f"a finite number {'>' if low_open else '>='} {low}"
+    if high is not None:
+        return f"a finite number {'<' if high_open else '<='} {high}"
+    return "a finite number"
+
+
+def require_number(
+    name: str,
+    value,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    allow_none: bool = False,
+    note: str = "",
+) -> None:
+    """A finite number with ``value >= low`` (``>`` when ``low_open``) and ``value <= high`` (``<``
+    when ``high_open``), each bound only when given; or None when ``allow_none``. ``note``:
+    appended to the allowed values, e.g. ``"(Gbit/s)"``."""
     if value is None and allow_none:
         return
-    if not is_number(value) or not math.isfinite(value) or value < 0:
-        allowed = "a finite number >= 0" + (" or None" if allow_none else "")
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    ok = (
+        is_finite_number(value)
+        and (low is None or (value > low if low_open else value >= low))
+        and (high is None or (value < high if high_open else value <= high))
+    )
+    if not ok:
+        allowed = _number_range(low, high, low_open, high_open) + (f" {note}" if note else "")
+        raise ValueError(f"{name} must be {allowed}{' or None' if allow_none else ''}, got {value!r}")
+
+
+def require_numbers(name: str, values, *, count: int | None = None, **bounds) -> tuple[float, ...]:
+    """A list or tuple of numbers (exactly ``count`` when given), each checked by
+    :func:`require_number` with ``bounds`` as ``name[i]``; returns them as floats."""
+    if not isinstance(values, (list, tuple)) or (count is not None and len(values) != count):
+        raise ValueError(
+            f"{name} must be a list of {'' if count is None else f'{count} '}numbers, got {values!r}"
+        )
+    for i, value in enumerate(values):
+        require_number(f"{name}[{i}]", value, **bounds)
+    return tuple(float(value) for value in values)
+
+
+def require_nonneg_float(name: str, value, allow_none: bool = False) -> None:
+    """A finite number >= 0 (or None when ``allow_none``)."""
+    require_number(name, value, low=0, allow_none=allow_none)
 
 
 def require_positive_float(name: str, value, allow_none: bool = False) -> None:
     """A finite number > 0 (or None when ``allow_none``)."""
-    if value is None and allow_none:
-        return
-    if not is_number(value) or not math.isfinite(value) or value <= 0:
-        allowed = "a finite number > 0" + (" or None" if allow_none else "")
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    require_number(name, value, low=0, low_open=True, allow_none=allow_none)
 
 
 def require_fraction(name: str, value, *, upper_open: bool = True) -> None:
     """A number in [0, 1) (or [0, 1] when not ``upper_open``)."""
-    if (
-        not is_number(value)
-        or not math.isfinite(value)
-        or value < 0
-        or (value >= 1 if upper_open else value > 1)
-    ):
-        raise ValueError(f"{name} must be a number in [0, 1{')' if upper_open else ']'}, got {value!r}")
+    require_number(name, value, low=0, high=1, high_open=upper_open)
 
 
-def require_bool(name: str, value, allow_none: bool = False) -> None:
+def require_bool(name: str, value, allow_none: bool = False, note: str = "") -> None:
+    """True or False (or None when ``allow_none``). ``note``: appended, e.g. ``"(True: AdamW)"``."""
     if not (isinstance(value, bool) or (allow_none and value is None)):
-        raise ValueError(f"{name} must be True or False{' or None' if allow_none else ''}, got {value!r}")
+        allowed = "True or False" + (" or None" if allow_none else "") + (f" {note}" if note else "")
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")

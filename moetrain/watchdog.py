@@ -7,10 +7,16 @@ store every ``interval_s`` seconds. When its own rank has been in the same step 
 ``stall_s`` seconds, it reads every rank's heartbeat (one ``multi_get``) and logs one error line
 naming the ranks that are silent (no heartbeat for ``stall_s``: stopped or gone) or behind (an
 earlier step or phase); when every rank is in the same place it only logs that they all wait there
-(a long phase, not a fault). Nothing is read while training makes progress.
+(a long phase, not a fault). Until it has found a silent rank it looks again every ``stall_s / 2``
+(a rank stopped just after this one started waiting is not yet silent at the first look), logging
+again only when the finding changes. A failing rank calls :meth:`Watchdog.look_now` before it writes
+its error line: a collective's timeout may come before the next periodic look. The finding is kept on the run's position
+(``RunPosition.stall``) while the rank stays stuck, so the error line of the collective's timeout
+names the cause (:func:`moetrain.failures.describe_failure`). Nothing is read while training makes
+progress.
 
 Store traffic: one small ``set`` per rank every ``interval_s``; one ``multi_get`` of ``world`` keys
-per rank and stall.
+per rank every ``stall_s / 2`` of a stall, until a silent rank is found.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ class Watchdog:
         self.interval_s, self.stall_s = interval_s, stall_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="moetrain-watchdog", daemon=True)
+        self._lock = threading.Lock()  # the thread and look_now() share where/since/finding
+        self._seen, self._since, self._finding = None, time.monotonic(), None
         self.reports: list[str] = []
 
     def start(self) -> Watchdog:
@@ -55,26 +63,46 @@ class Watchdog:
         self.store.set(_key(self.rank), json.dumps({"step": step, "phase": phase, "time": time.time()}))
 
     def _run(self) -> None:
-        where, since, reported = self._where(), time.monotonic(), False
+        with self._lock:
+            self._seen, self._since = self._where(), time.monotonic()
+        next_look = self.stall_s
         while not self._stop.wait(self.interval_s):
             try:
                 self._publish()
-                now_where = self._where()
-                if now_where != where:
-                    where, since, reported = now_where, time.monotonic(), False
-                elif not reported and time.monotonic() - since >= self.stall_s:
-                    self._report(where, time.monotonic() - since)
-                    reported = True
+                with self._lock:
+                    now_where = self._where()
+                    waited = time.monotonic() - self._since
+                    if now_where != self._seen:
+                        next_look = self.stall_s
+                        self._seen, self._since, self._finding = now_where, time.monotonic(), None
+                        self.position.stall = None
+                    elif self._finding != "silent" and waited >= next_look:
+                        self._finding = self._report(now_where, waited, self._finding)
+                        next_look = waited + self.stall_s / 2
             except Exception as error:  # noqa: BLE001 - the store may be gone at shutdown
                 log.debug("watchdog: %s", error)
                 if self._stop.is_set():
                     return
 
-    def _report(self, where: tuple, waited_s: float) -> None:
+    def look_now(self) -> None:
+        """Reads every heartbeat now if this rank has been in the same place for ``stall_s`` or
+        more and no silent rank is known yet, so ``position.stall`` names the cause when a failing
+        collective's error line is written before the next periodic look."""
+        with self._lock:
+            waited = time.monotonic() - self._since
+            if self._where() == self._seen and self._finding != "silent" and waited >= self.stall_s:
+                try:
+                    self._finding = self._report(self._where(), waited, self._finding)
+                except Exception as error:  # noqa: BLE001 - the store may be gone
+                    log.debug("watchdog: %s", error)
+
+    def _report(self, where: tuple, waited_s: float, previous: str | None = None) -> str:
+        """Reads every heartbeat; logs (unless the finding is ``previous`` again) and returns the
+        finding: ``"silent"``, ``"behind"`` or ``"waiting"`` (every rank at the same place)."""
         keys = [_key(r) for r in range(self.world_size)]
         beats = self.store.multi_get(keys)
         now = time.time()
-        silent, behind = [], []
+        silent, behind, causes, lagging = [], [], [], []
         for rank, raw in enumerate(beats):
             if rank == self.rank:
                 continue
@@ -82,14 +110,18 @@ class Watchdog:
                 beat = json.loads(bytes(raw).decode("utf-8"))
             except (ValueError, UnicodeDecodeError):
                 silent.append(f"rank {rank} (no heartbeat)")
+                causes.append(f"rank {rank} never sent a heartbeat")
                 continue
             age = now - beat["time"]
             place = f"step {beat['step']}, {beat['phase']}"
             if age >= self.stall_s:
                 silent.append(f"rank {rank} (last heard {age:.0f} s ago at {place})")
+                causes.append(f"rank {rank} stopped making progress at {place} (last heard {age:.0f} s ago)")
             elif (beat["step"], beat["phase"]) != where and (beat["step"] or 0) <= (where[0] or 0):
                 behind.append(f"rank {rank} ({place})")
+                lagging.append(f"rank {rank} is behind at {place}")
         here = f"step {where[0]}, {where[1]}"
+        finding = "silent" if silent else "behind" if behind else "waiting"
         if silent or behind:
             parts = [f"rank {self.rank} has waited {waited_s:.0f} s at {here}"]
             if silent:
@@ -97,11 +129,15 @@ class Watchdog:
             if behind:
                 parts.append(f"behind: {_first(behind)}")
             line = "; ".join(parts)
-            log.error("%s", line)
+            if finding != previous:
+                log.error("%s", line)
+            self.position.stall = _first(causes + lagging)
         else:
             line = f"rank {self.rank}: every rank has been at {here} for {waited_s:.0f} s (a long phase)"
-            log.info("%s", line)
+            if finding != previous:
+                log.info("%s", line)
         self.reports.append(line)
+        return finding
 
 
 def _first(items: list[str], shown: int = 8) -> str:

@@ -72,6 +72,9 @@ def evaluate(out_dir: Path, overrides: list[str] = (), ranks: int = 2, limit: in
     from moetrain import MoELayer
     from moetrain.checkpoint import load_checkpoint
     from moetrain.cli import build_train_config
+    from moetrain.logs import configure_console
+
+    configure_console("INFO")  # the captioning progress bar (a log record) on stderr
 
     config = build_train_config(str(CONFIG), [f"out_dir={out_dir}", *overrides])
     torch.manual_seed(0)

@@ -2,11 +2,13 @@
 
 Runs ``moetrain plan`` on ``configs/m6_1t.yaml`` for the M6-T cluster (the command below) and
 writes, between ``plan-figures:begin`` / ``plan-figures:end`` marker lines, the plan in README.md
-("Plan a trillion-parameter run") and a summary in the header of configs/m6_1t.yaml and in the
-comments of scripts/slurm/m6_1t_480gpu.sbatch; it also sets the config's ``recompute_budget_mb``
-to the activation budget the planner chose. Nothing outside the markers and that one value is
-touched. ``--check`` changes nothing and exits 1 naming every file that is out of date
-(tests/test_plan_figures.py runs it).
+("Plan a trillion-parameter run"), a summary in the header of configs/m6_1t.yaml and in the
+comments of scripts/slurm/m6_1t_480gpu.sbatch, and "How it fits" in docs/planner.md; it also sets
+the config's ``recompute_budget_mb`` to the activation budget the planner chose and every
+checkpoint size quoted as "N GiB per rank (N TiB per run)" in the sbatch script and
+scripts/slurm/README.md. Nothing outside the markers and those values is touched. ``--check``
+changes nothing and exits 1 naming every file that is out of date (tests/test_plan_figures.py runs
+it).
 
 Usage: python scripts/update_plan_figures.py [--check]
 """
@@ -26,6 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "m6_1t.yaml"
 README = ROOT / "README.md"
 SBATCH = ROOT / "scripts" / "slurm" / "m6_1t_480gpu.sbatch"
+SLURM_README = ROOT / "scripts" / "slurm" / "README.md"
+PLANNER_DOC = ROOT / "docs" / "planner.md"
+CHECKPOINT_SIZE = re.compile(r"\d+\.\d\d GiB per rank \(\d+\.\d\d TiB per run\)")
 CLUSTER_ARGS = ["--cluster", "v100-32gb", "--nodes", "60", "--inter-node-gbps", "35"]
 COMMAND = "moetrain plan --model configs/m6_1t.yaml " + " ".join(CLUSTER_ARGS)
 BEGIN, END = "plan-figures:begin", "plan-figures:end"
@@ -74,6 +79,9 @@ def summary(plan: dict) -> list[str]:
             else f"written synchronously: a background write's host copy would add {gib(staging)} GiB "
             "per node."
         ),
+        f"The all-to-all in {plan['time']['a2a_chunks']} chunks hides "
+        f"{plan['time']['all_to_all_hidden_s']:.1f} s of its {plan['time']['all_to_all_s']:.1f} s per step "
+        "behind the experts.",
         f"{plan['time']['tokens_per_step']:,} tokens per step, "
         f"~{plan['time']['tokens_per_s'] / 1e3:.0f}k tokens/s (the planner's model, not a measurement).",
     ]
@@ -104,6 +112,78 @@ def why_it_fits(plan: dict) -> list[str]:
         "not a measurement.",
     ]
     return wrap(sentences, "")
+
+
+def how_it_fits(plan: dict) -> list[str]:
+    """docs/planner.md's "How it fits" bullets and "What limits it" with the plan's numbers."""
+    params, host, step, time = plan["params"], plan["host_memory"], plan["step_peak"], plan["time"]
+    reserve, cluster, checkpoint = plan["reserve"], plan["cluster"], plan["checkpoint"]
+    ep, per_node, rank_bytes = plan["settings"]["ep_size"], cluster["gpus_per_node"], checkpoint["rank_bytes"]
+    states = gib(params["per_rank"] * 12)
+    nccl = [key.removeprefix("nccl_").replace("_", " ") for key in reserve if key.startswith("nccl_")]
+    context_and_nccl = sum(value for key, value in reserve.items() if key != "fragmentation")
+    used, flat = next(t for t in plan["traffic"] if t["name"] == "all_to_all"), plan["all_to_all_alternative"]
+    messages = [t["intra_messages"] + t["inter_messages"] for t in (flat, used)]
+    bullets = [
+        [
+            f"- **Experts spread over all {plan['world_size']} GPUs** (`ep_size {ep}`):",
+            f"{params['experts_per_rank_per_layer']} experts per layer per GPU,",
+            f"{params['expert_per_rank'] / 1e9:.2f}B expert + {params['dense'] / 1e9:.3f}B dense",
+            "parameters per GPU; no expert is replicated, so there is no expert gradient all-reduce.",
+        ],
+        [
+            "- **Optimizer states offloaded**: fp32 master + two moments are 12 bytes/parameter,",
+            f"{states} GiB per GPU, which cannot sit next to the rest; on the host they take",
+            f"{per_node} x {states} = {gib(host['offloaded_states'])} GiB per node.",
+        ],
+        [
+            f"- **Recompute**: `auto` recomputes {plan['recompute']['layers_recomputed']} layers whole or",
+            f"their FFNs; the peak comes at the {step['where']}, when the fp32 gradients (the dominant",
+            f"term: {gib(step['gradients'])} of {gib(plan['gradient_bytes'])} GiB) have nearly all arrived.",
+        ],
+        [
+            f"- **Reserve**: {len(nccl)} NCCL communicators ({', '.join(nccl)}; no expert-data-parallel",
+            f"group at ep_size {ep}) and the CUDA context take {gib(context_and_nccl)} GiB, plus",
+            f"{gib(reserve['fragmentation'])} GiB for fragmentation. The V100 NCCL figures are",
+            "assumptions scaled from H100 measurements (`moetrain/planner/reserve.py`), not measured",
+            "on V100.",
+        ],
+        [
+            "- **Checkpoints**: 16 bytes per parameter (fp32 weights, fp32 master, two moments),",
+            f"{gib(rank_bytes)} GiB per GPU and {checkpoint['run_bytes'] / 2**40:.2f} TiB per run.",
+            f"Written in the background, every rank would first copy its {gib(rank_bytes)} GiB into host",
+            f"memory: {gib(rank_bytes * per_node)} GiB per node beside the",
+            f"{gib(plan['host_total'])} GiB the offloaded optimizer, its staging and the host reserve",
+            f"already take, more than the {gib(plan['host_capacity'])} GiB of a DGX-1 class node, so",
+            "the config writes checkpoints synchronously (`async_checkpoint: false`).",
+        ],
+        [
+            "- **Hierarchical all-to-all**: the same bytes cross nodes either way, in",
+            f"{messages[0] / messages[1]:.1f}x fewer messages than the flat algorithm.",
+        ],
+        [
+            f"- **Chunked all-to-all** (`a2a_chunks: {plan['settings']['a2a_chunks']}`): the link is the",
+            f"bottleneck, so the model picks {time['a2a_chunks']} chunks, which hide",
+            f"{time['all_to_all_hidden_s']:.1f} s of the {time['all_to_all_s']:.1f} s all-to-all per step",
+            "behind the experts; more chunks pay the messages' latencies again and hide less of the",
+            "weight-gradient pass.",
+        ],
+    ]
+    limits = [
+        f"What limits it: the network. A node's {per_node} GPUs share",
+        f"{cluster['inter_node_bandwidth'] / 1e9:.2f} GB/s between nodes, and the all-to-all takes",
+        f"{time['all_to_all_s'] - time['all_to_all_hidden_s']:.1f} s of the {time['step_s']:.1f} s step",
+        f"once its hidden part is taken off; CPU Adam over {per_node} x",
+        f"{params['per_rank'] / 1e9:.2f}B parameters at {cluster['host_memory_bandwidth'] / 1e9:.0f} GB/s",
+        f"of host memory bandwidth is the next term ({time['optimizer_s']:.1f} s). `--recommend` prefers",
+        "fp16 weights (`param_dtype: fp16` with the offloaded optimizer, which keeps the fp32 masters on",
+        "the host; tested on CPU), with which larger micro-batches fit.",
+    ]
+    lines = []
+    for bullet in bullets:
+        first, *rest = wrap(bullet, "")
+        lines += [first, *(f"  {line}" for line in wrap(rest, "", 98))] if rest else [first]
+    return [*lines, "", *wrap(limits, "")]
 
 
 def replace_between(text: str, lines: list[str], prefix: str, where: Path) -> str:
@@ -151,7 +231,22 @@ def expected_files() -> dict[Path, str]:
 
     sbatch = SBATCH.read_text(encoding="utf-8")
     sbatch = replace_between(sbatch, [f"#   {COMMAND}", *wrap(summary(plan), "#   ")], "# ", SBATCH)
-    return {README: readme, CONFIG: config, SBATCH: sbatch}
+    checkpoint = plan["checkpoint"]
+    size = f"{gib(checkpoint['rank_bytes'])} GiB per rank ({checkpoint['run_bytes'] / 2**40:.2f} TiB per run)"
+    sbatch = set_checkpoint_size(sbatch, size, SBATCH)
+    slurm_readme = set_checkpoint_size(SLURM_README.read_text(encoding="utf-8"), size, SLURM_README)
+
+    doc = PLANNER_DOC.read_text(encoding="utf-8")
+    doc = replace_between(doc, how_it_fits(plan), "<!-- ", PLANNER_DOC)
+    return {README: readme, CONFIG: config, SBATCH: sbatch, SLURM_README: slurm_readme, PLANNER_DOC: doc}
+
+
+def set_checkpoint_size(text: str, size: str, where: Path) -> str:
+    """``text`` with every "N GiB per rank (N TiB per run)" set to ``size`` (at least one)."""
+    text, count = CHECKPOINT_SIZE.subn(size, text)
+    if not count:
+        raise SystemExit(f"{where}: no checkpoint size quoted as 'N GiB per rank (N TiB per run)'")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:

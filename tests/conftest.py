@@ -1,7 +1,11 @@
+import io
+import logging
+
 import pytest
 import torch
 
 from moetrain._ext import ops
+from moetrain.logs import ConsoleHandler
 
 
 @pytest.fixture(autouse=True)
@@ -21,3 +25,35 @@ def simd_level(request):
     ops.set_max_simd_level(request.param)
     yield request.param
     ops.set_max_simd_level("avx512")
+
+
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def progress_log():
+    """``attach(terminal=False, level=INFO) -> stream``: a :class:`ConsoleHandler` writing to a new
+    ``StringIO`` (a ``Terminal`` when ``terminal``) on the ``moetrain.progress`` logger, so that a
+    test reads what progress bars show as the command line would; removed after the test."""
+    logger = logging.getLogger("moetrain.progress")
+    saved = logger.level, logger.propagate
+    attached = []
+
+    def attach(terminal: bool = False, level: int = logging.INFO) -> io.StringIO:
+        stream = Terminal() if terminal else io.StringIO()
+        handler = ConsoleHandler(stream, level)
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG if handler.redraws else level)
+        logger.propagate = False
+        attached.append(handler)
+        return stream
+
+    yield attach
+    for handler in attached:
+        logger.removeHandler(handler)
+    logger.setLevel(saved[0])
+    logger.propagate = saved[1]

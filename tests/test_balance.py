@@ -60,7 +60,7 @@ def test_greedy_split_minimises_the_slowest_rank():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ((2, [1.0, 1.0, 1.0]), "global_batch must be an integer >= the number of ranks 3"),
+        ((2, [1.0, 1.0, 1.0]), "global_batch must be an integer >= 3 \\(the ranks: each takes at least one"),
         ((10, []), "speeds must hold one speed per data-parallel rank"),
         ((10, [1.0, 0.0]), "speeds\\[1\\] must be a finite number > 0"),
         ((10, [1.0, 1.0], [4, 4]), "global_batch = 10 exceeds the sum of memory_limits = 8"),
@@ -109,12 +109,15 @@ def _global_batch():
 
 def gradient_worker(rank, world, ep_size):
     from moetrain.comm.grad_sync import ExpertGradReducer, wrap_data_parallel
+    from moetrain.layers import shard_experts
     from moetrain.layers.experts import GroupedExperts
     from moetrain.parallel import ParallelContext
 
     ctx = ParallelContext(ep_size=ep_size, local_world_size=2)
     torch.manual_seed(11)
-    model = MoETransformerLM(_config(), ctx)
+    model = MoETransformerLM(_config())
+    for block in model.blocks:
+        shard_experts(block.ffn, ctx)
     torch.manual_seed(11)
     reference = MoETransformerLM(_config())  # one process, every expert, the whole batch
     inputs, targets = _global_batch()

@@ -45,7 +45,8 @@ def test_missing_extension_says_how_to_build(tmp_path):
     result = _import_in_copy(tmp_path, keep_extension=False, edit_source=False)
     assert result.returncode != 0
     assert "ImportError: moetrain's C++ extension moetrain._C is not built" in result.stderr
-    assert "make build" in result.stderr
+    assert "make build" in result.stderr  # a repository checkout, and an installed copy:
+    assert "pip install --no-build-isolation --force-reinstall --no-deps" in result.stderr
 
 
 def test_stale_extension_is_refused(tmp_path):

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain import MoEConfig, MoELayer
+from moetrain import MoEConfig, MoELayer, shard_experts
 from moetrain import checkpoint as ckpt
 from moetrain.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from moetrain.comm.grad_sync import ExpertGradReducer, wrap_data_parallel
@@ -47,7 +47,9 @@ class Net(nn.Module):
             eval_capacity_factor=None,
             router_jitter=jitter,
         )
-        self.moe = MoELayer(cfg, parallel=parallel)
+        self.moe = MoELayer(cfg)
+        if parallel is not None:
+            shard_experts(self.moe, parallel)
         self.out = nn.Linear(D_MODEL, 3)
 
     def forward(self, x):
@@ -334,11 +336,12 @@ def test_damaged_checkpoint_raises_naming_the_file(tmp_path, damage):
         assert torch.equal(p.detach(), q)  # nothing was loaded
 
 
-def test_large_checkpoints_show_hashing_progress(tmp_path, monkeypatch, capsys):
+def test_large_checkpoints_show_hashing_progress(tmp_path, monkeypatch, progress_log):
+    stream = progress_log()
     monkeypatch.setattr(ckpt.integrity, "PROGRESS_MIN_BYTES", 1)  # every checkpoint counts as large
     path, model = _small_checkpoint(tmp_path)
     load_checkpoint(tmp_path, model=model)
-    err = capsys.readouterr().err
+    err = stream.getvalue()
     assert "checkpoint: hashing (rank 0's share, MiB)" in err
     assert "checkpoint: verifying (rank 0's share, MiB)" in err
 

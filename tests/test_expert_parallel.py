@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain import MoEConfig, MoELayer, set_aux_loss_scale
+from moetrain import MoEConfig, MoELayer, set_aux_loss_scale, shard_experts
 from moetrain.comm.all_to_all import all_to_all, all_to_all_reverse, exchange_counts
 from moetrain.comm.grad_sync import ExpertGradReducer, clip_grad_norm_, global_grad_norm, wrap_data_parallel
 from moetrain.parallel import ParallelContext, node_grid
@@ -56,7 +56,7 @@ def layer_equivalence_worker(rank, world, local_world, cases):
             aux_loss_coef=0.01,
         )
         torch.manual_seed(1234)
-        layer = MoELayer(cfg, parallel=ctx)
+        layer = shard_experts(MoELayer(cfg), ctx)
         torch.manual_seed(1234)
         reference = MoELayer(cfg)
         if tokens_of == "skewed":  # every token to experts 0 and 1: the other EP ranks' experts get nothing
@@ -194,12 +194,15 @@ def test_all_to_all_round_trip_and_counts():
 
 class TinyMoENet(nn.Module):
     def __init__(self, parallel=None):
+        """With ``parallel``: the MoE layer's experts sharded over its EP group."""
         super().__init__()
         self.inp = nn.Linear(6, D_MODEL)
         cfg = MoEConfig(
             d_model=D_MODEL, d_ff=D_FF, num_experts=4, top_k=2, capacity_factor=None, aux_loss_coef=0.05
         )
-        self.moe = MoELayer(cfg, parallel=parallel)
+        self.moe = MoELayer(cfg)
+        if parallel is not None:
+            shard_experts(self.moe, parallel)
         self.out = nn.Linear(D_MODEL, 3)
 
     def forward(self, x):
@@ -285,7 +288,7 @@ def context_errors_worker(rank, world):
             messages.append(str(error))
     ctx = ParallelContext(ep_size=4, local_world_size=2)
     for build in (
-        lambda: MoELayer(d_model=8, d_ff=8, num_experts=6, top_k=2, parallel=ctx),
+        lambda: shard_experts(MoELayer(d_model=8, d_ff=8, num_experts=6, top_k=2), ctx),
         lambda: wrap_data_parallel(TinyMoENet(ctx), ctx, comm_hook="bf16"),  # gloo has no bf16 hook
     ):
         try:
@@ -322,7 +325,7 @@ def replay_worker(rank, world, local_world):
         d_model=D_MODEL, d_ff=D_FF, num_experts=EXPERTS, top_k=2, router_jitter=0.1, capacity_factor=1.0
     )
     torch.manual_seed(5)
-    layer = MoELayer(cfg, parallel=ctx)
+    layer = shard_experts(MoELayer(cfg), ctx)
     x, upstream = _inputs(rank, 11)
     calls = {"n": 0}
     original = dist.all_to_all_single
@@ -377,7 +380,7 @@ def compile_worker(rank, world, local_world):
             min_capacity=1,
         )
         torch.manual_seed(1234)
-        layer = MoELayer(cfg, parallel=ctx)
+        layer = shard_experts(MoELayer(cfg), ctx)
         x, upstream = _inputs(rank, 5 + 3 * rank)
         torch._dynamo.reset()
         explained = torch._dynamo.explain(layer)(x)

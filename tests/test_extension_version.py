@@ -46,6 +46,7 @@ def test_an_extension_built_for_another_torch_is_refused_by_name(tmp_path):
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line == (
         f"ImportError: moetrain._C was built against torch {other.decode()} but torch {torch.__version__} is "
-        "installed; rebuild the extension for this torch: `make clean && make build` "
-        "(or `pip install -e . --no-build-isolation`)"
+        "installed; rebuild the extension for this torch: in a repository checkout "
+        "`make clean && make build` (or `pip install -e . --no-build-isolation`); for an installed copy "
+        "`pip install --no-build-isolation --force-reinstall --no-deps <the moetrain source>`"
     )

@@ -130,11 +130,12 @@ def test_synthetic_dataset_is_deterministic(synthetic, tmp_path):
     assert digest(other) != digest(synthetic)
 
 
-def test_synthetic_dataset_shows_progress(tmp_path, capsys):
+def test_synthetic_dataset_shows_progress(tmp_path, progress_log):
+    stream = progress_log()
     write_synthetic_dataset(tmp_path / "quiet", num_train=3, num_heldout=2, progress=False)
-    assert capsys.readouterr().err == ""
+    assert stream.getvalue() == ""
     write_synthetic_dataset(tmp_path / "shown", num_train=3, num_heldout=2)
-    err = capsys.readouterr().err
+    err = stream.getvalue()
     assert "synthetic dataset [" in err and "3/5 | split train" in err and "5/5 | split heldout" in err
 
 
@@ -256,7 +257,8 @@ def test_bad_image_files_are_found_at_first_load(images_dir, image, message, mon
     assert re.search(message, skipping.skip_reasons[0])
 
 
-def test_verify_images_checks_every_header_up_front_with_progress(images_dir, capsys):
+def test_verify_images_checks_every_header_up_front_with_progress(images_dir, progress_log):
+    stream = progress_log()
     lines = [
         {"image": "good.png", "text": "fine"},
         {"image": "missing.png", "text": "x"},
@@ -267,11 +269,11 @@ def test_verify_images_checks_every_header_up_front_with_progress(images_dir, ca
     manifest = write_manifest(images_dir, lines)
     with pytest.raises(ValueError, match=r"manifest\.jsonl:2: image .*missing\.png does not exist"):
         ManifestDataset(manifest, image_size=8).verify_images(progress=False)
-    assert capsys.readouterr().err == ""
+    assert stream.getvalue() == ""
     dataset = ManifestDataset(manifest, image_size=8, skip_bad_records=True)
     assert dataset.verify_images() == 2  # the truncated file's header is fine: its pixels fail later
     assert sorted(dataset.undecodable) == [1, 2] and dataset.skipped_records == 2
-    err = capsys.readouterr().err
+    err = stream.getvalue()
     assert "checking images of manifest.jsonl" in err and "4/4" in err and "bad 2" in err
     assert dataset.load_image(1) is None and dataset.skipped_records == 2  # counted once
     assert dataset.load_image(3) is None and dataset.skipped_records == 3

@@ -164,10 +164,12 @@ def test_checkpoint_argument_forms(workspace, tmp_path):
 def _save_with_two_expert_parallel_ranks(rank: int, world_size: int, directory: str) -> None:
     from moetrain.config import ParallelConfig
     from moetrain.parallel import ParallelContext
+    from moetrain.parallelize import parallelize
 
     parallel = ParallelContext(ParallelConfig(ep_size=world_size, local_world_size=world_size))
     torch.manual_seed(0)
-    model = M6Model(model_config(), parallel)  # this rank's 2 of the 4 experts of each layer
+    model = M6Model(model_config())
+    parallelize(model, parallel)  # this rank's 2 of the 4 experts of each layer
     save_checkpoint(directory, 5, model=model, parallel=parallel)
 
 

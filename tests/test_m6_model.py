@@ -32,6 +32,8 @@ from m6_moe.tasks import m6_loss
 from m6_moe.tokenizer import ByteTokenizer
 from moetrain.config import DataConfig, TrainConfig, config_from_dict
 from moetrain.layers import MoELayer
+from moetrain.layers.losses import sequence_balance_loss
+from moetrain.registry import DataShard
 
 TOKENIZER = ByteTokenizer()
 
@@ -197,7 +199,7 @@ def test_tiny_preset_trains_and_loss_drops(tmp_path):
         out_dir=str(tmp_path),
     )
     torch.manual_seed(0)
-    model, batches, loss_fn = build_m6(config, None, 0)
+    model, batches, loss_fn = build_m6(config, DataShard())
     assert (tmp_path / "data" / "train.jsonl").is_file()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     inputs, labels = batches.next()
@@ -218,10 +220,12 @@ def test_tiny_preset_trains_and_loss_drops(tmp_path):
 def test_build_m6_checks_lengths_and_vocab(tmp_path):
     base = {"model": M6Config.preset("tiny"), "out_dir": str(tmp_path)}
     with pytest.raises(ValueError, match=r"data.seq_len = 65 .* model.max_text_len = 128"):
-        build_m6(TrainConfig(**base, data=DataConfig(seq_len=65)), None, 0)
+        build_m6(TrainConfig(**base, data=DataConfig(seq_len=65)), DataShard())
     small_vocab = M6Config(vocab_size=100)
     with pytest.raises(ValueError, match="vocab_size = 100 is smaller"):
-        build_m6(TrainConfig(model=small_vocab, out_dir=str(tmp_path), data=DataConfig(seq_len=32)), None, 0)
+        build_m6(
+            TrainConfig(model=small_vocab, out_dir=str(tmp_path), data=DataConfig(seq_len=32)), DataShard()
+        )
 
 
 def test_loss_ignores_padding():
@@ -229,6 +233,36 @@ def test_loss_ignores_padding():
     labels = torch.tensor([[1, 2, -100], [3, -100, -100]])
     expected = torch.nn.functional.cross_entropy(logits[[0, 0, 1], [0, 1, 0]], torch.tensor([1, 2, 3]))
     torch.testing.assert_close(m6_loss(logits, labels), expected)
+
+
+def test_sequence_level_balance_loss_balances_each_samples_real_tokens():
+    """M6 routes the real tokens of a padded batch flattened: the layer gets each sample's count of
+    real tokens (image patches + real prefix + real target), and its sequence-level loss equals the
+    per-sample loss averaged over the samples."""
+    moe = {"d_ff": 64, "num_experts": 4, "top_k": 2, "aux_loss_coef": 0.0, "seq_aux_loss_coef": 0.1}
+    torch.manual_seed(0)
+    model = M6Model(small_config(moe=moe))
+    cfg = model.config
+    inputs = random_inputs(cfg, batch=3, prefix=5, target=6)
+    inputs["prefix_mask"] = torch.tensor([[True] * 5, [True, True, False, False, False], [False] * 5])
+    inputs["target_mask"] = torch.tensor([[True] * 6, [True] * 4 + [False] * 2, [True] + [False] * 5])
+    inputs["image_mask"] = torch.tensor([True, False, True])
+    layer = model.blocks[1].ffn
+    seen = {}
+    layer.register_forward_pre_hook(lambda m, args, kwargs: seen.update(kwargs), with_kwargs=True)
+    layer.router.register_forward_hook(lambda m, args, out: seen.update(routing=out))
+    logits = model(**inputs)
+    patches = cfg.num_patches
+    assert seen["sequence_lengths"].tolist() == [patches + 5 + 6, 2 + 4, patches + 0 + 1]
+    probs, ids = seen["routing"].probs_TE, seen["routing"].expert_ids_TK
+    per_sample, start = [], 0
+    for n in seen["sequence_lengths"].tolist():
+        per_sample.append(sequence_balance_loss(probs[start : start + n], ids[start : start + n], n))
+        start += n
+    assert start == probs.shape[0]
+    torch.testing.assert_close(layer.last_stats.aux_loss, 0.1 * sum(per_sample).detach() / 3)
+    logits.float().pow(2).mean().backward()
+    assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
 
 
 # ------------------------------------------------------------------------------------ presets
@@ -482,7 +516,7 @@ def test_generation_validates_options(model):
         sample(model, TOKENIZER, context, max_new_tokens=2, top_p=0.0)
     with pytest.raises(ValueError, match="top_k must be an integer >= 0"):
         sample(model, TOKENIZER, context, max_new_tokens=2, top_k=-1)
-    with pytest.raises(ValueError, match="temperature must be a number > 0"):
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
         sample(model, TOKENIZER, context, max_new_tokens=2, temperature=0)
     with pytest.raises(ValueError, match="top_p must be a number in"):
         filter_logits(torch.zeros(1, 4), top_p=True)
@@ -492,16 +526,19 @@ def test_generation_validates_options(model):
         generate(model, TOKENIZER, prefixes=["x"], strategy="nucleus")
 
 
-def test_evaluate_captioning_scores_and_shows_progress(model, tmp_path, capsys):
+def test_evaluate_captioning_scores_and_shows_progress(model, tmp_path, progress_log):
+    stream = progress_log()
     data_dir = write_synthetic_dataset(tmp_path / "data", seed=2, num_train=4, num_heldout=5, progress=False)
     scores = evaluate_captioning(model, TOKENIZER, data_dir, batch_size=2, max_new_tokens=4)
     assert scores["images"] == 5 and 0 <= scores["accuracy"] <= 1 and len(scores["examples"]) == 5
     assert 0 <= scores["bleu4"] <= 100 and 0 <= scores["token_accuracy"] <= 1
     assert set(scores["attribute_accuracy"]) == {"colour", "shape", "position"}
-    err = capsys.readouterr().err
+    err = stream.getvalue()
     assert "held-out captioning [" in err and "3/3 | images 5 | exact_match" in err
+    stream.seek(0)
+    stream.truncate()
     evaluate_captioning(model, TOKENIZER, data_dir, max_new_tokens=2, limit=2, progress=False)
-    assert capsys.readouterr().err == ""
+    assert stream.getvalue() == ""
 
 
 def test_example_yaml_is_the_tiny_preset():
@@ -519,10 +556,13 @@ def test_example_yaml_is_the_tiny_preset():
 def _expert_parallel_rank(rank: int, world_size: int) -> tuple[dict, torch.Tensor]:
     from moetrain.config import ParallelConfig
     from moetrain.parallel import ParallelContext
+    from moetrain.parallelize import parallelize
 
     parallel = ParallelContext(ParallelConfig(ep_size=world_size, local_world_size=world_size))
     torch.manual_seed(0)
-    model = M6Model(EP_CONFIG, parallel).eval()
+    model = M6Model(EP_CONFIG)
+    parallelize(model, parallel)
+    model.eval()
     inputs = random_inputs(EP_CONFIG, generator=torch.Generator().manual_seed(10 + rank))
     inputs["prefix_mask"] = torch.ones(3, 5, dtype=torch.bool)
     inputs["prefix_mask"][: rank + 1, 2:] = False  # ranks route different numbers of tokens

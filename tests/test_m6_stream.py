@@ -24,6 +24,7 @@ from m6_moe.manifest_index import ManifestIndex, cache_roots, ensure_index
 from m6_moe.shuffle import EpochPermutation
 from m6_moe.tasks import TaskSampler
 from m6_moe.tokenizer import ByteTokenizer
+from moetrain.registry import DataShard
 from tests.dist_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,12 +97,13 @@ def test_index_is_cached_and_rebuilt_when_the_manifest_changes(tmp_path, caplog)
     assert len(dataset) == 6 and dataset.record(5).image is None and dataset.record(5).line == 6
 
 
-def test_concurrent_builders_leave_one_index_and_a_progress_bar(tmp_path, capsys):
+def test_concurrent_builders_leave_one_index_and_a_progress_bar(tmp_path, progress_log):
+    stream = progress_log()
     manifest = write_corpus(tmp_path, 50)
     with ThreadPoolExecutor(3) as pool:
         found = list(pool.map(lambda _: ensure_index(manifest, progress=True), range(3)))
     assert len(set(found)) == 1 and [p.name for p in found[0].parent.iterdir()] == [found[0].name]
-    assert "indexing train.jsonl (MB)" in capsys.readouterr().err
+    assert "indexing train.jsonl (MB)" in stream.getvalue()
 
 
 def test_index_goes_to_the_fallback_directory_when_the_manifest_directory_is_not_writable(tmp_path, caplog):
@@ -124,6 +126,7 @@ def test_the_index_command_builds_and_reports(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert f"{manifest}: 3 records (3 with an image), 1 bad lines; index " in done.stdout
+    assert f"indexed {manifest}: 3 records" in done.stderr  # the build's log line, on stderr
     assert ensure_index(manifest) == Path(done.stdout.split("; index ")[1].strip())
     missing = subprocess.run(
         [sys.executable, "-m", "m6_moe.manifest_index", str(tmp_path / "nope.jsonl")],
@@ -242,6 +245,40 @@ def test_workers_make_the_same_batches_and_report_bad_records(tmp_path):
     assert "\n" not in str(error.value)
 
 
+def _prepare_indexes_worker(rank, world, manifests):
+    """Builds this rank's share of the indexes (rank 0 slowly), then lists every manifest's index
+    directory as this rank sees it right after the barrier."""
+    import time
+
+    import m6_moe
+
+    built, build = [], m6_moe.ensure_index
+
+    def recording(manifest, fallback_dir=None):
+        built.append(Path(manifest).name)
+        if rank == 0:
+            time.sleep(1.0)  # the other rank must wait for it at the barrier
+        return build(manifest, fallback_dir)
+
+    m6_moe.ensure_index = recording
+    m6_moe.prepare_manifest_indexes([Path(m) for m in manifests], rank, world)
+    present = {Path(m).name: sorted(p.name for p in cache_roots(Path(m))[0].glob("*")) for m in manifests}
+    return built, present
+
+
+@pytest.mark.slow
+def test_prepare_manifest_indexes_splits_the_builds_between_ranks_and_waits_for_all(tmp_path):
+    manifests = [write_corpus(tmp_path / f"shard{i}", 3 + i, name=f"part-{i}.jsonl") for i in range(3)]
+    missing = tmp_path / "missing.jsonl"  # unreadable: left for the dataset to report on every rank
+    names = [str(m) for m in [*manifests, missing]]
+    (built0, present0), (built1, present1) = run_distributed(_prepare_indexes_worker, 2, names)
+    assert built0 == ["part-0.jsonl", "part-2.jsonl"] and built1 == ["part-1.jsonl", "missing.jsonl"]
+    for present in (present0, present1):  # after the barrier every index exists, on both ranks
+        assert all(len(present[m.name]) == 1 for m in manifests) and present["missing.jsonl"] == []
+    for manifest, records in zip(manifests, (3, 4, 5), strict=True):
+        assert ManifestIndex(manifest, ensure_index(manifest)).records == records
+
+
 # ----------------------------------------------------------------------------------- engine
 def engine_config(out_dir, manifest, steps, micro_batch, **extra) -> list[str]:
     return [
@@ -275,6 +312,19 @@ def train_recording(overrides: list[str]) -> tuple[list[list[int]], list[dict]]:
 
 def resume_worker(rank, world, overrides):
     return train_recording(overrides)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_expert_parallel_ranks_draw_distinct_positions_of_one_stream(tmp_path):
+    """M6 with ep_size 2 on 2 ranks: the experts are split, the data is not shared: each rank draws
+    its own micro-batches, together the first positions of the one global stream, none twice."""
+    manifest = write_corpus(tmp_path, 24)
+    overrides = engine_config(tmp_path / "run", manifest, 2, 3, threads=1, **{"parallel.ep_size": 2})
+    (rank0, _), (rank1, _) = run_distributed(resume_worker, 2, overrides)
+    assert len(rank0) == len(rank1) == 2 and all(len(batch) == 3 for batch in rank0 + rank1)
+    assert set(sum(rank0, [])).isdisjoint(sum(rank1, []))
+    assert sorted(sum(rank0 + rank1, [])) == list(range(12))
 
 
 @pytest.mark.slow
@@ -330,7 +380,7 @@ def test_data_source_lists_and_num_workers_in_the_config(tmp_path):
         },
     )
     assert config.data.source == (str(first), str(tmp_path / "b" / "*.jsonl"))
-    _, batches, _ = build_m6(config, None, 0)
+    _, batches, _ = build_m6(config, DataShard())
     assert len(batches.sampler.dataset) == 5 and batches.num_workers == 0
     assert DataConfig().num_workers == "auto"
     for bad, message in [

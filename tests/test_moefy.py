@@ -57,6 +57,32 @@ def test_upcycled_sequential_ffn_equals_the_dense_one(activation):
     assert moe.router.weight.grad.abs().sum() > 0 and moe.experts.b1_EF.grad.abs().sum() > 0
 
 
+def test_without_upcycling_the_ffn_is_swapped_for_a_freshly_initialised_layer():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.Sequential(nn.Linear(16, 48), nn.GELU(), nn.Linear(48, 16), nn.Dropout(0.2))
+    ).eval()
+    x = torch.randn(4, 6, 8)
+    dense = model(x)
+    w1 = model[1][0].weight.detach().clone()
+    torch.manual_seed(5)
+    assert moefy(model, match="1", num_experts=4, top_k=2, upcycle=False) == ["1"]
+    moe, after = model[1]
+    assert isinstance(moe, MoELayer) and isinstance(after, nn.Dropout)  # the FFN's dropout stays after it
+    config = moe.config
+    assert (config.d_model, config.d_ff, config.activation, config.expert_bias) == (16, 48, "gelu", True)
+    assert config.normalize_gates is None and config.capacity_factor is None  # MoEConfig's gates, dropless
+    torch.manual_seed(5)
+    fresh = MoELayer(config)  # what a plain swap holds: the layer as MoELayer builds it
+    for (name, got), want in zip(moe.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(got, want), name
+    assert not any(torch.equal(moe.experts.w1_EDF[e], w1.t()) for e in range(4))  # nothing copied
+    assert not torch.allclose(model(x), dense, atol=1e-3)
+    model.train()
+    model(x).square().mean().backward()
+    assert moe.router.weight.grad.abs().sum() > 0 and moe.experts.w1_EDF.grad.abs().sum() > 0
+
+
 def test_expert_biases_match_a_reference_with_uneven_routing():
     """Experts that differ (after upcycling they drift apart): each row gets its own expert's
     biases, compared with a per-token loop over the chosen experts; values and gradients."""
@@ -110,12 +136,14 @@ def test_upcycled_hugging_face_model_keeps_its_logits_trains_and_round_trips(bui
 
 
 def _expert_parallel_gpt2(rank, world):
-    from moetrain import ParallelContext
+    from moetrain import ParallelContext, shard_experts
 
     parallel = ParallelContext(ep_size=world)
     model = tiny_gpt2()
     torch.manual_seed(7)  # the routers' initialisation, the same on every rank
-    moefy(model, match="transformer.h.*.mlp", num_experts=4, top_k=2, parallel=parallel)
+    moefy(model, match="transformer.h.*.mlp", num_experts=4, top_k=2)
+    for name in [f"transformer.h.{i}.mlp.0" for i in range(len(model.transformer.h))]:
+        shard_experts(model.get_submodule(name), parallel)
     layer = model.transformer.h[0].mlp[0]
     tokens = TOKENS[rank : rank + 1]
     out = model(input_ids=tokens).logits

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from moetrain import MoEConfig, MoELayer
+from moetrain import MoEConfig, MoELayer, shard_experts
 from moetrain.layers.dispatch import build_dispatch_plan
 from moetrain.layers.node_dispatch import copies_of_tokens, plan_of_real_slots
 from moetrain.parallel import ParallelContext
@@ -83,7 +83,8 @@ def _layer(cfg, ctx, tokens_of, dtype):
     if tokens_of == "skewed":
         cfg = replace(cfg, score_bias_rate=0.01)
     torch.manual_seed(1234)
-    layer = MoELayer(cfg, parallel=ctx).to(dtype)
+    layer = MoELayer(cfg)
+    layer = (layer if ctx is None else shard_experts(layer, ctx)).to(dtype)
     if tokens_of == "skewed":  # every token to experts 0..top_k-1: the other ranks' experts get nothing
         with torch.no_grad():
             layer.router.score_bias_E[: cfg.top_k] = 10.0  # the choice only: the gates stay unbiased
@@ -278,7 +279,7 @@ def replay_worker(rank, world, local_world):
     cfg = MoEConfig(d_model=D_MODEL, d_ff=D_FF, num_experts=EXPERTS, top_k=4, router_jitter=0.1,
                     capacity_factor=1.0, max_nodes_per_token=1)  # fmt: skip
     torch.manual_seed(5)
-    layer = MoELayer(cfg, parallel=ctx)
+    layer = shard_experts(MoELayer(cfg), ctx)
     x, upstream = _inputs(rank, 11, torch.float32)
     calls: list = []
     original = _counting_all_to_all(calls)
@@ -329,7 +330,7 @@ def compile_worker(rank, world):
     cfg = MoEConfig(d_model=D_MODEL, d_ff=D_FF, num_experts=EXPERTS, top_k=4, capacity_factor=1.0,
                     min_capacity=1, max_nodes_per_token=1)  # fmt: skip
     torch.manual_seed(3)
-    layer = MoELayer(cfg, parallel=ctx)
+    layer = shard_experts(MoELayer(cfg), ctx)
     x, upstream = _inputs(rank, 7 + 2 * rank, torch.float32)
     runs = []
     for module in (layer, torch.compile(layer, backend="aot_eager")):

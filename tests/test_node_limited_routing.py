@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetrain import MoEConfig, MoELayer
+from moetrain import MoEConfig, MoELayer, shard_experts
 from moetrain.layers.router import node_limited_top_k
 from moetrain.parallel import ParallelContext
 from tests.dist_utils import run_distributed
@@ -213,7 +213,7 @@ def ep_worker(rank, world, cases):
         cfg = MoEConfig(d_model=D_MODEL, d_ff=12, num_experts=EXPERTS, top_k=top_k, capacity_factor=None,
                         max_nodes_per_token=max_nodes, score_bias_rate=0.01 if bias else 0.0)  # fmt: skip
         torch.manual_seed(7)
-        layer = MoELayer(cfg, parallel=ctx)
+        layer = shard_experts(MoELayer(cfg), ctx)
         torch.manual_seed(7)
         reference = MoELayer(cfg)
         reference.router.set_expert_nodes(ctx.ep_nodes)  # one process, told the same node count

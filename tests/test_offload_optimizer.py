@@ -453,7 +453,7 @@ def _params(dtype=torch.float32, shape=(4, 4)):
         ({"num_apply_groups": 2, "group_bytes": 1024}, "give at most one of them"),
         ({"lr": -1.0}, "lr must be"),
         ({"lr": float("nan")}, "lr must be"),
-        ({"betas": (0.9, 1.0)}, "betas must be"),
+        ({"betas": (0.9, 1.0)}, "betas\\[1\\] must be a number in \\[0, 1\\), got 1.0"),
         ({"eps": -1e-8}, "eps must be"),
         ({"weight_decay": -0.1}, "weight_decay must be"),
         ({"adamw_mode": "yes"}, "adamw_mode must be True or False"),

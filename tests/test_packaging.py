@@ -3,14 +3,15 @@
 A fresh virtualenv that already holds torch (and the build tools) runs README's
 ``pip install --no-build-isolation .`` on a copy of the repository (pip builds a wheel, compiling
 the extension against that torch, and installs it, not editable), and, from a directory that has
-its own ``models/`` package (as many user projects do), trains the LM and the M6 model one step
-each with the installed ``moetrain`` command.
+its own ``models/`` package (as many user projects do), trains the LM (without the ``[m6]`` extra's
+Pillow: no warning) and the M6 model (with it) one step each with the installed ``moetrain`` command.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BUILD_TOOLS = ["setuptools>=64", "wheel", "ninja", "pybind11", "numpy", "pyyaml", "pillow"]
+BUILD_TOOLS = ["setuptools>=64", "wheel", "ninja", "pybind11", "numpy", "pyyaml"]  # no [m6] extra yet
 
 
 def test_every_package_directory_is_listed_for_the_wheel():
@@ -34,6 +35,68 @@ def test_every_package_directory_is_listed_for_the_wheel():
     }
     assert found - listed == set(), f"add to [tool.setuptools] packages: {sorted(found - listed)}"
     assert "m6_moe" in listed
+
+
+def test_version_floors_agree_between_the_makefile_and_pyproject():
+    """A package pinned in both the Makefile's DEPS (what `make test` installs) and pyproject's
+    extras carries the same version specifier in each."""
+    import tomllib
+
+    line = next(t for t in (ROOT / "Makefile").read_text().splitlines() if t.startswith("DEPS :="))
+    split = re.compile(r"^([A-Za-z0-9_.-]+)\s*(.*)$")
+
+    def specifiers(requirements) -> dict[str, str]:
+        parsed = (split.match(r.strip()).groups() for r in requirements)
+        return {name.lower(): spec for name, spec in parsed if spec}
+
+    make = specifiers(line.split(":=", 1)[1].split())
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra, requirements in extras.items():
+        for name, spec in specifiers(requirements).items():
+            if name in make:
+                assert spec == make[name], f"{name}: [{extra}] has {spec}, Makefile DEPS {make[name]}"
+    assert "sacrebleu" in make
+
+
+WITHOUT_M6_EXTRA = """
+import logging, sys
+for name in ("PIL", "PIL.Image", "PIL.ImageDraw", "sacrebleu", "sacrebleu.metrics"):
+    sys.modules[name] = None  # an import of these now fails as when they are not installed
+logging.basicConfig(level=logging.DEBUG, format="%(levelname)s %(name)s: %(message)s")
+from moetrain.registry import registered_models
+assert "m6_moe" in registered_models()
+from m6_moe import ensure_synthetic_dataset
+from m6_moe.metrics import bleu4
+for use in (lambda: ensure_synthetic_dataset(sys.argv[1], num_train=1, num_heldout=1, progress=False),
+            lambda: bleu4(["a"], [["a"]])):
+    try:
+        use()
+    except ImportError as error:
+        print(error)
+from moetrain.cli import main
+print("exit", main(["train", "--config", "models/m6_moe/tiny.yaml", "--set", f"out_dir={sys.argv[1]}"]))
+"""
+
+
+def test_m6_registers_without_its_optional_packages_and_names_the_extra_when_they_are_needed(tmp_path):
+    """Pillow and sacrebleu are the ``[m6]`` extra: a base install registers ``m6_moe`` on every
+    command without them and without a warning; an M6 run that needs them stops with one line."""
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_M6_EXTRA, str(tmp_path / "run")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "WARNING" not in done.stderr and "failed to register" not in done.stderr, done.stderr
+    pillow = (
+        "the M6 model reads and draws images with Pillow, which is not installed (pip install 'moetrain[m6]')"
+    )
+    assert done.stdout.splitlines() == [
+        pillow,
+        "BLEU-4 needs the 'sacrebleu' package, which is not installed (pip install 'moetrain[m6]')",
+        "exit 2",
+    ]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("moetrain: error:")]
+    assert len(errors) == 1 and pillow in errors[0] and "Traceback" not in done.stderr
 
 
 def _run(command: list[str], cwd: Path, timeout: float, env: dict | None = None) -> str:
@@ -92,7 +155,9 @@ def test_wheel_in_a_fresh_virtualenv_trains_next_to_a_users_models_package(tmp_p
         "threads": 1, "device": "cpu",
     }  # fmt: skip
     (project / "lm.json").write_text(json.dumps(lm))
-    _run([moetrain, "train", "--config", "lm.json"], project, 300, env)
+    output = _run([moetrain, "train", "--config", "lm.json"], project, 300, env)
+    assert "failed to register" not in output  # m6_moe registers without Pillow (the [m6] extra)
+    _run([*pip, "install", "pillow"], tmp_path, 300)
     m6 = source / "models" / "m6_moe" / "tiny.yaml"
     overrides = ["steps=1", "data.micro_batch_size=2", "model.num_layers=1", "threads=1", "device=cpu",
                  f"out_dir={project / 'runs' / 'm6'}"]  # fmt: skip

@@ -1,5 +1,6 @@
-"""The M6-1T figures quoted in README.md, configs/m6_1t.yaml and the 480-GPU sbatch script are the
-planner's output (scripts/update_plan_figures.py writes them; here it checks them)."""
+"""The M6-1T figures quoted in README.md, configs/m6_1t.yaml, the 480-GPU sbatch script, its README
+and docs/planner.md are the planner's output (scripts/update_plan_figures.py writes them; here it
+checks them)."""
 
 from __future__ import annotations
 
@@ -26,9 +27,10 @@ def test_quoted_figures_are_the_planners_output(figures, capsys):
 
 def test_a_changed_figure_is_reported_and_the_script_restores_it(figures, tmp_path, monkeypatch, capsys):
     copies = {}
-    for name in ("README", "CONFIG", "SBATCH"):
+    for name in ("README", "CONFIG", "SBATCH", "SLURM_README", "PLANNER_DOC"):
         original = getattr(figures, name)
-        copies[name] = tmp_path / original.name
+        copies[name] = tmp_path / name.lower() / original.name  # two README.md
+        copies[name].parent.mkdir()
         copies[name].write_text(original.read_text(encoding="utf-8"), encoding="utf-8")
         monkeypatch.setattr(figures, name, copies[name])
     monkeypatch.setattr(figures, "ROOT", tmp_path)
@@ -39,11 +41,19 @@ def test_a_changed_figure_is_reported_and_the_script_restores_it(figures, tmp_pa
     )
     readme = copies["README"].read_text(encoding="utf-8")
     copies["README"].write_text(readme.replace("GPU memory per GPU", "GPU memory", 1), encoding="utf-8")
+    slurm = copies["SLURM_README"].read_text(encoding="utf-8")
+    size = figures.CHECKPOINT_SIZE.search(slurm).group(0)
+    copies["SLURM_README"].write_text(slurm.replace(size, "33.00 GiB per rank (14.00 TiB per run)"), "utf-8")
+    doc = copies["PLANNER_DOC"].read_text(encoding="utf-8")
+    copies["PLANNER_DOC"].write_text(doc.replace("x fewer messages", "x fewer messages!", 1), "utf-8")
     assert figures.main(["--check"]) == 1
-    assert "out of date: README.md, m6_1t.yaml;" in capsys.readouterr().err
+    stale = "readme/README.md, config/m6_1t.yaml, slurm_readme/README.md, planner_doc/planner.md"
+    assert f"out of date: {stale};" in capsys.readouterr().err
     assert figures.main([]) == 0
     assert copies["CONFIG"].read_text(encoding="utf-8") == config
     assert copies["README"].read_text(encoding="utf-8") == readme
+    assert copies["SLURM_README"].read_text(encoding="utf-8") == slurm
+    assert copies["PLANNER_DOC"].read_text(encoding="utf-8") == doc
 
 
 def test_missing_markers_are_one_line(figures, tmp_path):

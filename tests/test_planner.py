@@ -115,6 +115,27 @@ def test_parameter_counts_on_meta_are_exact():
         counted.expert_per_rank(4)
 
 
+def test_input_side_parameters_are_counted_for_the_step_peak():
+    """The parameters whose gradients arrive after layer 0's backward (embeddings, positions, the
+    image stem): what ``ModelArch.input_modules`` names, counted on meta."""
+    from dataclasses import replace
+
+    from m6_moe.config import M6Config
+    from m6_moe.model import M6Model
+    from m6_moe.planning import describe_m6
+
+    config = LMConfig(
+        vocab_size=50, d_model=16, num_layers=2, moe=MoEConfig(d_model=16, d_ff=24, num_experts=4)
+    )
+    real = dict(MoETransformerLM(config).named_parameters())
+    assert describe_lm(config).input_params == real["embed.weight"].numel() + real["pos"].numel() > 0
+    for tied in (True, False):
+        m6 = replace(M6Config.preset("tiny"), tie_embeddings=tied)
+        inputs = ("stem.", "patch_pos", "text_pos", "segment_embed.") + (() if tied else ("text_embed.",))
+        expected = sum(p.numel() for n, p in M6Model(m6).named_parameters() if n.startswith(inputs))
+        assert describe_m6(m6).input_params == expected > 0
+
+
 def test_meta_build_of_a_trillion_parameters_takes_no_memory():
     model = build_on_meta(lambda: MoETransformerLM(one_t_like_lm()))
     assert all(p.device.type == "meta" for p in model.parameters())

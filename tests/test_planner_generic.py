@@ -20,7 +20,7 @@ from moetrain.planner.activations import Workload, activation_model
 from moetrain.planner.generic import describe_generic
 from moetrain.planner.model import resolve_model
 from moetrain.recompute import measure_saved_bytes
-from moetrain.registry import _REGISTRY, register_model, spec_for_config
+from moetrain.registry import _REGISTRY, DataShard, register_model, spec_for_config
 
 ROOT = Path(__file__).resolve().parent.parent
 OWN_MODEL = ROOT / "scripts" / "examples" / "own_model" / "config.yaml"
@@ -36,7 +36,7 @@ def plan_json(*args: str) -> dict:
 def test_plan_command_plans_a_users_own_model_from_its_training_config():
     plan = plan_json("--model", str(OWN_MODEL), "--cluster", "a100-80gb", "--nodes", "1", "--ep-size", "2")
     train = build_train_config(str(OWN_MODEL), [])
-    model = spec_for_config(train.model).builder(train, None, 0)[0]
+    model = spec_for_config(train.model).builder(train, DataShard())[0]
     assert plan["params"]["total"] == sum(p.numel() for p in model.parameters())
     assert plan["params"]["experts_per_rank_per_layer"] == train.model.moe.num_experts // 2
     assert plan["recompute"]["activation_bytes"] > 0 and plan["gpu_memory"]["step_peak"] > 0
@@ -61,7 +61,7 @@ def test_measured_description_predicts_the_saved_activations_of_the_users_model(
                     capacity_factor=capacity_factor, row_bound="balanced")  # fmt: skip
     predicted = activation_model(description.arch, work).baseline_bytes
     torch.manual_seed(0)
-    model, batches, loss_fn = spec.builder(train, None, 0)
+    model, batches, loss_fn = spec.builder(train, DataShard())
     inputs, targets = batches.probe(batch, 0)
     measured = measure_saved_bytes(model, inputs)  # without the loss's few saved bytes
     assert measured <= predicted <= 1.10 * measured  # capacity: routing here is not perfectly balanced
@@ -77,7 +77,11 @@ def test_measured_description_of_the_lm_agrees_with_its_formulas():
     work = Workload(batch=train.data.micro_batch_size, seq_len=train.data.seq_len, itemsize=4, kernels="cpu")
     measured = activation_model(generic.arch, work)
     modelled = activation_model(formulas.arch, work)
-    assert measured.baseline_bytes == pytest.approx(modelled.baseline_bytes, rel=0.03)
+    # meta has no fused attention kernel: scaled_dot_product_attention takes its math path there and
+    # saves the probabilities [B, H, S, S] of every layer, which the CPU's flash kernel does not
+    lm = train.model
+    probabilities = lm.num_layers * work.batch * lm.num_heads * work.seq_len**2 * 4
+    assert measured.baseline_bytes == pytest.approx(modelled.baseline_bytes + probabilities, rel=0.03)
     assert measured.forward_flops == pytest.approx(modelled.forward_flops, rel=0.05)
 
 
@@ -112,7 +116,7 @@ class TwoTowerBatches:
 
 @pytest.fixture
 def two_tower():
-    def build(train_config, parallel, rank):
+    def build(train_config, shard):
         return (
             TwoTower(train_config.model),
             TwoTowerBatches(),
@@ -136,7 +140,7 @@ def test_presets_come_from_the_registry(two_tower):
 
 
 def test_a_model_without_moe_layers_is_one_line(two_tower):
-    def build(train_config, parallel, rank):
+    def build(train_config, shard):
         return nn.Embedding(5, 4), TwoTowerBatches(), lambda out, target: out.mean()
 
     register_model("two_tower", TwoTowerConfig, build)

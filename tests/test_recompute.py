@@ -164,7 +164,7 @@ def test_impossible_budget_names_the_minimum(lm_profile):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"memory_budget_bytes": -1}, "memory_budget_bytes must be a finite number of bytes >= 0"),
+        ({"memory_budget_bytes": -1}, "memory_budget_bytes must be a finite number >= 0 \\(bytes\\)"),
         ({"memory_budget_bytes": math.inf}, "memory_budget_bytes must be a finite number"),
         ({"candidates": "blocks.0"}, "candidates must be a list of module names"),
         ({"candidates": ["blocks.9"]}, "candidates must name submodules of the model, got 'blocks.9'"),

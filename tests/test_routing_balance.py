@@ -120,6 +120,39 @@ def test_sequence_balance_loss_matches_a_per_sequence_reference():
     assert float(sequence_balance_loss(uniform, balanced, seq * E)) == pytest.approx(1.0)
 
 
+def test_sequence_balance_loss_of_unequal_lengths_matches_a_per_sequence_reference():
+    torch.manual_seed(3)
+    lengths, k = [4, 0, 7, 1], 2  # a sequence without tokens is left out of the mean
+    tokens = sum(lengths)
+    probs = torch.rand(tokens, E, dtype=torch.float64).softmax(-1).requires_grad_(True)
+    ids = torch.randint(0, E, (tokens, k))
+    got = sequence_balance_loss(probs, ids, sequence_lengths_B=torch.tensor(lengths))
+    parts, start = [], 0
+    for n in lengths:
+        if n:
+            parts.append(sequence_balance_loss(probs[start : start + n], ids[start : start + n], n))
+        start += n
+    reference = sum(parts) / len(parts)
+    torch.testing.assert_close(got, reference)
+    torch.testing.assert_close(torch.autograd.grad(got, probs)[0], torch.autograd.grad(reference, probs)[0])
+    equal = sequence_balance_loss(probs[:12], ids[:12], sequence_lengths_B=torch.tensor([3, 3, 3, 3]))
+    torch.testing.assert_close(equal, sequence_balance_loss(probs[:12], ids[:12], 3))
+
+
+def test_the_layer_balances_flattened_tokens_within_the_sequence_lengths_given():
+    torch.manual_seed(0)
+    layer = MoELayer(d_model=8, d_ff=8, num_experts=4, top_k=2, aux_loss_coef=0.0, seq_aux_loss_coef=0.1)
+    x = torch.randn(9, 8)
+    lengths = torch.tensor([2, 7])
+    layer(x, sequence_lengths=lengths)
+    routing = layer.router(x)
+    probs, ids = routing.probs_TE, routing.expert_ids_TK
+    expected = 0.1 * sequence_balance_loss(probs, ids, sequence_lengths_B=lengths)
+    torch.testing.assert_close(layer.last_stats.aux_loss, expected.detach())
+    whole = 0.1 * sequence_balance_loss(probs, ids, 9)
+    assert not torch.allclose(layer.last_stats.aux_loss, whole)  # the lengths matter
+
+
 def test_the_layer_adds_the_sequence_loss_to_its_aux_loss_and_needs_sequences():
     torch.manual_seed(0)
     layer = MoELayer(d_model=8, d_ff=8, num_experts=4, top_k=2, aux_loss_coef=0.0, seq_aux_loss_coef=0.1)
@@ -128,7 +161,7 @@ def test_the_layer_adds_the_sequence_loss_to_its_aux_loss_and_needs_sequences():
     routing = layer.router(x.reshape(-1, 8))
     expected = 0.1 * sequence_balance_loss(routing.probs_TE, routing.expert_ids_TK, 6)
     torch.testing.assert_close(layer.last_stats.aux_loss, expected.detach())
-    with pytest.raises(ValueError, match=r"seq_aux_loss_coef needs inputs \[..., seq_len, d_model\]"):
+    with pytest.raises(ValueError, match=r"seq_aux_loss_coef needs inputs \[..., seq_len, d_model\] or seq"):
         layer(torch.randn(12, 8))
 
 
@@ -156,3 +189,40 @@ def test_engine_updates_saves_and_restores_the_score_biases(tmp_path):
     assert not torch.equal(fresh.blocks[0].ffn.router.score_bias_E, bias)
     load_checkpoint(tmp_path / "run" / "checkpoints", model=fresh)
     assert torch.equal(fresh.blocks[0].ffn.router.score_bias_E, bias)
+
+
+def test_a_skipped_step_discards_its_routed_counts_and_leaves_the_biases(tmp_path, monkeypatch):
+    """A step skipped for a non-finite gradient norm changes nothing, the routing state included:
+    the next update moves the biases by the next step's counts alone."""
+    from moetrain.engine import Trainer
+
+    config = {
+        "model": {"name": "moe_lm", "d_model": 32, "num_layers": 1, "num_heads": 2, "max_seq_len": 16,
+                  "moe": {"d_ff": 32, "num_experts": 4, "top_k": 2, "aux_loss_coef": 0.0,
+                          "score_bias_rate": 0.01}},
+        "data": {"micro_batch_size": 4, "seq_len": 16}, "steps": 4, "grad_accum": 2,
+        "out_dir": str(tmp_path / "run"), "threads": 1, "device": "cpu",
+    }  # fmt: skip
+    trainer = Trainer(config_from_dict(TrainConfig, config))
+    real_clip = trainer.trained.clip_grad_norm_
+    calls = []
+
+    def clip_with_an_overflow_first(*args, **kwargs):
+        calls.append(1)
+        norm = real_clip(*args, **kwargs)
+        return torch.full_like(norm, float("inf")) if len(calls) == 1 else norm
+
+    monkeypatch.setattr(trainer.trained, "clip_grad_norm_", clip_with_an_overflow_first)
+    router = trainer.model.blocks[0].ffn.router
+    observed = []
+    observe = router.observe
+    router.observe = lambda counts_E: (observed.append(counts_E.double().clone()), observe(counts_E))
+    trainer.train_step()
+    assert trainer.skipped_steps == 1 and len(observed) == 2  # two micro-steps routed
+    assert router.load_E.abs().sum() == 0 and router.score_bias_E.abs().sum() == 0
+    trainer.train_step()
+    assert trainer.skipped_steps == 1 and len(observed) == 4
+    load_E = observed[2] + observed[3]  # the second step's micro-steps only
+    expected = (0.01 * torch.sign(load_E.mean() - load_E)).float()
+    assert torch.equal(router.score_bias_E, expected) and expected.abs().sum() > 0
+    trainer.close()

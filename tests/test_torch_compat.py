@@ -75,3 +75,40 @@ def test_assume_constant_result_marks_what_torch_compiler_marks():
     assert float(compiled(torch.ones(()))) == 2.0 and len(calls) == 1  # called while tracing
     assert float(compiled(torch.ones(()))) == 2.0 and len(calls) == 1  # baked into the graph
     torch._dynamo.reset()
+
+
+def test_tree_map_and_tree_flatten_walk_nested_containers_in_order():
+    tree = {"a": (1, [2, 3]), "b": {"c": 4}}
+    assert _torch_compat.tree_flatten(tree) == [1, 2, 3, 4]
+    assert _torch_compat.tree_map(lambda v: v * 10, tree) == {"a": (10, [20, 30]), "b": {"c": 40}}
+
+
+def test_torch_dispatch_mode_sees_every_aten_operator():
+    assert _torch_compat.TorchDispatchMode is not _torch_compat._MissingDispatchMode
+    seen = []
+
+    class Record(_torch_compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.ones(3)
+    with Record():
+        y = (x + 1).mul(2)
+    assert torch.equal(y, torch.full((3,), 4.0)) and seen == ["aten.add", "aten.mul"]
+
+
+def test_ddp_ignore_parameters_makes_ddp_leave_them_alone():
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    _torch_compat.ddp_ignore_parameters(model, ["1.weight"])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(model)
+        assert ddp.parameters_to_ignore == {"1.weight"}
+        model(torch.ones(1, 2)).sum().backward()  # the ignored weight still gets its local gradient
+        assert model[1].weight.grad is not None
+    finally:
+        dist.destroy_process_group()

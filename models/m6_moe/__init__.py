@@ -14,7 +14,13 @@ from m6_moe.config import PRESET_PARAMETER_TARGETS, PRESETS, M6Config, M6TaskCon
 from m6_moe.data import ManifestDataset, resolve_manifests
 from m6_moe.loader import M6Batches
 from m6_moe.manifest_index import ensure_index
-from m6_moe.model import M6Model, count_active_parameters, count_parameters, prefix_lm_mask
+from m6_moe.model import (
+    M6Model,
+    count_active_parameters,
+    count_parameters,
+    default_m6_strategy,
+    prefix_lm_mask,
+)
 from m6_moe.synthetic import ensure_synthetic_dataset
 from m6_moe.tasks import TaskSampler, m6_loss
 from m6_moe.tokenizer import ByteTokenizer, JSONTokenizer, load_tokenizer
@@ -52,7 +58,7 @@ def prepare_manifest_indexes(manifests: list[Path], rank: int, world_size: int, 
         dist.barrier()
 
 
-def build_m6(config, parallel, rank: int):
+def build_m6(config, shard):
     """Builds ``(model, batches, loss_fn)`` for the engine from a ``TrainConfig`` whose ``model``
     is an :class:`M6Config`. ``config.data``: ``source`` is ``"embedded"`` (the synthetic
     dataset, written once into ``<out_dir>/data``), a manifest path, or a list of manifest paths and
@@ -60,7 +66,9 @@ def build_m6(config, parallel, rank: int):
     ``micro_batch_size`` samples per batch; ``seq_len`` the longest prefix and the longest target
     (bos / eos included), so ``2 * seq_len`` must fit in ``model.max_text_len``; ``num_workers``
     loader processes per rank (``"auto"``: :func:`moetrain.cpus.default_num_workers` of the rank's
-    CPUs). The data stream is seeded by ``config.seed``."""
+    CPUs). ``shard``: this rank's data stream (:class:`moetrain.registry.DataShard`); the data is
+    seeded by ``config.seed`` and the shard's index (tensor-parallel ranks read the same batches).
+    The model is built whole; the engine parallelizes it (:func:`m6_strategy`)."""
     model_config = config.model
     if not isinstance(model_config, M6Config):
         raise ValueError(f"model must be an M6Config, got {type(model_config).__name__}")
@@ -76,7 +84,7 @@ def build_m6(config, parallel, rank: int):
             f"model.vocab_size = {model_config.vocab_size} is smaller than the tokenizer's vocabulary "
             f"({tokenizer.vocab_size} ids, tokenizer {model_config.tokenizer!r})"
         )
-    world_size = 1 if parallel is None else parallel.world_size
+    rank, world_size = shard.rank, shard.world_size
     if data.source == "embedded":
         manifests = [prepare_embedded_dataset(config.out_dir, rank, world_size) / "train.jsonl"]
     else:
@@ -95,11 +103,17 @@ def build_m6(config, parallel, rank: int):
     if workers == "auto":
         workers = default_num_workers(cpus_per_rank(world_size))
     batches = M6Batches(
-        sampler, data.micro_batch_size, model_config.num_patches, rank=rank, world_size=world_size,
-        num_workers=workers,
+        sampler, data.micro_batch_size, model_config.num_patches, rank=shard.index, world_size=shard.count,
+        num_workers=workers, group=shard.group,
     )  # fmt: skip
-    model = M6Model(model_config, parallel)
+    model = M6Model(model_config, seed=config.seed)
     return model, batches, m6_loss
+
+
+def m6_strategy(config) -> dict[str, str]:
+    """The registry's strategy hook: :func:`m6_moe.model.default_m6_strategy` for the run's
+    ``tp_size``."""
+    return default_m6_strategy(config.model, config.parallel.tp_size)
 
 
 def register() -> None:
@@ -112,8 +126,9 @@ def register() -> None:
     from moetrain.registry import register_model
 
     register_model(
-        "m6_moe", M6Config, build_m6, describe=describe_m6, evaluate=EvalCommand(), generate=GenerateCommand()
-    )
+        "m6_moe", M6Config, build_m6, describe=describe_m6, evaluate=EvalCommand(),
+        generate=GenerateCommand(), strategy=m6_strategy,
+    )  # fmt: skip
 
 
 __all__ = [
@@ -131,10 +146,12 @@ __all__ = [
     "build_m6",
     "count_active_parameters",
     "count_parameters",
+    "default_m6_strategy",
     "load_tokenizer",
     "m6_loss",
     "prefix_lm_mask",
     "prepare_embedded_dataset",
     "prepare_manifest_indexes",
+    "m6_strategy",
     "register",
 ]

@@ -67,11 +67,17 @@ How each preset is built:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields, replace
 
 from m6_moe.tokenizer import ByteTokenizer
-from moetrain.config import MoEConfig, option, require_int
+from moetrain.config import MoEConfig, option
+from moetrain.validation import (
+    require_bool,
+    require_fraction,
+    require_int,
+    require_nonneg_float,
+    require_number,
+)
 
 BYTE_VOCAB_SIZE = ByteTokenizer().vocab_size
 
@@ -84,12 +90,6 @@ PRESET_PARAMETER_TARGETS: dict[str, tuple[float, str]] = {
     "1T": (1e12, "M6-T (arXiv:2105.15082), abstract: over 1 trillion parameters on 480 V100-32GB"),
 }
 PRESET_PARAMETER_TOLERANCE = 0.05
-
-
-def _require_fraction(name: str, value, upper_open: bool = True) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value >= 1 if upper_open else value > 1):
-        raise ValueError(f"{name} must be a number in [0, 1{')' if upper_open else ']'}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -122,21 +122,15 @@ class M6TaskConfig:
 
     def __post_init__(self) -> None:
         for name in ("caption_weight", "denoise_weight", "image_text_weight"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"tasks.{name} must be a number >= 0, got {value!r}")
+            require_nonneg_float(f"tasks.{name}", getattr(self, name))
         if not any(self.weights.values()):
             raise ValueError(
                 "tasks: at least one of caption_weight, denoise_weight, image_text_weight must be > 0"
             )
-        _require_fraction("tasks.noise_density", self.noise_density)
-        if self.noise_density == 0:
-            raise ValueError("tasks.noise_density must be a number in (0, 1), got 0")
-        length = self.mean_span_length
-        if isinstance(length, bool) or not isinstance(length, (int, float)) or not length >= 1:
-            raise ValueError(f"tasks.mean_span_length must be a number >= 1, got {length!r}")
-        if not isinstance(self.skip_bad_records, bool):
-            raise ValueError(f"tasks.skip_bad_records must be True or False, got {self.skip_bad_records!r}")
+        density = self.noise_density
+        require_number("tasks.noise_density", density, low=0, high=1, low_open=True, high_open=True)
+        require_number("tasks.mean_span_length", self.mean_span_length, low=1)
+        require_bool("tasks.skip_bad_records", self.skip_bad_records)
         require_int("tasks.max_image_pixels", self.max_image_pixels, 1)
 
     @property
@@ -235,9 +229,8 @@ class M6Config:
                 f"moe_every = {self.moe_every} exceeds num_layers = {self.num_layers}: no layer would get "
                 f"the MoE FFN; use 0 for a dense model or a value in 1..{self.num_layers}"
             )
-        _require_fraction("dropout", self.dropout)
-        if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(f"tie_embeddings must be True or False, got {self.tie_embeddings!r}")
+        require_fraction("dropout", self.dropout)
+        require_bool("tie_embeddings", self.tie_embeddings)
         if not isinstance(self.tokenizer, str) or not (
             self.tokenizer == "bytes" or self.tokenizer.endswith(".json")
         ):

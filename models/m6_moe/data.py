@@ -30,7 +30,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 
 from m6_moe.manifest_index import (
     MAX_STORED_REASONS,
@@ -39,6 +38,7 @@ from m6_moe.manifest_index import (
     one_line,
     parse_manifest_line,
 )
+from m6_moe.optional import pillow
 from moetrain.progress import ProgressBar
 
 # Larger images are bad records: decoding one costs width * height * 4 bytes and is redone on every
@@ -46,8 +46,9 @@ from moetrain.progress import ProgressBar
 # corpus resizes to a few hundred pixels.
 DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
 
-# Manifests whose index files (memory maps, one descriptor each) a process keeps open at once;
-# a corpus of thousands of shard manifests reopens the least recently used ones.
+# Manifests whose files (the manifest and its index arrays, read with pread: one descriptor each) a
+# process keeps open at once; a corpus of thousands of shard manifests reopens the least recently
+# used ones.
 MAX_OPEN_MANIFESTS = 64
 
 # Which records an epoch runs over (see TaskSampler): all, those with an image, or those with an
@@ -88,7 +89,7 @@ def image_to_tensor(image, size: int, channels: int) -> torch.Tensor:
     """A Pillow image -> ``uint8 [channels, size, size]``: converted to RGB (3) or grey (1), then
     resized with bicubic filtering."""
     mode = "RGB" if channels == 3 else "L"
-    image = image.convert(mode).resize((size, size), Image.Resampling.BICUBIC)
+    image = image.convert(mode).resize((size, size), pillow().Image.Resampling.BICUBIC)
     pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
     return pixels.view(size, size, channels).permute(2, 0, 1).contiguous()
 
@@ -325,8 +326,8 @@ class ManifestDataset:
 
     def verify_images(self, progress: bool = True) -> int:
         """Checks every image file now (exists, header identifiable, pixel count; pixels are not
-        decoded) instead of at first load, with a :class:`~moetrain.progress.ProgressBar` on stderr
-        (``progress``). A bad one raises, or (skip mode) is marked and counted as :meth:`load_image`
+        decoded) instead of at first load, with a :class:`~moetrain.progress.ProgressBar` (logged)
+        when ``progress``. A bad one raises, or (skip mode) is marked and counted as :meth:`load_image`
         would. Returns the number of bad images found. Costs one file open per image record: run it
         once, in one process, to vet a manifest before a long run, not on every rank (what it finds
         stays in this process; training ranks still find a bad file when they draw it)."""
@@ -385,8 +386,9 @@ def _check_header(path: Path, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> str
     has at most ``max_pixels`` pixels, else the one-line reason."""
     if not path.is_file():
         return f"image {path} does not exist"
+    open_image = pillow().Image.open
     try:
-        with Image.open(path) as opened:
+        with open_image(path) as opened:
             return _too_large(path, opened, max_pixels)
     except Exception as error:  # Pillow raises many types for bad files
         return f"image {path} cannot be read ({one_line(error)})"
@@ -399,8 +401,9 @@ def _decode(
     unidentifiable header ("cannot be read"), more than ``max_pixels`` pixels (checked on the
     header, before any pixel is decoded) or truncated / corrupt pixel data ("cannot be
     decoded")."""
+    open_image = pillow().Image.open
     try:
-        opened = Image.open(path)
+        opened = open_image(path)
     except FileNotFoundError:
         return None, f"image {path} does not exist"
     except Exception as error:  # Pillow raises many types for bad files

@@ -29,6 +29,7 @@ from m6_moe.data import ManifestDataset, normalize_pixels
 from m6_moe.generate import beam_search, build_context, greedy_search
 from m6_moe.metrics import bleu4, exact_match
 from moetrain.progress import ProgressBar
+from moetrain.validation import require_int
 
 EVAL_STRATEGIES = ("greedy", "beam")
 
@@ -109,14 +110,13 @@ def caption_manifest(
     """Captions the images of ``dataset`` (its first ``limit`` images when given) in batches of
     ``batch_size`` with ``strategy`` (``"greedy"`` or ``"beam"`` with ``num_beams`` and
     ``length_penalty``) and measures token accuracy on their references (see the module
-    docstring). ``progress``: a :class:`~moetrain.progress.ProgressBar` over the batches on
-    stderr with the exact match so far. A bad image file raises ``ValueError`` naming the
+    docstring). ``progress``: a :class:`~moetrain.progress.ProgressBar` over the batches (logged)
+    with the exact match so far. A bad image file raises ``ValueError`` naming the
     manifest line, or is skipped and counted when the dataset skips bad records."""
     if strategy not in EVAL_STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(map(repr, EVAL_STRATEGIES))}, got {strategy!r}")
-    for name, value in (("batch_size", batch_size), ("limit", 1 if limit is None else limit)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    require_int("batch_size", batch_size, 1)
+    require_int("limit", limit, 1, allow_none=True)
     groups = images_with_references(dataset)
     result = CaptionResult(str(dataset.manifest))
     result.text_only_records = sum(record.image is None for record in dataset.records)

@@ -25,7 +25,7 @@ import torch
 
 from m6_moe.data import normalize_pixels
 from m6_moe.tokenizer import encode_prefix
-from moetrain.validation import require_int
+from moetrain.validation import require_bool, require_int, require_number, require_positive_float
 
 STRATEGIES = ("greedy", "sample", "beam")
 
@@ -131,8 +131,7 @@ class RecomputeDecoder:
 def make_decoder(model, context: dict, max_new_tokens: int, use_cache: bool = True):
     """A :class:`CachedDecoder` (``use_cache``) or a :class:`RecomputeDecoder` for ``context``'s
     rows, after checking that ``max_new_tokens`` fits (:func:`check_new_tokens`)."""
-    if not isinstance(use_cache, bool):
-        raise ValueError(f"use_cache must be True or False, got {use_cache!r}")
+    require_bool("use_cache", use_cache)
     check_new_tokens(model.config, context["prefix_ids"].shape[1], max_new_tokens)
     if use_cache and not (hasattr(model, "start_decoding") and hasattr(model, "decode_step")):
         raise ValueError(
@@ -151,10 +150,8 @@ TOP_P_TOLERANCE = 1e-6
 def check_sampling_options(top_k: int = 0, top_p: float = 1.0, temperature: float = 1.0) -> None:
     """One-line ``ValueError`` naming the first option out of range (see :func:`sampling_probs`)."""
     require_int("top_k", top_k, 0)
-    if isinstance(top_p, bool) or not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
-    if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+    require_number("top_p", top_p, low=0, high=1, low_open=True)
+    require_positive_float("temperature", temperature)
 
 
 def filter_logits(logits_BV: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -261,8 +258,7 @@ def beam_search(
     ``max_new_tokens`` the alive beams count as finished. ``num_beams=1`` is greedy search.
     Image and prefix are encoded once per input, then their cache is copied to the K beams."""
     require_int("num_beams", num_beams, 1)
-    if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)):
-        raise ValueError(f"length_penalty must be a number, got {length_penalty!r}")
+    require_number("length_penalty", length_penalty)
     beams = num_beams
     batch = context["prefix_ids"].shape[0]
     device = context["prefix_ids"].device

@@ -13,7 +13,6 @@ import logging
 from pathlib import Path
 
 import torch
-from PIL import Image
 
 from m6_moe.command_options import add_decoding_options, beam_options
 from m6_moe.data import image_to_tensor
@@ -24,10 +23,15 @@ from m6_moe.generate import (
     generate,
     room_for_new_tokens,
 )
+from m6_moe.optional import pillow
 from m6_moe.tokenizer import encode_prefix
 from m6_moe.trained_model import load_trained_model, tokenizer_for
 
 log = logging.getLogger(__name__)
+
+# Every character str.splitlines() ends a line at, escaped, so that each input prints one line.
+_BREAKS = ("\n", "\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029")
+LINE_BREAKS = str.maketrans({c: repr(c)[1:-1] for c in _BREAKS})
 
 
 def load_image_file(path: str | Path, model_config) -> torch.Tensor:
@@ -37,8 +41,9 @@ def load_image_file(path: str | Path, model_config) -> torch.Tensor:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"--image {path} does not exist")
+    open_image = pillow().Image.open
     try:
-        opened = Image.open(path)
+        opened = open_image(path)
     except Exception as error:  # Pillow raises many types for bad files
         raise ValueError(f"--image {path} cannot be read ({' '.join(str(error).split())})") from None
     with opened:
@@ -133,5 +138,5 @@ class GenerateCommand:
             print(json.dumps(report, ensure_ascii=False))
         else:
             for text in texts:
-                print(text.replace("\n", "\\n").replace("\r", "\\r"))  # one line per input
+                print(text.translate(LINE_BREAKS))  # one line per input
         return 0

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from m6_moe.tasks import TASKS, TaskSampler, collate
+from moetrain.validation import require_int
 
 log = logging.getLogger("moetrain.m6_moe.loader")
 
@@ -102,8 +103,10 @@ class M6Batches:
     """The engine's batches object (see the module docstring): ``next() -> (inputs, labels)`` with
     ``batch`` samples (the engine may set ``batch`` per rank when it balances the global batch).
 
-    ``rank`` / ``world_size``: this rank in the world group (``torch.distributed`` initialised when
-    ``world_size > 1``). ``num_workers``: loader worker processes (0: load in this process).
+    ``rank`` / ``world_size``: this rank's data stream of ``world_size`` streams, and ``group`` the
+    process group of one rank per stream in which it has rank ``rank`` (None: the world group;
+    ``torch.distributed`` initialised when ``world_size > 1``). ``num_workers``: loader worker
+    processes (0: load in this process).
     ``tokens_per_batch``: real (non-padding) positions per batch, image patches included, averaged
     over the batches drawn so far (before the first: the most a batch can hold,
     ``batch * (P + 2 * seq_len)``)."""
@@ -117,15 +120,15 @@ class M6Batches:
         world_size: int = 1,
         num_workers: int = 0,
         prefetch_factor: int = 2,
+        group=None,
     ):
         for name, value, low in (("batch", batch, 1), ("num_workers", num_workers, 0), ("rank", rank, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+            require_int(name, value, low)
         if not rank < world_size:
             raise ValueError(f"rank must be in [0, world_size = {world_size}), got {rank}")
         self.sampler = sampler
         self.num_patches = num_patches
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.group = rank, world_size, group
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
         dataset = sampler.dataset
         self.image_shape = (dataset.image_channels, dataset.image_size, dataset.image_size)
@@ -149,8 +152,7 @@ class M6Batches:
 
     @batch.setter
     def batch(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"batch must be an integer >= 1, got {value!r}")
+        require_int("batch", value, 1)
         if value != self._batch:
             self._batch = value
             self._restart()
@@ -172,7 +174,7 @@ class M6Batches:
             return (self._batch,)
         mine = (self._batch, self.epoch, self.offset, self._position_known, self.sampler.epoch_size)
         everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, mine)
+        dist.all_gather_object(everyone, mine, group=self.group)
         _, epoch, offset, known, size = everyone[0]
         for rank, (_, e, o, k, n) in enumerate(everyone):
             if n != size:

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moetrain.logs import configure_console
 from moetrain.progress import ProgressBar
 
 log = logging.getLogger("moetrain.m6_moe.manifest_index")
@@ -235,7 +236,7 @@ def ensure_index(
     manifest: str | Path, fallback_dir: str | Path | None = None, progress: bool | None = None
 ) -> Path:
     """The directory of ``manifest``'s current index, building it first when there is none (see
-    the module docstring; one log line per build). ``progress``: a progress bar on stderr while
+    the module docstring; one log line per build). ``progress``: a progress bar (logged) while
     building (None: for manifests of 8 MiB or more). ``ValueError`` when the manifest cannot be
     read."""
     manifest = Path(manifest)
@@ -412,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("manifests", nargs="+", help="manifest files")
     parser.add_argument("--fallback-dir", help="where indexes go when a manifest's directory is read-only")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    configure_console("INFO")  # the build's log line and progress bar (redrawn on a terminal) on stderr
     try:
         for manifest in args.manifests:
             directory = ensure_index(manifest, args.fallback_dir)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import re
 
+from m6_moe.optional import sacrebleu_bleu
+
 # The tokenizers of sacrebleu's BLEU that need no extra package ("ja-mecab", "ko-mecab" and the
 # sentencepiece ones do), and "auto" (see the module docstring).
 BLEU_TOKENIZERS = ("auto", "13a", "zh", "intl", "char", "none")
@@ -67,15 +69,12 @@ def bleu4(predictions: list[str], references: list[list[str]], tokenize: str = "
     _check_pairs(predictions, references)
     if tokenize not in BLEU_TOKENIZERS:
         raise ValueError(f"tokenize must be one of {', '.join(map(repr, BLEU_TOKENIZERS))}, got {tokenize!r}")
-    try:
-        from sacrebleu.metrics import BLEU
-    except ImportError:
-        raise ImportError("BLEU-4 needs the 'sacrebleu' package (pip install sacrebleu)") from None
+    bleu_metric = sacrebleu_bleu()
     if tokenize == "auto":
         tokenize = bleu_tokenizer_for(references)
     # sacrebleu takes one stream per reference slot; images with fewer references pad with None
     slots = max(len(refs) for refs in references)
     streams = [[refs[slot] if slot < len(refs) else None for refs in references] for slot in range(slots)]
-    metric = BLEU(tokenize=tokenize, max_ngram_order=4)
+    metric = bleu_metric(tokenize=tokenize, max_ngram_order=4)
     score = metric.corpus_score(predictions, streams)
     return {"bleu4": score.score, "bleu_tokenize": tokenize, "bleu_signature": str(metric.get_signature())}

@@ -34,7 +34,8 @@ from torch import nn
 
 from m6_moe.config import M6Config
 from moetrain.layers import MoELayer
-from moetrain.layers.experts import DenseFFN
+from moetrain.layers.experts import DenseFFN, derive_seed
+from moetrain.validation import require_int
 
 SEGMENT_IMAGE, SEGMENT_PREFIX, SEGMENT_TARGET = 0, 1, 2
 
@@ -144,33 +145,41 @@ class PrefixLMSelfAttention(nn.Module):
     def __init__(self, d_model: int, num_heads: int, dropout: float):
         super().__init__()
         self.num_heads = num_heads
+        self.head_dim = d_model // num_heads
         self.dropout = dropout
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.q = nn.Linear(d_model, d_model, bias=False)
+        self.k = nn.Linear(d_model, d_model, bias=False)
+        self.v = nn.Linear(d_model, d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model, bias=False)
 
     def forward(
         self, x_BSD: torch.Tensor, mask_B1SK: torch.Tensor, cache: KVCache | None = None, layer: int = 0
     ) -> torch.Tensor:
-        batch, seq, d_model = x_BSD.shape
-        q, k, v = self.qkv(x_BSD).view(batch, seq, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        """Heads are counted from the projections' width (``num_heads / tp_size`` when q / k / v
+        are split by columns over tensor-parallel ranks)."""
+        batch, seq, _ = x_BSD.shape
+        q, k, v = (
+            proj(x_BSD).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.q, self.k, self.v)
+        )
         if cache is not None:
             k, v = cache.append(layer, k, v)
         p = self.dropout if self.training else 0.0
         attn_BHSd = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1SK, dropout_p=p)
-        return self.proj(attn_BHSd.transpose(1, 2).reshape(batch, seq, d_model))
+        return self.proj(attn_BHSd.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class M6Block(nn.Module):
     """Pre-norm transformer block; the FFN is a MoELayer (``moe=True``) or a dense FFN."""
 
-    def __init__(self, config: M6Config, moe: bool, parallel=None):
+    def __init__(self, config: M6Config, moe: bool, expert_seed: int | None = None):
         super().__init__()
         self.attn_norm = nn.LayerNorm(config.d_model)
         self.attn = PrefixLMSelfAttention(config.d_model, config.num_heads, config.dropout)
         self.ffn_norm = nn.LayerNorm(config.d_model)
         self.is_moe = moe
         if moe:
-            self.ffn = MoELayer(config.moe, parallel=parallel)
+            self.ffn = MoELayer(config.moe, seed=expert_seed)
         else:
             self.ffn = DenseFFN(config.d_model, config.d_ff, config.moe.activation)
         self.dropout = nn.Dropout(config.dropout)
@@ -189,8 +198,10 @@ class M6Block(nn.Module):
         h_BSD = self.ffn_norm(x_BSD)
         if self.is_moe and valid_BS is not None and h_BSD.device.type != "meta":
             # route only real tokens: padding takes no expert capacity, no aux loss (on meta there
-            # are no mask values: every position is routed, the most a batch can take)
-            routed_ND = self.ffn(h_BSD[valid_BS])  # the compute dtype under autocast
+            # are no mask values: every position is routed, the most a batch can take); the
+            # sequence-level balance loss balances within each sample's real tokens
+            lengths_B = valid_BS.sum(dim=1) if self.ffn.config.seq_aux_loss_coef else None
+            routed_ND = self.ffn(h_BSD[valid_BS], sequence_lengths=lengths_B)  # compute dtype under autocast
             y_BSD = routed_ND.new_zeros(h_BSD.shape).index_put((valid_BS,), routed_ND)
         else:
             y_BSD = self.ffn(h_BSD)
@@ -198,8 +209,11 @@ class M6Block(nn.Module):
 
 
 class M6Model(nn.Module):
-    """``model(**inputs) -> logits [B, T, V]`` for the target positions. ``parallel``: a
-    ``ParallelContext`` for expert parallelism (each MoE layer then holds this rank's experts).
+    """``model(**inputs) -> logits [B, T, V]`` for the target positions (a vocabulary-sharded
+    DTensor when the head is split with ``split.head``). Built with no knowledge of the parallel
+    layout: :func:`moetrain.parallelize` applies one (:func:`default_m6_strategy`). ``seed``: the
+    experts' initialisation (each MoE layer's from ``derive_seed(seed, "blocks.<i>.ffn")``), so a
+    model built on ``meta`` and materialised has the CPU build's experts.
 
     Builds on the ``meta`` device for parameter counting::
 
@@ -212,7 +226,7 @@ class M6Model(nn.Module):
         logits_BV = model.decode_step(cache, bos_B)  # then decode_step(cache, next_tokens_B) ...
     """
 
-    def __init__(self, config: M6Config, parallel=None):
+    def __init__(self, config: M6Config, *, seed: int = 0):
         super().__init__()
         self.config = config
         self.stem = PatchStem(config)
@@ -222,12 +236,18 @@ class M6Model(nn.Module):
         self.segment_embed = nn.Embedding(3, config.d_model)
         self.embed_dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
-            M6Block(config, config.is_moe_layer(i), parallel) for i in range(config.num_layers)
+            M6Block(config, config.is_moe_layer(i), derive_seed(seed, f"blocks.{i}.ffn"))
+            for i in range(config.num_layers)
         )
         self.norm = nn.LayerNorm(config.d_model)
         self.head = (
             None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
         )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The embeddings and positions ``N(0, 0.02)`` (the model's own tensors; every submodule
+        resets its own)."""
         for weight in (self.text_embed.weight, self.patch_pos, self.text_pos, self.segment_embed.weight):
             nn.init.normal_(weight, std=0.02)
 
@@ -303,8 +323,7 @@ class M6Model(nn.Module):
                     f"must be null, got {factor} (or decode without the cache)"
                 )
         batch, prefix_len = prefix_ids.shape
-        if isinstance(max_target_len, bool) or not isinstance(max_target_len, int) or max_target_len < 1:
-            raise ValueError(f"max_target_len must be an integer >= 1, got {max_target_len!r}")
+        require_int("max_target_len", max_target_len, 1)
         if prefix_len + max_target_len > cfg.max_text_len:
             raise ValueError(
                 f"prefix length {prefix_len} + target length {max_target_len} exceeds "
@@ -369,6 +388,11 @@ class M6Model(nn.Module):
     def _logits(self, x_BTD: torch.Tensor) -> torch.Tensor:
         h_BTD = self.norm(x_BTD)
         if self.head is None:
+            if type(self.text_embed.weight).__name__ == "DTensor":
+                raise ValueError(
+                    "tie_embeddings: the output projection is the text embedding, which the strategy splits; "
+                    "replicate text_embed or set tie_embeddings: false (then split head and embedding apart)"
+                )
             return F.linear(h_BTD, self.text_embed.weight.to(h_BTD.dtype))
         return self.head(h_BTD)
 
@@ -381,6 +405,26 @@ class M6Model(nn.Module):
                 f"{name} must be a bool tensor of shape {list(shape)}, got {mask.dtype} {tuple(mask.shape)}"
             )
         return mask
+
+
+def default_m6_strategy(config: M6Config, tp_size: int = 1) -> dict[str, str]:
+    """M6's default strategy: every MoE FFN ``expert``; with ``tp_size > 1`` the attention's
+    q / k / v ``split`` (by columns, whole heads), its output projection ``split.row``, the dense
+    FFNs ``split`` (Megatron's MLP), the head ``split.head`` (vocabulary-sharded logits, parallel
+    cross-entropy) and the text embedding ``split`` (vocabulary-parallel); the image stem and
+    everything else replicated. With ``tie_embeddings`` the head is the embedding matrix: both
+    stay replicated (splitting one without the other is not possible)."""
+    moe = [i for i in range(config.num_layers) if config.is_moe_layer(i)]
+    dense = [i for i in range(config.num_layers) if not config.is_moe_layer(i)]
+    strategy = {f"blocks.{i}.ffn": "expert" for i in moe}
+    if tp_size > 1:
+        strategy.update({"blocks.*.attn.[qkv]": "split", "blocks.*.attn.proj": "split.row"})
+        if config.moe.activation != "swiglu":
+            strategy.update({f"blocks.{i}.ffn": "split" for i in dense})
+        if not config.tie_embeddings:
+            strategy.update({"head": "split.head", "text_embed": "split"})
+    strategy.update({"stem": "replica", "blocks.*": "replica"})  # FSDP units under replica: fsdp
+    return strategy
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -28,5 +28,9 @@ def describe_m6(config: M6Config, name: str = "m6") -> ModelDescription:
         patch_size=config.patch_size,
         stem_channels=tuple(config.stem_channels),
         tied_head=bool(config.tie_embeddings),
+        # the text embedding is the head's too when tied: its gradient then arrives first
+        input_modules=("stem", "patch_pos", "text_pos", "segment_embed")
+        + (() if config.tie_embeddings else ("text_embed",)),
     )
-    return ModelDescription(name, arch, config, lambda: M6Model(config))
+    # data.seq_len bounds the prefix and the target each (build_m6 checks that both fit max_text_len)
+    return ModelDescription(name, arch, config, lambda: M6Model(config), seq_len_from_data=lambda n: 2 * n)

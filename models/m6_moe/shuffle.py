@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from moetrain.validation import require_int
+
 MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _M1 = 0xBF58476D1CE4E5B9
@@ -54,8 +56,7 @@ class EpochPermutation:
     ``perm(indices)`` maps an int array (or an int) to the permuted positions (same shape)."""
 
     def __init__(self, n: int, key: int):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"a permutation needs n >= 1 elements, got {n!r}")
+        require_int("n", n, 1, note="(elements to permute)")
         self.n = n
         bits = max(2, (n - 1).bit_length())
         self.half_bits = (bits + 1) // 2

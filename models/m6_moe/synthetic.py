@@ -30,8 +30,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from PIL import Image, ImageDraw
-
+from m6_moe.optional import pillow
 from moetrain.progress import ProgressBar
 from moetrain.validation import require_int
 
@@ -96,8 +95,9 @@ def parse_caption(text: str) -> CaptionFacts | None:
 def draw_shape(size: int, colour: str, shape: str, position: str, rng: random.Random):
     """A ``size`` x ``size`` RGB Pillow image of one shape; radius ``U(0.12, 0.18) * size``,
     centre offset ``U(-0.05, 0.05) * size`` per axis, background drawn from ``BACKGROUNDS``."""
-    image = Image.new("RGB", (size, size), BACKGROUNDS[rng.randrange(len(BACKGROUNDS))])
-    draw = ImageDraw.Draw(image)
+    pil = pillow()
+    image = pil.Image.new("RGB", (size, size), BACKGROUNDS[rng.randrange(len(BACKGROUNDS))])
+    draw = pil.ImageDraw.Draw(image)
     fx, fy = POSITIONS[position][2]
     cx = (fx + rng.uniform(-0.05, 0.05)) * size
     cy = (fy + rng.uniform(-0.05, 0.05)) * size
@@ -160,8 +160,8 @@ def write_synthetic_dataset(
 ) -> Path:
     """Writes the dataset into ``directory`` (created; must not exist or be empty): ``num_train``
     training and ``num_heldout`` held-out images of ``size`` pixels, two records each.
-    ``progress``: a :class:`~moetrain.progress.ProgressBar` over the images on stderr (in a log
-    file, ten lines; a few thousand 64-pixel images per second on one core)."""
+    ``progress``: a :class:`~moetrain.progress.ProgressBar` over the images, logged (ten lines
+    in a log file; a few thousand 64-pixel images per second on one core)."""
     for name, value, minimum in (
         ("num_train", num_train, 1),
         ("num_heldout", num_heldout, 1),

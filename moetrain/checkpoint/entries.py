@@ -4,8 +4,11 @@ DCP keys (``<name>`` a name from ``model.named_parameters()`` / ``model.state_di
 global expert index, ``<r>`` a rank at save time):
 
 - ``model/<name>``: a dense parameter or buffer; replicated (every rank offers it, DCP keeps one
-  copy: dense values must be equal on every rank, as data parallelism keeps them);
-- ``model/<name>.expert.<g>``: expert ``g`` of a ``GroupedExperts`` parameter (``w[g - first]``);
+  copy: dense values must be equal on every rank, as data parallelism keeps them), or a DTensor
+  (a split layer's shards, FSDP's): saved with its global shape, each rank writing its shard, so
+  that DCP reshards it into any layout (a plain tensor at world 1 included);
+- ``model/<name>.expert.<g>``: expert ``g`` of a ``GroupedExperts`` parameter (``w[g - first]``;
+  under FSDP each rank writes the experts whose rows its shard holds);
 - ``optim/<entry>/<key>``: optimizer state ``<key>`` (``step``, ``exp_avg``, ``exp_avg_sq``, and
   ``master`` for ``OffloadOptimizer``) of ``<entry>`` = ``<name>`` or ``<name>.expert.<g>``.
   A state tensor of the parameter's shape is split per expert; anything else (``step``) is
@@ -27,7 +30,7 @@ import torch
 from torch import nn
 
 from moetrain.checkpoint.objects import encode_object
-from moetrain.layers.experts import GroupedExperts
+from moetrain.layers.experts import GroupedExperts, local_rows, local_tensor
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -37,9 +40,10 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def expert_params(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """``{parameter name: (first global expert, local expert count)}`` of every GroupedExperts
-    parameter (the stacked ``[E_local, ...]`` weights)."""
+def expert_params(model: nn.Module) -> dict[str, tuple[int, int, int]]:
+    """``{parameter name: (first global expert, count, total experts)}`` of every GroupedExperts
+    parameter (the stacked ``[E_local, ...]`` weights): the experts whose rows this rank holds
+    (all its layer's local experts; under FSDP the rows of its shard) and the layer's total."""
     found = {}
     for prefix, module in model.named_modules():
         if isinstance(module, GroupedExperts):
@@ -50,7 +54,8 @@ def expert_params(model: nn.Module) -> dict[str, tuple[int, int]]:
                         f"expert parameter {name!r} must have num_experts = {module.num_experts} rows, "
                         f"got shape {tuple(param.shape)}"
                     )
-                found[name] = (module.first_expert, module.num_experts)
+                first_row, rows = local_rows(param)
+                found[name] = (module.first_expert + first_row, rows, module.total_experts)
     return found
 
 
@@ -66,11 +71,12 @@ def model_entries(model: nn.Module, experts: dict[str, tuple[int, int]]) -> dict
     entries: dict[str, Any] = {}
     for name, value in model.state_dict().items():
         if name in experts:
-            first, count = experts[name]
+            first, count, _ = experts[name]
+            rows = local_tensor(value)
             for local in range(count):
-                entries["model/" + expert_key(name, first + local)] = value[local]
+                entries["model/" + expert_key(name, first + local)] = rows[local]
         else:
-            entries["model/" + name] = value
+            entries["model/" + name] = value  # a DTensor (split, FSDP) is saved as one: DCP reshards it
     return entries
 
 
@@ -93,12 +99,12 @@ def optimizer_entries(
     for index, state in state_dict["state"].items():
         name, param = by_index[index]
         if name in experts:
-            first, count = experts[name]
+            first, count, _ = experts[name]
             for local in range(count):
                 for key, value in state.items():
                     split = isinstance(value, torch.Tensor) and value.shape == param.shape
                     entries[f"optim/{expert_key(name, first + local)}/{key}"] = (
-                        value[local] if split else value
+                        local_tensor(value)[local] if split else value
                     )
         else:
             for key, value in state.items():
@@ -141,7 +147,11 @@ def encode_objects(entries: dict[str, Any]) -> dict[str, torch.Tensor]:
 def non_finite_entries(entries: dict[str, Any], limit: int = 3) -> list[str]:
     """Keys of floating-point tensor entries holding inf or NaN (at most ``limit``). One device
     synchronisation per device when everything is finite."""
-    floating = [(k, v) for k, v in entries.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    floating = [
+        (k, local_tensor(v))
+        for k, v in entries.items()
+        if isinstance(v, torch.Tensor) and v.is_floating_point()
+    ]
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for key, value in floating:
         by_device.setdefault(value.device, []).append((key, value))

@@ -119,6 +119,7 @@ def load_checkpoint(
     scheduler: Any | None = None,
     parallel=None,
     step: int | None = None,
+    extra_state_rank: int | None = None,
 ) -> dict[str, Any]:
     """Loads ``directory``'s checkpoint of ``step`` (None: the latest complete one); a collective.
 
@@ -127,8 +128,10 @@ def load_checkpoint(
     scheduler and this rank's RNG states. Returns a dict:
 
     - ``step``: the checkpoint's step; ``path``: its directory;
-    - ``extra_state``: the ``extra_state`` saved by this rank; a rank that did not exist at save
-      time (loading with more ranks) gets rank 0's; ``extra_state_rank`` says whose it is;
+    - ``extra_state``: the ``extra_state`` saved by rank ``extra_state_rank`` (None: this rank;
+      the engine names the first rank of its tensor-parallel group, whose ranks share one data
+      stream); where that rank did not exist at save time (loading with more ranks), rank 0's;
+      ``extra_state_rank`` says whose it is;
     - ``saved_world_size``, ``saved_ep_size``: the layout at save time;
     - ``rng_restored``: what of this rank's RNG was restored (``[]`` when this rank did not
       exist at save time; ``"cuda"`` only with CUDA and as many devices as at save time).
@@ -158,7 +161,8 @@ def load_checkpoint(
     names = parameter_names(model)
     request, plans, error = None, None, None
     own = layout.rank < manifest["world_size"]  # this rank existed at save time
-    extra_rank = layout.rank if own else 0
+    wanted = layout.rank if extra_state_rank is None else extra_state_rank
+    extra_rank = wanted if wanted < manifest["world_size"] else 0
     try:
         request = Request(read_metadata(path, files).state_dict_metadata, path)
         request_model(request, model, experts, manifest, layout.ep_size)

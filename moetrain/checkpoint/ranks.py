@@ -28,6 +28,7 @@ class RankLayout:
     ep_size: int
     distributed: bool  # torch.distributed initialised: collectives are used
     group: Any = None  # the process group of the checkpoint's collectives (None: the default group)
+    tp_size: int = 1
 
     @property
     def is_coordinator(self) -> bool:
@@ -52,7 +53,7 @@ def rank_layout(parallel, model: nn.Module, group=None) -> RankLayout:
             f"parallel describes rank {parallel.rank} of world {parallel.world_size}, but torch.distributed "
             f"says rank {rank} of world {world}; build the ParallelContext after init_process_group"
         )
-    return RankLayout(rank, world, parallel.ep_size, distributed, group)
+    return RankLayout(rank, world, parallel.ep_size, distributed, group, parallel.tp_size)
 
 
 _ERROR_TYPES = {

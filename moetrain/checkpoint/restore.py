@@ -20,6 +20,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from moetrain.checkpoint.entries import expert_key
 from moetrain.checkpoint.objects import decode_object, is_object_part, json_key, leaf_keys
 from moetrain.checkpoint.ranks import CheckpointError
+from moetrain.comm.grad_sync import is_dtensor
+from moetrain.layers.experts import local_tensor
 
 
 class Request:
@@ -78,34 +80,46 @@ class Request:
         return key in self.saved or json_key(key) in self.saved
 
 
+def _as_param_layout(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``buffer`` (this rank's rows) as a DTensor laid out like ``like`` when that is one."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(like, DTensor):
+        return buffer
+    return DTensor.from_local(
+        buffer, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
 def request_model(request: Request, model: nn.Module, experts, manifest, ep_size: int) -> None:
     """Checks and requests every entry of ``model.state_dict()``: dense ones into new tensors of
-    the model's dtype, experts into views of one stacked buffer per parameter."""
-    for name, (first, count) in experts.items():
+    the model's dtype (DTensors keep their layout: DCP reads this rank's shard), experts into views
+    of one stacked buffer per parameter (this rank's rows)."""
+    for name, (first, count, total) in experts.items():
         saved_count = manifest["experts"].get(name, 0)
         for local in range(count):
             key = "model/" + expert_key(name, first + local)
             if key not in request.saved:
                 raise ValueError(
                     f"checkpoint {request.path} has no entry {key!r} (expert {first + local} of parameter "
-                    f"{name!r}; the checkpoint holds {saved_count} experts of it, this model "
-                    f"{count * ep_size})"
+                    f"{name!r}; the checkpoint holds {saved_count} experts of it, this model {total})"
                 )
-        if saved_count != count * ep_size:
+        if saved_count != total:
             raise ValueError(
                 f"expert parameter {name!r}: the checkpoint {request.path} holds {saved_count} experts, this "
-                f"model has {count * ep_size} ({count} per rank x ep_size {ep_size})"
+                f"model has {total} (ep_size {ep_size})"
             )
     expected = set()
     for name, value in model.state_dict().items():
         what = f"parameter {name!r}"
         if name in experts:
-            first, count = experts[name]
-            buffer = torch.empty(value.shape, dtype=value.dtype, device=value.device)
-            for local in range(count):
-                key = "model/" + expert_key(name, first + local)
-                request.tensor(key, value.shape[1:], f"{what} (expert {first + local})", out=buffer[local])
-            request.assembled[name] = buffer
+            first, count, _ = experts[name]
+            local = local_tensor(value)
+            buffer = torch.empty(local.shape, dtype=value.dtype, device=local.device)
+            for row in range(count):
+                key = "model/" + expert_key(name, first + row)
+                request.tensor(key, value.shape[1:], f"{what} (expert {first + row})", out=buffer[row])
+            request.assembled[name] = _as_param_layout(buffer, value)
             continue
         key = "model/" + name
         expected.add(key)
@@ -166,7 +180,7 @@ def request_optimizer(request: Request, optimizer, names: dict[int, str], expert
                 raise ValueError(f"optimizer param group {g}: param {i} is not a parameter of the model")
             name = names[id(param)]
             if name in experts:
-                first, count = experts[name]
+                first, count, _ = experts[name]
                 entries = [f"optim/{expert_key(name, first + local)}" for local in range(count)]
             else:
                 entries = [f"optim/{name}"]
@@ -187,10 +201,17 @@ def request_optimizer(request: Request, optimizer, names: dict[int, str], expert
                     and tuple(md.size) == tuple(param.shape[1:])
                 )
                 if per_expert:
-                    buffer = torch.empty(tuple(param.shape), dtype=md.properties.dtype)
+                    buffer = torch.empty(tuple(local_tensor(param).shape), dtype=md.properties.dtype)
                     for local, entry in enumerate(entries):
                         request.tensor(f"{entry}/{key}", param.shape[1:], what, out=buffer[local])
-                    plan.stacked[key] = buffer
+                    plan.stacked[key] = _as_param_layout(buffer, param)
+                elif (
+                    is_dtensor(param)
+                    and isinstance(md, TensorStorageMetadata)
+                    and tuple(md.size) == tuple(param.shape)
+                ):  # state laid out like its DTensor parameter: read this rank's shard
+                    target = torch.empty_like(param.detach(), dtype=md.properties.dtype)
+                    request.tensor(f"{entries[0]}/{key}", param.shape, what, out=target)
                 else:
                     for entry in entries:
                         request.as_saved(f"{entry}/{key}", what)

@@ -249,8 +249,8 @@ class CheckpointWriter:
 
         if layout.is_coordinator:
             log.info(
-                "checkpoint: saving step %d to %s (world %d, ep_size %d%s)",
-                step, final_dir, layout.world_size, layout.ep_size,
+                "checkpoint: saving step %d to %s (world %d, ep_size %d, tp_size %d%s)",
+                step, final_dir, layout.world_size, layout.ep_size, layout.tp_size,
                 ", in the background" if self.asynchronous else "",
             )  # fmt: skip
             try:
@@ -272,7 +272,7 @@ class CheckpointWriter:
             layout=layout,
             tmp_dir=tmp_dir,
             final_dir=final_dir,
-            expert_counts={name: count * layout.ep_size for name, (_, count) in experts.items()},
+            expert_counts={name: total for name, (_, _, total) in experts.items()},
             has_optimizer=optimizer is not None,
             has_scheduler=scheduler is not None,
             keep_last=self.keep_last,
@@ -305,7 +305,8 @@ def _yield_cpu_to_training() -> None:
 
 
 def _stage(entries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A host-memory copy of every entry (the training step may change the originals in place)."""
+    """A host-memory copy of every entry (the training step may change the originals in place;
+    a DTensor's copy is a DTensor of the same layout holding a host copy of its shard)."""
     return {key: value.detach().to("cpu", copy=True) for key, value in entries.items()}
 
 
@@ -382,6 +383,7 @@ class _SaveJob:
             "step": self.step,
             "world_size": self.layout.world_size,
             "ep_size": self.layout.ep_size,
+            "tp_size": self.layout.tp_size,
             "experts": self.expert_counts,
             "optimizer": self.has_optimizer,
             "scheduler": self.has_scheduler,

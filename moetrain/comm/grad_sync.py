@@ -1,33 +1,43 @@
-"""Gradient synchronisation under DP x EP, and clipping by the true global norm.
+"""Gradient synchronisation under DP x EP (x TP), and clipping by the true global norm.
 
-With W ranks each computing the mean loss of its own micro-batch, the single-process gradient of
-the global batch is ``(1/W) * sum_r grad(loss_r)``:
+With ``data_count = dp * ep`` data streams (tensor-parallel ranks share one), each rank computing
+the mean loss of its own micro-batch, the single-process gradient of the global batch is
+``(1 / data_count) * sum_streams grad(loss_s)``:
 
-- dense parameters: every rank holds them; DDP averages their gradients over the world
-  (``wrap_data_parallel``, with PyTorch's bf16/fp16 compression hooks as an option);
+- replicated parameters: DDP averages their gradients over the dense group (the ``dp * ep`` ranks
+  with this rank's tp index; ``wrap_data_parallel``, with PyTorch's bf16/fp16 compression hooks as
+  an option);
 - expert parameters: after the backward all-to-all, a rank's expert gradient already sums the
   contributions of every rank in its EP group, so the gradient is the SUM over the
-  expert-data-parallel group divided by W (not by the group size, and not averaged over the world:
-  the bug DeepSpeed and Tutel shipped). ``ExpertGradReducer`` does this in flat buckets.
+  expert-data-parallel group divided by ``dp * ep`` (not by the group size, and not averaged over
+  the world: the bug DeepSpeed and Tutel shipped). ``ExpertGradReducer`` does this in flat buckets.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from moetrain.layers.experts import GroupedExperts
+from moetrain._torch_compat import ddp_ignore_parameters
+from moetrain.layers.experts import GroupedExperts, local_tensor
+from moetrain.validation import require_positive_float
 
 DDP_COMM_HOOKS = (None, "bf16", "fp16")
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """Parameters of every GroupedExperts module (sharded over the EP group)."""
-    return [p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()]
+    """The experts' parameters of every expert-parallel MoELayer (:func:`shard_experts` applied:
+    its gradients sum its EP group's tokens); a MoELayer left whole is a replicated module."""
+    from moetrain.layers.moe_layer import MoELayer
+
+    return [
+        p
+        for m in model.modules()
+        if isinstance(m, MoELayer) and m.parallel is not None
+        for p in m.experts.parameters()
+    ]
 
 
 def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -35,37 +45,52 @@ def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if id(p) not in experts]
 
 
-def wrap_data_parallel(model: nn.Module, parallel, comm_hook: str | None = None, **ddp_options) -> nn.Module:
-    """DDP over the data-parallel group for the dense parameters only (experts are left to
-    :class:`ExpertGradReducer`). ``comm_hook``: None, "bf16" or "fp16" gradient compression."""
+def is_dtensor(tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def wrap_data_parallel(
+    model: nn.Module, parallel, comm_hook: str | None = None, ignore=(), **ddp_options
+) -> nn.Module:
+    """DDP over the dense group for the plain replicated parameters only: experts are left to
+    :class:`ExpertGradReducer`, DTensor parameters (split layers) and the parameters in ``ignore``
+    to their own reduction. ``comm_hook``: None, "bf16" or "fp16" gradient compression. Returns
+    ``model`` itself when the dense group has one rank."""
     if comm_hook not in DDP_COMM_HOOKS:
         raise ValueError(f"comm_hook must be one of {DDP_COMM_HOOKS}, got {comm_hook!r}")
-    if parallel.world_size == 1:
+    if parallel.data_count == 1:
         return model
-    if comm_hook == "bf16" and dist.get_backend(parallel.dp_group) != "nccl":
+    group = parallel.dense_group
+    if comm_hook == "bf16" and dist.get_backend(group) != "nccl":
         raise ValueError(
             f"comm_hook 'bf16' uses PyTorch's bf16_compress_hook, which needs the nccl backend; this run "
-            f"uses {dist.get_backend(parallel.dp_group)!r}: use comm_hook='fp16' or None"
+            f"uses {dist.get_backend(group)!r}: use comm_hook='fp16' or None"
         )
-    expert_ids = {id(p) for p in expert_parameters(model)}
-    ignored = [name for name, p in model.named_parameters() if id(p) in expert_ids]
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
-    ddp = DistributedDataParallel(model, process_group=parallel.dp_group, **ddp_options)
+    skipped = {id(p) for p in expert_parameters(model)} | {id(p) for p in ignore}
+    ignored = [name for name, p in model.named_parameters() if id(p) in skipped or is_dtensor(p)]
+    ddp_ignore_parameters(model, ignored)
+    if len(ignored) == len(list(model.parameters())):
+        return model  # nothing left for DDP to synchronise
+    ddp = DistributedDataParallel(model, process_group=group, **ddp_options)
     if comm_hook is not None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         hook = default_hooks.bf16_compress_hook if comm_hook == "bf16" else default_hooks.fp16_compress_hook
-        ddp.register_comm_hook(parallel.dp_group, hook)
+        ddp.register_comm_hook(group, hook)
     return ddp
 
 
-class ExpertGradReducer:
-    """Sums expert gradients over the expert-data-parallel group and divides by the world size,
-    in flat buckets of about ``bucket_bytes`` (one all-reduce per bucket, not per tensor)."""
+class GradReducer:
+    """Sums gradients over ``group`` and divides by ``divisor``, in flat buckets of about
+    ``bucket_bytes`` (one all-reduce per bucket, not per tensor). DTensor gradients are reduced
+    through their local shards (the same storage)."""
 
-    def __init__(self, model: nn.Module, parallel, bucket_bytes: int = 32 * 2**20):
-        self.parallel = parallel
-        self.params = expert_parameters(model)
+    def __init__(self, params: list[nn.Parameter], group, group_size: int, divisor: int,
+                 bucket_bytes: int = 32 * 2**20):  # fmt: skip
+        self.params = params
+        self.group, self.group_size, self.divisor = group, group_size, divisor
         self.bucket_bytes = bucket_bytes
 
     def _buckets(self, grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -74,6 +99,7 @@ class ExpertGradReducer:
             if current and (
                 size + grad.numel() * grad.element_size() > self.bucket_bytes
                 or grad.dtype != current[0].dtype
+                or grad.device != current[0].device
             ):
                 buckets.append(current)
                 current, size = [], 0
@@ -83,51 +109,95 @@ class ExpertGradReducer:
 
     @torch.no_grad()
     def reduce(self) -> None:
-        grads = [p.grad for p in self.params if p.grad is not None]
-        scale = 1.0 / self.parallel.world_size
-        if self.parallel.expert_dp_size == 1:
+        grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
+        scale = 1.0 / self.divisor
+        if self.group_size == 1:
             for grad in grads:
                 grad.mul_(scale)
             return
         for bucket in self._buckets(grads):
             flat = torch.cat([grad.reshape(-1) for grad in bucket])
-            dist.all_reduce(flat, group=self.parallel.expert_dp_group)
+            dist.all_reduce(flat, group=self.group)
             flat.mul_(scale)
             pieces = flat.split([grad.numel() for grad in bucket])
             for grad, reduced in zip(bucket, pieces, strict=True):
                 grad.copy_(reduced.view_as(grad))
 
 
+class ExpertGradReducer(GradReducer):
+    """Sums expert gradients over the expert-data-parallel group and divides by the number of
+    data streams ``dp * ep``, in flat buckets of about ``bucket_bytes``."""
+
+    def __init__(self, model: nn.Module, parallel, bucket_bytes: int = 32 * 2**20):
+        super().__init__(
+            expert_parameters(model), parallel.expert_dp_group, parallel.expert_dp_size, parallel.data_count,
+            bucket_bytes,
+        )  # fmt: skip
+        self.parallel = parallel
+
+
+def shard_count(tensor: torch.Tensor) -> int:
+    """Into how many distinct pieces a DTensor is cut (the product of the sizes of the mesh
+    dimensions it is sharded over); 1 for a plain tensor or a replicated DTensor."""
+    if not is_dtensor(tensor):
+        return 1
+    count = 1
+    for dim, placement in enumerate(tensor.placements):
+        if not (placement.is_replicate() or placement.is_partial()):  # Shard, and FSDP+TP's strided shard
+            count *= tensor.device_mesh.size(dim)
+    return count
+
+
+def expert_shares(model: nn.Module) -> dict[int, int]:
+    """``{id(param): total_experts / local experts}`` of every expert parameter: into how many
+    slices its layer's experts are cut (the EP size for a sharded layer, 1 for a full one)."""
+    shares = {}
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            for param in module.parameters(recurse=False):
+                shares[id(param)] = module.total_experts // module.num_experts
+    return shares
+
+
 @torch.no_grad()
 def global_grad_norm(model: nn.Module, parallel=None) -> torch.Tensor:
-    """L2 norm of the full model's gradient, each parameter counted once: dense gradients (equal
-    on every rank after DDP) locally, expert gradients summed over the EP group (which holds every
-    expert exactly once). Squares are summed in fp64 straight from each gradient's dtype (an fp64
+    """L2 norm of the full model's gradient, each element counted once, whatever its layout:
+    ``sqrt(sum_ranks sum_p local_sumsq(p) / replication(p))`` in one fp64 all-reduce over the
+    world, where ``replication(p) = world / pieces(p)`` and ``pieces`` is the number of distinct
+    slices ``p`` is cut into (expert slices over the EP group times DTensor shards; 1 for a plain
+    replicated tensor). Squares are summed in fp64 straight from each gradient's dtype (an fp64
     gradient is never rounded to fp32 first); the norm is an fp64 scalar. Call after the
-    gradients are synchronised."""
-
-    device = next(model.parameters()).device  # NCCL reduces device tensors only
-
-    def sum_of_squares(params):
-        grads = [p.grad.detach() for p in params if p.grad is not None]
-        if not grads:
-            return torch.zeros((), dtype=torch.float64, device=device)
-        return sum(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in grads)
-
-    dense = sum_of_squares(dense_parameters(model))
-    expert = sum_of_squares(expert_parameters(model))
-    if parallel is not None and parallel.ep_size > 1:
-        expert = expert.clone()
-        dist.all_reduce(expert, group=parallel.ep_group)
-    return torch.sqrt(dense + expert)
+    gradients are synchronised (equal on every rank holding the same piece)."""
+    device = local_tensor(next(model.parameters())).device  # NCCL reduces device tensors only
+    world = 1 if parallel is None else parallel.world_size
+    shares = expert_shares(model)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for param in model.parameters():
+        if param.grad is None:
+            continue
+        grad = local_tensor(param.grad.detach())
+        squares = torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2
+        pieces = shares.get(id(param), 1) * shard_count(param.grad)
+        total += squares.to(device) * (pieces / world) if pieces != world else squares.to(device)
+    if world > 1:
+        dist.all_reduce(total)
+    return torch.sqrt(total)
 
 
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float, parallel=None) -> torch.Tensor:
     """Scales every gradient by ``min(1, max_norm / (norm + 1e-6))`` with the true global norm;
     returns the norm before clipping."""
-    if not (isinstance(max_norm, (int, float)) and max_norm > 0 and math.isfinite(max_norm)):
-        raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
+    require_positive_float("max_norm", max_norm)
     norm = global_grad_norm(model, parallel)
-    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+    scale_grads_(model, (max_norm / (norm + 1e-6)).clamp(max=1.0))
     return norm
+
+
+@torch.no_grad()
+def scale_grads_(model: nn.Module, factor: torch.Tensor) -> None:
+    """Multiplies every gradient (each DTensor's local shard) by the scalar tensor ``factor``."""
+    for param in model.parameters():
+        if param.grad is not None:
+            grad = local_tensor(param.grad)
+            grad.mul_(factor.to(grad.device, grad.dtype))

@@ -5,7 +5,9 @@ from moetrain.layers.moe_layer import (
     MoEModelStats,
     MoEStats,
     collect_moe_stats,
+    discard_routed_counts,
     set_aux_loss_scale,
+    shard_experts,
     update_score_biases,
 )
 
@@ -14,6 +16,8 @@ __all__ = [
     "MoEModelStats",
     "MoEStats",
     "collect_moe_stats",
+    "discard_routed_counts",
     "set_aux_loss_scale",
+    "shard_experts",
     "update_score_biases",
 ]

@@ -32,19 +32,28 @@ def load_balancing_loss(probs_TE: torch.Tensor, expert_ids_TK: torch.Tensor) -> 
     return num_experts * torch.dot(slot_share_E, mean_prob_E)
 
 
-def sequence_balance_loss(probs_TE: torch.Tensor, expert_ids_TK: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The load-balancing loss within each sequence, averaged over the ``B = T / seq_len``
-    sequences (DeepSeek-V3's sequence-wise balance loss): ``mean_b E * sum_e f_be * P_be`` with
-    ``f_be`` the share of sequence b's ``seq_len * K`` slots that chose expert e and ``P_be`` the
-    mean over its tokens of the normalised probability of e. Tokens are in sequence-major order
-    (``[B, S]`` flattened). 1 when every sequence is balanced, E when each sequence sends all its
-    tokens to one expert."""
+def sequence_balance_loss(
+    probs_TE: torch.Tensor,
+    expert_ids_TK: torch.Tensor,
+    seq_len: int | None = None,
+    sequence_lengths_B: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The load-balancing loss within each sequence, averaged over the sequences (DeepSeek-V3's
+    sequence-wise balance loss): ``mean_b E * sum_e f_be * P_be`` with ``f_be`` the share of
+    sequence b's ``n_b * K`` slots that chose expert e and ``P_be`` the mean over its ``n_b`` tokens
+    of the normalised probability of e. Tokens are in sequence-major order: ``B = T / seq_len``
+    sequences of ``seq_len`` tokens (``[B, S]`` flattened), or sequences of the lengths
+    ``sequence_lengths_B`` (integers summing to T, e.g. the real tokens of each padded sample;
+    sequences of length 0 are left out of the mean). 1 when every sequence is balanced, E when each
+    sequence sends all its tokens to one expert."""
     num_tokens, num_experts = probs_TE.shape
     if num_tokens == 0:
         return probs_TE.sum() * 0.0
     distribution_TE = probs_TE / probs_TE.sum(dim=-1, keepdim=True).clamp_min(
         torch.finfo(probs_TE.dtype).tiny
     )
+    if sequence_lengths_B is not None:
+        return _varlen_sequence_balance_loss(distribution_TE, expert_ids_TK, sequence_lengths_B)
     sequences, top_k = num_tokens // seq_len, expert_ids_TK.shape[1]
     mean_prob_BE = distribution_TE.view(sequences, seq_len, num_experts).mean(dim=1)
     slots_BS = expert_ids_TK.reshape(sequences, seq_len * top_k)
@@ -53,6 +62,29 @@ def sequence_balance_loss(probs_TE: torch.Tensor, expert_ids_TK: torch.Tensor, s
     )
     share_BE = counts_BE / (seq_len * top_k)
     return num_experts * (share_BE * mean_prob_BE).sum(dim=1).mean()
+
+
+def _varlen_sequence_balance_loss(
+    distribution_TE: torch.Tensor, expert_ids_TK: torch.Tensor, lengths_B: torch.Tensor
+) -> torch.Tensor:
+    """:func:`sequence_balance_loss` for sequences of ``lengths_B`` tokens (no host sync)."""
+    num_tokens, num_experts = distribution_TE.shape
+    sequences, top_k = lengths_B.shape[0], expert_ids_TK.shape[1]
+    sequence_T = torch.repeat_interleave(
+        torch.arange(sequences, device=lengths_B.device), lengths_B, output_size=num_tokens
+    )
+    tokens_B = lengths_B.to(distribution_TE.dtype)
+    prob_sum_BE = distribution_TE.new_zeros(sequences, num_experts).index_add_(0, sequence_T, distribution_TE)
+    mean_prob_BE = prob_sum_BE / tokens_B.clamp_min(1)[:, None]
+    counts_BE = distribution_TE.new_zeros(sequences * num_experts).index_add_(
+        0,
+        (sequence_T[:, None] * num_experts + expert_ids_TK).reshape(-1),
+        distribution_TE.new_ones(num_tokens * top_k),
+    )
+    share_BE = counts_BE.view(sequences, num_experts) / (tokens_B * top_k).clamp_min(1)[:, None]
+    present_B = (lengths_B > 0).to(distribution_TE.dtype)
+    per_sequence_B = num_experts * (share_BE * mean_prob_BE).sum(dim=1)
+    return (per_sequence_B * present_B).sum() / present_B.sum().clamp_min(1)
 
 
 def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from moetrain.layers.node_dispatch import NodeDedupTokenDispatcher
 from moetrain.layers.precision import autocast_off, compute_dtype
 from moetrain.layers.replay import RoutingReplay, attach_to_graph, input_digest
 from moetrain.layers.router import RouterOutput, TopKRouter
-from moetrain.parallel import ParallelContext
+from moetrain.validation import require_nonneg_float
 
 INPUT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -82,28 +82,40 @@ class MoEModelStats:
 
 
 class MoELayer(nn.Module):
-    """Mixture-of-Experts FFN. Build it from keyword options or a :class:`MoEConfig`::
+    """Mixture-of-Experts FFN holding all ``num_experts`` experts. Build it from keyword options or
+    a :class:`MoEConfig`::
 
     ffn = MoELayer(d_model=512, d_ff=2048, num_experts=8, top_k=2)
     y = ffn(x)  # x: [..., 512] -> y: [..., 512]
+
+    Expert parallelism is applied afterwards (:func:`moetrain.parallelize` with ``expert``, or
+    :func:`shard_experts`): the layer then keeps this rank's experts only.
+
+    ``seed``: the experts' initialisation, expert ``g`` from a generator seeded ``seed + g``
+    (:class:`~moetrain.layers.experts.GroupedExperts`), so a layer built on ``meta`` and
+    materialised equals one built on the CPU. None: drawn from torch's global CPU generator (after
+    the router's initialisation, which draws on the CPU and not on ``meta``: builds on both devices
+    agree only with an explicit seed; the LM and M6 pass
+    :func:`~moetrain.layers.experts.derive_seed` of the run seed and the layer's name).
     """
 
-    def __init__(
-        self, config: MoEConfig | None = None, *, parallel: ParallelContext | None = None, **options
-    ):
+    def __init__(self, config: MoEConfig | None = None, *, seed: int | None = None, **options):
         super().__init__()
         if config is None:
             config = config_from_dict(MoEConfig, options)  # a misspelt option is a ValueError naming it
         elif options:
             raise ValueError(f"pass either a MoEConfig or keyword options, not both (got {sorted(options)})")
         self.config = config
-        self.parallel = parallel
+        self.parallel = None
         self.router = TopKRouter(config)
-        # node-limited routing needs the node grid of the experts: the one place routing reads the layout
-        self.router.set_expert_nodes(1 if parallel is None else parallel.ep_nodes)
-        local = range(config.num_experts) if parallel is None else parallel.local_experts(config.num_experts)
         self.experts = GroupedExperts(
-            len(local), config.d_model, config.d_ff, config.activation, local.start, bias=config.expert_bias
+            config.num_experts,
+            config.d_model,
+            config.d_ff,
+            config.activation,
+            0,
+            seed,
+            bias=config.expert_bias,
         )
         self.shared_expert = (
             DenseFFN(config.d_model, config.shared_expert_d_ff, config.activation)
@@ -111,16 +123,7 @@ class MoELayer(nn.Module):
             else None
         )
         self.replay = RoutingReplay()
-        if parallel is None or parallel.ep_size == 1:
-            self.dispatcher = LocalTokenDispatcher(config.num_experts, config.kernels, self.replay)
-        elif parallel.all_to_all == "node_dedup":
-            self.dispatcher = NodeDedupTokenDispatcher(
-                config.num_experts, parallel, config.kernels, self.replay
-            )
-        else:
-            self.dispatcher = AllToAllTokenDispatcher(
-                config.num_experts, parallel, config.kernels, self.replay
-            )
+        self.dispatcher = LocalTokenDispatcher(config.num_experts, config.kernels, self.replay)
         self.last_stats: MoEStats | None = None
         self.aux_loss_scale = 1.0
         self.recompute_replay = False
@@ -140,6 +143,12 @@ class MoELayer(nn.Module):
     def replay_record_bytes(self) -> int:
         """Bytes held by the replay records of this layer's live graphs (0 without replay)."""
         return self.replay.nbytes()
+
+    def comm_peak_bytes(self) -> int:
+        """Bytes of all-to-all send and receive buffers the last forward or backward held at once
+        (0 without expert parallelism): measured in the buffer pool when ``a2a_chunks`` chunks the
+        exchange, modelled for the unchunked exchange (see ``docs/expert_parallel.md``)."""
+        return self.dispatcher.comm_peak_bytes()
 
     def capacity(self, num_tokens: int) -> int | None:
         cfg = self.config
@@ -162,13 +171,17 @@ class MoELayer(nn.Module):
             )
         return x.reshape(-1, d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sequence_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., d_model]``. ``sequence_lengths``: for tokens of several sequences flattened to
+        ``x [T, d_model]`` in sequence-major order (e.g. the real tokens of padded samples), the
+        integer ``[B]`` lengths of the sequences (summing to T); only the sequence-level balance
+        loss uses them, which needs them or inputs ``[..., seq_len, d_model]``."""
         cfg = self.config
         x_TD = self._tokens(x)
-        if cfg.seq_aux_loss_coef and x.dim() < 3:
+        if cfg.seq_aux_loss_coef and x.dim() < 3 and sequence_lengths is None:
             raise ValueError(
-                f"seq_aux_loss_coef needs inputs [..., seq_len, d_model] (the balance is per sequence), "
-                f"got shape {tuple(x.shape)}"
+                f"seq_aux_loss_coef needs inputs [..., seq_len, d_model] or sequence_lengths (the balance "
+                f"is per sequence), got shape {tuple(x.shape)}"
             )
         num_tokens = x_TD.shape[0]
         dtype = compute_dtype(x)
@@ -179,12 +192,11 @@ class MoELayer(nn.Module):
         expert_ids_TK = routing.expert_ids_TK
         # The aux loss rides on the gates (they feed the output, and under expert parallelism a
         # compiled graph ends at the exchange, so a tensor made before it must carry the loss).
-        seq_len = x.shape[-2] if x.dim() >= 3 else num_tokens
-        gates_TK = self._attach_losses(routing.gates_TK, routing, expert_ids_TK, plan, capacity, seq_len)
+        sequences = x.shape[-2] if x.dim() >= 3 else None
+        sequences = sequence_lengths if sequence_lengths is not None else sequences
+        gates_TK = self._attach_losses(routing.gates_TK, routing, expert_ids_TK, plan, capacity, sequences)
         with autocast_off(x.device.type):
-            x_ND, rows_per_local_expert_E, record = self.dispatcher.dispatch(x_TD.to(dtype), plan)
-            y_ND = self.experts(x_ND, rows_per_local_expert_E)
-            y_TD = self.dispatcher.combine(y_ND, gates_TK, record)
+            y_TD = self.dispatcher.compute(x_TD.to(dtype), plan, gates_TK, self.experts)
             if self.shared_expert is not None:
                 y_TD = y_TD + self.shared_expert(x_TD.to(dtype))
 
@@ -230,17 +242,22 @@ class MoELayer(nn.Module):
             self.router.observe(plan.routed_per_expert_E)
         return routing, plan
 
-    def _attach_losses(self, gates_TK, routing, expert_ids_TK, plan, capacity, seq_len: int) -> torch.Tensor:
+    def _attach_losses(self, gates_TK, routing, expert_ids_TK, plan, capacity, sequences) -> torch.Tensor:
         """Records ``last_stats`` and returns ``gates_TK`` carrying the aux loss: backward through
-        them adds ``aux_loss_scale * aux_loss``'s gradient."""
+        them adds ``aux_loss_scale * aux_loss``'s gradient. ``sequences``: the sequence length
+        (int) or the lengths tensor, for the sequence-level loss."""
         cfg = self.config
         zero = routing.probs_TE.new_zeros(())
         balance = load_balancing_loss(routing.probs_TE, expert_ids_TK) if cfg.aux_loss_coef else zero
         z_loss = router_z_loss(routing.logits_TE) if cfg.z_loss_coef else zero
         aux_loss = cfg.aux_loss_coef * balance + cfg.z_loss_coef * z_loss
         if cfg.seq_aux_loss_coef:
+            by_length = isinstance(sequences, torch.Tensor)
             aux_loss = aux_loss + cfg.seq_aux_loss_coef * sequence_balance_loss(
-                routing.probs_TE, expert_ids_TK, seq_len
+                routing.probs_TE,
+                expert_ids_TK,
+                None if by_length else sequences,
+                sequences if by_length else None,
             )
         self.last_stats = MoEStats(
             aux_loss=aux_loss.detach(),
@@ -263,6 +280,28 @@ class MoELayer(nn.Module):
         )
 
 
+def shard_experts(layer: MoELayer, parallel) -> MoELayer:
+    """Expert parallelism of one layer, in place: the layer keeps the global experts
+    ``parallel.local_experts(E)`` (``[ep_rank * E / ep_size, (ep_rank + 1) * E / ep_size)``) and
+    exchanges tokens with its EP group (``AllToAllTokenDispatcher``, flat or hierarchical, or
+    ``NodeDedupTokenDispatcher``, with ``parallel.config.comm_dtype`` on the wire); node-limited
+    routing learns the nodes the experts are spread over (``parallel.ep_nodes``). On a real device
+    the weights are copies of the full layer's slices (the full ones are freed); on ``meta`` the
+    slice is a ``meta`` module initialised, once materialised, with the same per-global-expert
+    seeds. Returns the layer."""
+    if layer.parallel is not None or layer.experts.num_experts != layer.config.num_experts:
+        raise ValueError("shard_experts: the layer's experts are already sharded")
+    local = parallel.local_experts(layer.config.num_experts)
+    # node-limited routing needs the node grid of the experts: the one place routing reads the layout
+    layer.router.set_expert_nodes(parallel.ep_nodes)
+    layer.experts = layer.experts.slice_experts(local.start, local.stop)
+    layer.parallel = parallel
+    if parallel.ep_size > 1:
+        kind = NodeDedupTokenDispatcher if parallel.all_to_all == "node_dedup" else AllToAllTokenDispatcher
+        layer.dispatcher = kind(layer.config.num_experts, parallel, layer.config.kernels, layer.replay)
+    return layer
+
+
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     """Sets the factor applied to the aux-loss gradient that every MoELayer injects into backward.
 
@@ -270,8 +309,7 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     you call ``backward()`` on is scaled: ``1 / accumulation_steps`` under gradient accumulation,
     ``1 / n`` when averaging n separate forward calls, or the fp16 loss scale. Default 1.
     """
-    if not (isinstance(scale, (int, float)) and scale >= 0):
-        raise ValueError(f"scale must be a number >= 0, got {scale!r}")
+    require_nonneg_float("scale", scale)
     for module in model.modules():
         if isinstance(module, MoELayer):
             module.aux_loss_scale = float(scale)
@@ -293,6 +331,14 @@ def update_score_biases(model: nn.Module, group=None) -> None:
         torch.distributed.all_reduce(loads, group=group)
     for router, load_E in zip(routers, loads, strict=True):
         router.update_score_bias(load_E)
+
+
+def discard_routed_counts(model: nn.Module) -> None:
+    """Drops the routed counts gathered since the last :func:`update_score_biases` (a skipped
+    optimizer step: its routing leaves no trace, and the next update sees only its own step)."""
+    for module in model.modules():
+        if isinstance(module, MoELayer) and module.router.load_E is not None:
+            module.router.load_E.zero_()
 
 
 def collect_moe_stats(model: nn.Module) -> MoEModelStats:

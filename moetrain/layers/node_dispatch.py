@@ -162,7 +162,7 @@ def exchange_counts_in(send_AE: torch.Tensor, group, kernels: str = "auto"):
     send_AE = send_AE.to(torch.int64).contiguous()
     recv_AE = torch.empty_like(send_AE)
     dist.all_to_all_single(recv_AE, send_AE, group=group)
-    return recv_AE, FlatAllToAllPlan(send_AE.sum(1), recv_AE.sum(1), group, kernels)
+    return recv_AE, FlatAllToAllPlan(send_AE, recv_AE, group, kernels)
 
 
 def _as_bytes(x: torch.Tensor) -> torch.Tensor:

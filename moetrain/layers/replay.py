@@ -15,7 +15,9 @@ it lives exactly as long as that forward's graph: a forward whose graph is dropp
 backward leaves nothing behind. A compiled graph gives no such handle; there the record is kept
 by this object with a digest of the layer's input, and a recompute takes the oldest record whose
 digest matches the recomputed input (older records, whose backward never came, are dropped).
-``RoutingReplay.clear()`` (``MoELayer.set_recompute_replay``) drops every record.
+``RoutingReplay.clear()`` (``MoELayer.set_recompute_replay``) drops every record. A record is
+replayed once: the dispatcher lets go of its all-to-all rows as the recompute uses them (the
+rebuilt graph keeps what its backward needs), so they do not wait for the end of the step.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class DispatchRecord:
     returned_rows: torch.Tensor | None = None
     exchanged: dict[str, torch.Tensor] = field(default_factory=dict)  # other dispatchers' recorded rows
     replayed: bool = False
+    chunks: int = 1  # of a chunked exchange (moetrain.layers.overlap): its replay uses the same
 
     def nbytes(self) -> int:
         """Bytes a replay record keeps beyond the autograd graph's own tensors: the decision and

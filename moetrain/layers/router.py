@@ -105,7 +105,6 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.d_model))
-        nn.init.normal_(self.weight, std=0.02)  # small logits: near-uniform routing at the start
         if config.score_bias_rate > 0:
             self.register_buffer("score_bias_E", torch.zeros(config.num_experts, dtype=torch.float32))
             self.register_buffer(
@@ -115,6 +114,7 @@ class TopKRouter(nn.Module):
             self.score_bias_E = self.load_E = None
         self.expert_nodes: int | None = 1
         self.limits_nodes = False
+        self.reset_parameters()
 
     def set_expert_nodes(self, nodes: int | None) -> None:
         """The number of nodes N the experts are spread over, node m holding experts
@@ -135,6 +135,15 @@ class TopKRouter(nn.Module):
         check_expert_nodes(cfg.num_experts, cfg.top_k, nodes, cfg.max_nodes_per_token)
         self.expert_nodes = nodes
         self.limits_nodes = node_limit_binds(cfg.top_k, nodes, cfg.max_nodes_per_token)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Weights ``N(0, 0.02)`` (small logits: near-uniform routing at the start); biases and
+        loads zero (also after a model built on ``meta`` is materialised)."""
+        nn.init.normal_(self.weight, std=0.02)
+        for buffer in (self.score_bias_E, self.load_E):
+            if buffer is not None and buffer.device.type != "meta":
+                buffer.zero_()
 
     def router_dtype(self, x: torch.Tensor) -> torch.dtype:
         return torch.float64 if x.dtype == torch.float64 else torch.float32

@@ -27,7 +27,6 @@ is pinned: masters and moments never cross PCIe during a step, so they stay in p
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -37,6 +36,7 @@ import torch
 from moetrain.offload.apply_groups import MASTER_BYTES_PER_ELEMENT, check_apply_groups, plan_apply_groups
 from moetrain.offload.cpu_adam import GRAD_DTYPES, adam_step_multi_, group_hyperparameters
 from moetrain.offload.transfers import Segment, Transfers
+from moetrain.validation import require_bool, require_nonneg_float, require_numbers
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PARAM_DEVICE_TYPES = ("cpu", "cuda")
@@ -63,24 +63,11 @@ PARAM_GROUP_KEYS = (
 
 def _check_group_options(where: str, group: dict[str, Any]) -> None:
     """ValueError naming the first bad hyper-parameter of a param group (NaN is out of range)."""
-    lr, betas, eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-    if not isinstance(lr, (int, float)) or math.isnan(lr) or lr < 0.0:
-        raise ValueError(f"{where}: lr must be a number >= 0, got {lr!r}")
-    if (
-        not isinstance(betas, (tuple, list))
-        or len(betas) != 2
-        or any(not isinstance(b, (int, float)) or math.isnan(b) or not 0.0 <= b < 1.0 for b in betas)
-    ):
-        raise ValueError(f"{where}: betas must be two numbers in [0, 1), got {betas!r}")
-    if not isinstance(eps, (int, float)) or math.isnan(eps) or eps < 0.0:
-        raise ValueError(f"{where}: eps must be a number >= 0, got {eps!r}")
-    if not isinstance(weight_decay, (int, float)) or math.isnan(weight_decay) or weight_decay < 0.0:
-        raise ValueError(f"{where}: weight_decay must be a number >= 0, got {weight_decay!r}")
-    if not isinstance(group["decoupled_weight_decay"], bool):
-        raise ValueError(
-            f"{where}: decoupled_weight_decay must be True (AdamW) or False (Adam), "
-            f"got {group['decoupled_weight_decay']!r}"
-        )
+    for key in ("lr", "eps", "weight_decay"):
+        require_nonneg_float(f"{where}: {key}", group[key])
+    require_numbers(f"{where}: betas", group["betas"], count=2, low=0, high=1, high_open=True)
+    decoupled = group["decoupled_weight_decay"]
+    require_bool(f"{where}: decoupled_weight_decay", decoupled, note="(True: AdamW, False: Adam)")
     for key in ("amsgrad", "maximize"):
         if group.get(key, False):
             raise ValueError(f"{where}: {key} must be False (not supported), got {group[key]!r}")
@@ -139,8 +126,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         group_bytes: int | None = None,
     ) -> None:
         check_apply_groups(num_apply_groups, group_bytes)
-        if not isinstance(adamw_mode, bool):
-            raise ValueError(f"OffloadOptimizer: adamw_mode must be True or False, got {adamw_mode!r}")
+        require_bool("OffloadOptimizer: adamw_mode", adamw_mode)
         defaults = {
             "lr": lr,
             "betas": betas,

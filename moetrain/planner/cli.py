@@ -3,12 +3,14 @@
     moetrain plan --model m6-1T --cluster v100-32gb --nodes 60 --inter-node-gbps 35 \\
         --precision fp16 --ep-size 480 --offload --micro-batch 8
     moetrain plan --model m6-1T --cluster v100-32gb --nodes 60 --inter-node-gbps 35 --recommend
+    moetrain plan --model run.yaml --cluster a100-80gb --nodes 8 --recommend --json > plan.json
     moetrain plan --model configs/tiny_lm.yaml --cluster a100-80gb --nodes 2 --json
     moetrain plan --model m6-base --cluster v100-32gb --nodes 4 --mixed p100-16gb:4 --precision fp16
 
-``--model``: an M6 preset (``m6-tiny``, ``m6-base``, ``m6-10B``, ``m6-100B``, ``m6-1T``) or a YAML/JSON
-training config (its batch, precision, parallel and optimizer settings become the defaults) or a
-bare model config with a ``name``. Cluster figures default to the ``--cluster`` preset's and
+``--model``: a preset of a registered model, ``<model>-<preset>`` (the installed M6 example's:
+``m6-tiny``, ``m6-base``, ``m6-10B``, ``m6-100B``, ``m6-1T``; an unknown name lists them all) or a
+YAML/JSON training config (its batch, precision, parallel and optimizer settings become the
+defaults) or a bare model config with a ``name``. Cluster figures default to the ``--cluster`` preset's and
 each can be overridden (``--gpu-memory-gib``, ``--peak-tflops``, ``--intra-node-gbs``,
 ``--inter-node-gbps``, ``--intra-node-latency-us``, ``--inter-node-latency-us``,
 ``--host-memory-gib``, ``--gpus-per-node``). ``--seq-len`` defaults to the config's
@@ -22,13 +24,17 @@ prints the hardware-aware balancing of that mixed cluster instead (Whale: micro-
 within each GPU's memory, :func:`moetrain.planner.mixed.plan_mixed_cluster`) with the step time
 against equal micro-batches; ``--global-batch`` is the sequences per micro-step over all GPUs
 (default ``--micro-batch`` times the GPU count).
+
+``--recommend`` then also decides, for the best settings, which layers ``split`` (tensor
+parallelism) pays off for and over how many ranks (:mod:`moetrain.planner.split`): with ``--json``
+the output carries top-level ``parallel`` (``ep_size``, ``tp_size``) and ``strategy`` keys, so the
+file is a strategy file ``moetrain train --config run.yaml --strategy plan.json`` accepts as is.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import replace
 
 from moetrain.config import ALL_TO_ALL_ALGORITHMS
@@ -37,6 +43,8 @@ from moetrain.planner.model import resolve_model
 from moetrain.planner.plan import make_plan
 from moetrain.planner.search import recommend
 from moetrain.planner.settings import DEFAULT_MEMORY_HEADROOM, RECOMPUTE_MODES, PlanSettings
+from moetrain.planner.split import recommend_split
+from moetrain.validation import require_int, require_number
 
 # Cluster flags: (argparse dest, flag, unit, zero allowed). Each must be a finite number > 0
 # (>= 0 where zero is allowed); check_cluster_flags says which flag and range when not.
@@ -60,7 +68,11 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    plan.add_argument("--model", required=True, help="M6 preset (m6-1T, ...) or a YAML/JSON config file")
+    plan.add_argument(
+        "--model",
+        required=True,
+        help="a registered model's preset (<model>-<preset>: m6-1T, ...) or a YAML/JSON config file",
+    )
     plan.add_argument(
         "--cluster", required=True, choices=sorted(GPU_PRESETS), type=str.lower, help="GPU type"
     )
@@ -121,6 +133,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--recompute-budget-gib", type=float)
     plan.add_argument("--all-to-all", choices=ALL_TO_ALL_ALGORITHMS)
     plan.add_argument("--comm-dtype", choices=("bf16", "fp16"))
+    plan.add_argument(
+        "--a2a-chunks", help="chunks of the all-to-all overlapped with the experts: an integer >= 1 or 'auto'"
+    )
     plan.add_argument("--capacity-factor", type=float, help="0: dropless (default: the model's)")
     plan.add_argument(
         "--max-nodes-per-token",
@@ -129,7 +144,11 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
         "reports the nodes reached and inter-node bytes (0: no limit; default: the model's)",
     )
     plan.add_argument("--efficiency", type=float, help="fraction of peak FLOP/s reached (default 0.4)")
-    plan.add_argument("--recommend", action="store_true", help="search ep_size, offload, micro-batch")
+    plan.add_argument(
+        "--recommend",
+        action="store_true",
+        help="search ep_size, offload, micro-batch; then the split strategy (with --json: a strategy file)",
+    )
     plan.add_argument(
         "--global-batch", type=int, help="with --recommend or --mixed: sequences per step, fixed"
     )
@@ -156,6 +175,7 @@ def settings_from_args(args, defaults: dict) -> PlanSettings:
         "recompute_fraction": args.recompute_fraction,
         "all_to_all": args.all_to_all,
         "comm_dtype": args.comm_dtype,
+        "a2a_chunks": _chunks_arg(args.a2a_chunks),
         "compute_efficiency": args.efficiency,
         "memory_headroom": args.memory_headroom,
     }
@@ -175,28 +195,29 @@ def settings_from_args(args, defaults: dict) -> PlanSettings:
     return PlanSettings(**values)
 
 
-def _is_number(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+def _chunks_arg(value: str | None):
+    """``--a2a-chunks``: None, ``"auto"`` or an integer (PlanSettings checks the range)."""
+    if value is None or value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"--a2a-chunks must be an integer >= 1 or 'auto', got {value!r}") from None
 
 
 def check_cluster_flags(args) -> None:
     """ValueError naming the flag and its allowed range for a cluster flag out of range (see
     ``CLUSTER_FLAGS``; ``--gpus-per-node``: an integer >= 1; ``--memory-headroom``: [0, 1))."""
     for dest, flag, unit, allow_zero in CLUSTER_FLAGS:
-        value = getattr(args, dest)
-        if value is not None and not (_is_number(value) and (value >= 0 if allow_zero else value > 0)):
-            raise ValueError(
-                f"{flag} must be a finite number {'>= 0' if allow_zero else '> 0'} ({unit}), got {value!r}"
-            )
-    gpus = args.gpus_per_node
-    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
-        raise ValueError(f"--gpus-per-node must be an integer >= 1, got {gpus!r}")
-    headroom = args.memory_headroom
-    if headroom is not None and not (_is_number(headroom) and 0 <= headroom < 1):
-        raise ValueError(
-            "--memory-headroom must be a number in [0, 1) (fraction of GPU memory kept free), "
-            f"got {headroom!r}"
-        )
+        if getattr(args, dest) is not None:
+            require_number(flag, getattr(args, dest), low=0, low_open=not allow_zero, note=f"({unit})")
+    if args.gpus_per_node is not None:
+        require_int("--gpus-per-node", args.gpus_per_node, 1)
+    if args.memory_headroom is not None:
+        require_number(
+            "--memory-headroom", args.memory_headroom, low=0, high=1, high_open=True,
+            note="(fraction of GPU memory kept free)",
+        )  # fmt: skip
 
 
 def default_precision(gpu: GPUSpec) -> str:
@@ -300,7 +321,23 @@ def run_plan(args) -> int:
             recompute=(settings.recompute,),
             global_batch=args.global_batch,
         )
-        print(json.dumps(result.to_dict(), indent=2) if args.json else result.format_table())
+        split = None
+        if result.best is not None:
+            best = result.best
+            split = recommend_split(
+                model,
+                cluster,
+                best.settings,
+                best.activations.forward_flops / best.settings.micro_batch,
+                model.params.dense,
+            )
+        if args.json:
+            out = result.to_dict()
+            if split is not None:  # the strategy file `moetrain train --strategy` reads, and its reasons
+                out.update(split.strategy_file(), split=split.to_dict())
+            print(json.dumps(out, indent=2))
+        else:
+            print(result.format_table() + ("" if split is None else "\n\n" + split.format_table()))
         return 0 if result.best is not None else 1
     plan = make_plan(model, cluster, settings)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.format_table())

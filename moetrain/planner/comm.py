@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from moetrain.parallel import NODE_GRID_ALGORITHMS, ep_group_ranks, node_grid
+from moetrain.parallel import NODE_GRID_ALGORITHMS, grid_groups, node_grid, rank_grid
 from moetrain.planner.hardware import ClusterSpec
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DistributedDataParallel's default bucket_cap_mb
@@ -76,11 +76,13 @@ def group_layout(ranks: list[int], gpus_per_node: int) -> GroupLayout:
     return GroupLayout(len(ranks), nodes, per_node, grid is not None, fewest - 1, len(ranks) - fewest)
 
 
-def expert_groups(world_size: int, ep_size: int, layout: str) -> tuple[list[list[int]], list[list[int]]]:
-    """(EP groups, expert-data-parallel groups) exactly as ParallelContext builds them."""
-    groups = ep_group_ranks(world_size, ep_size, layout)
-    expert_dp = [sorted(g[i] for g in groups) for i in range(ep_size)]
-    return groups, expert_dp
+def expert_groups(
+    world_size: int, ep_size: int, layout: str, tp_size: int = 1
+) -> tuple[list[list[int]], list[list[int]]]:
+    """(EP groups, expert-data-parallel groups) exactly as ParallelContext builds them (from
+    :func:`moetrain.parallel.rank_grid`)."""
+    grid = grid_groups(rank_grid(world_size, ep_size, tp_size, layout))
+    return grid["ep"], [sorted(g) for g in grid["dp"]]
 
 
 def choose_all_to_all(requested: str, ep_size: int, groups: list[list[int]], gpus_per_node: int) -> str:

@@ -19,7 +19,9 @@ FLOPs) are modelled by the same formulas as the built-in families, from each lay
 :class:`~moetrain.config.MoEConfig`. Assumptions: saved memory grows linearly with the number of
 sequences, the sequence length is the one the model's data gives, every MoE layer shares one
 ``MoEConfig`` and routes the same number of tokens, and what ``meta`` saves is what the GPU saves
-(it is what the CPU kernels save: fused CUDA attention saves less, so this errs high there).
+(it is what the CPU kernels save, except attention: ``meta`` takes the math path of
+``scaled_dot_product_attention`` and counts its ``[B, H, S, S]`` probabilities, which the fused
+CPU and CUDA kernels do not keep, so this errs high there).
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+from moetrain._torch_compat import tree_map
 from moetrain.layers.moe_layer import MoELayer
+from moetrain.registry import DataShard
 
 PROBE_SEED = 0
 
@@ -61,6 +64,8 @@ class MeasuredModel:
     per_sequence: SavedCost
     moe_modules: tuple[str, ...]
     tokens_per_sequence: int
+    module_rows: tuple[tuple[str, int], ...] = ()  # (name, rows per sequence) of Linear / Embedding
+    output_module: str | None = None  # the module whose output is the model's output (its head)
 
     def saved_bytes(self, sequences: int, itemsize: int) -> int:
         elements = self.constant.float_elements + sequences * self.per_sequence.float_elements
@@ -82,7 +87,9 @@ def _call(model: nn.Module, inputs):
 
 
 def _measure(model: nn.Module, loss_fn, inputs, targets, moe_layers: dict[nn.Module, str]) -> tuple:
-    """One forward + loss on meta: (SavedCost outside the MoE layers, tokens routed per MoE layer)."""
+    """One forward + loss on meta: (SavedCost outside the MoE layers, tokens routed per MoE layer,
+    rows through each Linear / Embedding outside them, the name of the module that produced the
+    model's output)."""
     parameters = {id(p) for p in model.parameters()}
     seen: set[int] = set()
     depth = [0]
@@ -109,19 +116,39 @@ def _measure(model: nn.Module, loss_fn, inputs, targets, moe_layers: dict[nn.Mod
     def leave(module, args, output):
         depth[0] -= 1
 
+    rows: dict[str, int] = {}
+    outputs: dict[int, str] = {}
+
+    def watch(name):
+        def hook(module, args, output):
+            if depth[0] == 0:
+                x = args[0]
+                rows[name] = rows.get(name, 0) + (
+                    x.numel() if isinstance(module, nn.Embedding) else x.numel() // x.shape[-1]
+                )
+                outputs[id(output)] = name
+
+        return hook
+
     handles = [m.register_forward_pre_hook(enter) for m in moe_layers]
     handles += [m.register_forward_hook(leave) for m in moe_layers]
+    handles += [
+        m.register_forward_hook(watch(name))
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.Linear, nn.Embedding))
+    ]
     counter = FlopCounterMode(display=False)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), counter:
-            loss_fn(_call(model, inputs), targets)
+            output = _call(model, inputs)
+            loss_fn(output, targets)
     finally:
         for handle in handles:
             handle.remove()
     flops = counter.get_flop_counts()
     moe_flops = sum(sum(flops.get(f"Global.{name}", {}).values()) for name in routed)
     outside = SavedCost(totals["float"], totals["other"], float(counter.get_total_flops() - moe_flops))
-    return outside, routed
+    return outside, routed, rows, outputs.get(id(output))
 
 
 def measure_generic(model: nn.Module, batches, loss_fn) -> MeasuredModel:
@@ -130,13 +157,14 @@ def measure_generic(model: nn.Module, batches, loss_fn) -> MeasuredModel:
     moe_layers = {module: name for name, module in model.named_modules() if isinstance(module, MoELayer)}
     if not moe_layers:
         raise ValueError(f"the model {type(model).__name__} has no MoELayer: there is nothing to plan")
-    costs, routed = [], {}
+    costs, routed, rows = [], {}, []
     for sequences in (1, 2):
         inputs, targets = batches.probe(sequences, PROBE_SEED)
-        cost, routed = _measure(
+        cost, routed, module_rows, output_module = _measure(
             model, loss_fn, tree_map(_to_meta, inputs), tree_map(_to_meta, targets), moe_layers
         )
         costs.append(cost)
+        rows.append(module_rows)
     per_sequence = costs[1].minus(costs[0])
     tokens = max(routed.values()) // 2 if routed else 0
     return MeasuredModel(
@@ -144,6 +172,8 @@ def measure_generic(model: nn.Module, batches, loss_fn) -> MeasuredModel:
         per_sequence=per_sequence,
         moe_modules=tuple(routed),
         tokens_per_sequence=tokens,
+        module_rows=tuple((name, rows[1][name] - rows[0].get(name, 0)) for name in rows[1]),
+        output_module=output_module,
     )
 
 
@@ -153,7 +183,7 @@ def describe_generic(train_config, spec, name: str):
     from moetrain.planner.model import ModelArch, ModelDescription
 
     with torch.device("meta"):
-        model, batches, loss_fn = spec.builder(train_config, None, 0)
+        model, batches, loss_fn = spec.builder(train_config, DataShard())
     measured = measure_generic(model, batches, loss_fn)
     configs = {module.config for module in model.modules() if isinstance(module, MoELayer)}
     if len(configs) != 1:
@@ -175,6 +205,6 @@ def describe_generic(train_config, spec, name: str):
     )
 
     def build() -> nn.Module:
-        return spec.builder(train_config, None, 0)[0]
+        return spec.builder(train_config, DataShard())[0]
 
     return ModelDescription(name, arch, train_config.model, build)

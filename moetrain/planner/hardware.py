@@ -15,10 +15,9 @@ are stated assumptions: override them with measured values when you have them.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields, replace
 
-from moetrain.config import require_int
+from moetrain.validation import require_int, require_nonneg_float, require_positive_float
 
 GiB = 2**30
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -27,17 +26,6 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 def gbps_to_bytes(gbps: float) -> float:
     """Network gigabits per second -> bytes per second: ``gbps * 1e9 / 8``."""
     return float(gbps) * 1e9 / 8
-
-
-def _require_positive(name: str, value, allow_zero: bool = False) -> None:
-    ok = (
-        not isinstance(value, bool)
-        and isinstance(value, (int, float))
-        and math.isfinite(value)
-        and (value >= 0 if allow_zero else value > 0)
-    )
-    if not ok:
-        raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -66,9 +54,9 @@ class GPUSpec:
                 raise ValueError(
                     f"gpu.peak_flops keys must be among {', '.join(map(repr, PRECISIONS))}, got {precision!r}"
                 )
-            _require_positive(f"gpu.peak_flops[{precision!r}]", flops)
-        _require_positive("gpu.memory_bandwidth", self.memory_bandwidth)
-        _require_positive("gpu.pcie_bandwidth", self.pcie_bandwidth)
+            require_positive_float(f"gpu.peak_flops[{precision!r}]", flops)
+        require_positive_float("gpu.memory_bandwidth", self.memory_bandwidth)
+        require_positive_float("gpu.pcie_bandwidth", self.pcie_bandwidth)
 
     def flops_for(self, precision: str) -> float:
         """Peak FLOP/s for ``precision``; ValueError naming the supported ones if absent."""
@@ -198,9 +186,9 @@ class ClusterSpec:
         require_int("nodes", self.nodes, 1)
         require_int("gpus_per_node", self.gpus_per_node, 1)
         for name in ("intra_node_bandwidth", "inter_node_bandwidth", "host_memory_bandwidth"):
-            _require_positive(name, getattr(self, name))
+            require_positive_float(name, getattr(self, name))
         for name in ("intra_node_latency", "inter_node_latency"):
-            _require_positive(name, getattr(self, name), allow_zero=True)
+            require_nonneg_float(name, getattr(self, name))
         require_int("host_memory_bytes", self.host_memory_bytes, 0)
         require_int("host_reserved_bytes", self.host_reserved_bytes, 0)
         require_int("gpu_reserved_bytes", self.gpu_reserved_bytes, 0, allow_none=True)
@@ -245,3 +233,56 @@ def with_overrides(cluster: ClusterSpec, **overrides) -> ClusterSpec:
     if unknown:
         raise ValueError(f"unknown cluster field {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
     return replace(cluster, **overrides)
+
+
+@dataclass(frozen=True)
+class Links:
+    """What the alpha-beta formulas of :mod:`moetrain.planner.comm` read from a cluster, for runs
+    whose cluster the planner is not told about (``a2a_chunks="auto"`` at run time): seconds per
+    message inside and between nodes, bytes/s one rank sends inside its node, bytes/s one node sends
+    to the others (its ranks share it), ranks per node, and the FLOP/s the experts reach."""
+
+    intra_node_latency: float
+    inter_node_latency: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    flops_per_s: float
+    gpus_per_node: int = 1
+    source: str = ""
+
+    def with_ranks_per_node(self, ranks: int) -> Links:
+        return replace(self, gpus_per_node=ranks)
+
+
+# fit-constants:begin (written by benchmarks/fit_links.py; edit the script's inputs, not this block)
+EMULATED_GLOO_LINKS = Links(
+    intra_node_latency=0.0001534,
+    inter_node_latency=0.0001534,
+    intra_node_bandwidth=25910000.0,
+    inter_node_bandwidth=22830000.0,  # 200 Mbit/s tbf
+    flops_per_s=17340000000.0,
+    source=(
+        "fitted 2026-11-24 from benchmarks/all_to_all.py --emulated-mbit 100 200 400 (2 nodes x 2 "
+        "ranks, gloo, one fit: the node link is the 200 Mbit/s run's) and a 1-thread fp32 GEMM on "
+        "this machine"
+    ),
+)
+# fit-constants:end
+
+# The M6-T cluster (V100-SXM2-32GB nodes of 8, 35 Gb/s between nodes) as the V100 preset has it, with
+# the planner's default compute efficiency (0.4 of the fp16 peak).
+M6T_V100_LINKS = Links(
+    intra_node_latency=10e-6,
+    inter_node_latency=20e-6,
+    intra_node_bandwidth=_NODE_DEFAULTS["v100-32gb"]["intra_node_bandwidth"],
+    inter_node_bandwidth=gbps_to_bytes(35),
+    flops_per_s=0.4 * GPU_PRESETS["v100-32gb"].peak_flops["fp16"],
+    gpus_per_node=8,
+    source="cluster_preset('v100-32gb') with a 35 Gb/s node link, compute efficiency 0.4",
+)
+
+
+def runtime_links(device_type: str) -> Links:
+    """The constants ``a2a_chunks="auto"`` uses at run time: CPU ranks (gloo) the emulated cluster's
+    fit, CUDA ranks the M6-T cluster."""
+    return EMULATED_GLOO_LINKS if device_type == "cpu" else M6T_V100_LINKS

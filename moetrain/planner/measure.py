@@ -17,8 +17,8 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from moetrain._torch_compat import TorchDispatchMode, tree_flatten
 
 
 class PeakStorageBytes(TorchDispatchMode):
@@ -49,10 +49,10 @@ class PeakStorageBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         inputs = {
             value.untyped_storage().data_ptr()
-            for value in tree_flatten((args, kwargs))[0]
+            for value in tree_flatten((args, kwargs))
             if isinstance(value, torch.Tensor) and value.device.type != "meta"
         }
-        for value in tree_flatten(out)[0]:
+        for value in tree_flatten(out):
             # a view or an in-place result shares an input's storage: not a new allocation
             if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in inputs:
                 self._track(value)

@@ -48,6 +48,9 @@ class ModelArch:
       ``image_size``, ``image_channels``, ``patch_size``, ``stem_channels``: the conv stem.
     - ``dropout``: probability on each residual branch, the embeddings and the attention.
     - ``tied_head``: the output projection reuses the embedding matrix.
+    - ``input_modules``: names of the modules and parameters used only before the first layer
+      (embeddings, positions, an image stem): their gradients arrive after layer 0's backward,
+      the other parameters' outside the layers (head, final norm) before the layers'.
     - ``measured``: family ``"generic"`` only, the
       :class:`~moetrain.planner.generic.MeasuredModel` of a model without formulas.
     """
@@ -68,6 +71,7 @@ class ModelArch:
     patch_size: int = 0
     stem_channels: tuple[int, ...] = ()
     tied_head: bool = False
+    input_modules: tuple[str, ...] = ()
     measured: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -126,21 +130,31 @@ class ParameterCount:
 
 @dataclass(frozen=True)
 class ModelDescription:
-    """A model for the planner: its name, architecture, config and how to build it (any device)."""
+    """A model for the planner: its name, architecture, config and how to build it (any device).
+    ``seq_len_from_data``: the text tokens per sequence a training config's ``data.seq_len`` means
+    for this model, when it is not ``data.seq_len`` itself (a model whose prefix and target may each
+    be that long plans twice as many)."""
 
     name: str
     arch: ModelArch
     config: object
     build: Callable[[], nn.Module] = field(repr=False, compare=False)
+    seq_len_from_data: Callable[[int], int] | None = field(default=None, repr=False, compare=False)
 
     @cached_property
-    def _counts(self) -> tuple[ParameterCount, tuple[ParameterCount, ...]]:
+    def _counts(self) -> tuple[ParameterCount, tuple[ParameterCount, ...], int]:
         model = build_on_meta(self.build)
         modules = dict(model.named_modules())
         layers = tuple(
             count_parameters(modules[self.arch.layer_module(i)]) for i in range(self.arch.num_layers)
         )
-        return count_parameters(model), layers
+        prefixes = self.arch.input_modules
+        inputs = sum(
+            p.numel()
+            for name, p in model.named_parameters()  # tied parameters once, under their first name
+            if any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
+        )
+        return count_parameters(model), layers, inputs
 
     @property
     def params(self) -> ParameterCount:
@@ -152,6 +166,11 @@ class ModelDescription:
         """The parameters of each layer (module :meth:`ModelArch.layer_module`), counted with
         :attr:`params`."""
         return self._counts[1]
+
+    @property
+    def input_params(self) -> int:
+        """Elements of the parameters of ``arch.input_modules`` (dense, counted with :attr:`params`)."""
+        return self._counts[2]
 
 
 def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
@@ -220,8 +239,8 @@ def resolve_model(spec: str) -> tuple[ModelDescription, dict]:
     ``m6:base``, case-insensitive) or a YAML/JSON file holding a training config (``model:`` with a
     ``name``; modules under ``imports:`` are imported as ``moetrain train`` does; its ``data``,
     ``parallel``, ``grad_accum`` and ``precision`` become default settings, returned as the second
-    item; an M6 config's ``data.seq_len`` bounds the prefix and the target each, so it plans
-    ``2 * data.seq_len`` text tokens) or a bare model config (a mapping with ``name``). Without a
+    item; ``data.seq_len`` becomes the sequence length through the description's
+    ``seq_len_from_data``) or a bare model config (a mapping with ``name``). Without a
     ``data`` section the sequence length is left to the settings (default: the model's maximum)."""
     path = Path(spec)
     if path.is_file():
@@ -238,13 +257,13 @@ def resolve_model(spec: str) -> tuple[ModelDescription, dict]:
     return describe(config, f"{model_spec.name.split('_')[0]}-{preset}"), {}
 
 
-def train_seq_len(arch: ModelArch, data_seq_len: int) -> int:
-    """Text tokens per sequence a training config's ``data.seq_len`` means: itself for a language
-    model; ``2 * data.seq_len`` for M6, whose prefix and target may each be that long (the engine
-    checks that both fit ``max_text_len``); a generic model's measured tokens per sequence."""
-    if arch.family == "generic":
-        return arch.max_seq_len  # measured from the model's own batches
-    return 2 * data_seq_len if arch.family == "m6" else data_seq_len
+def train_seq_len(model: ModelDescription, data_seq_len: int) -> int:
+    """Text tokens per sequence a training config's ``data.seq_len`` means: the description's
+    ``seq_len_from_data(data.seq_len)`` when it has one, else ``data.seq_len`` itself; a generic
+    model's measured tokens per sequence."""
+    if model.arch.family == "generic":
+        return model.arch.max_seq_len  # measured from the model's own batches
+    return data_seq_len if model.seq_len_from_data is None else model.seq_len_from_data(data_seq_len)
 
 
 def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
@@ -268,7 +287,7 @@ def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
         model = describe(train.model, path.stem, train)
         defaults = {
             "micro_batch": train.data.micro_batch_size,
-            "seq_len": train_seq_len(model.arch, train.data.seq_len),
+            "seq_len": train_seq_len(model, train.data.seq_len),
             "grad_accum": train.grad_accum,
             "precision": train.precision,
             # the engine: fp32 weights with autocast compute, unless param_dtype stores them low
@@ -277,10 +296,17 @@ def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
             "all_to_all": train.parallel.all_to_all,
             "ep_layout": train.parallel.ep_layout,
             "comm_dtype": train.parallel.comm_dtype,
+            "a2a_chunks": train.parallel.a2a_chunks,
             "offload": train.optim.name == "offload",
             "offload_apply_groups": train.optim.num_apply_groups,
             "async_checkpoint": train.async_checkpoint,
         }
+        if train.parallel.tp_size > 1:
+            from moetrain.registry import spec_for_config
+
+            hook = spec_for_config(train.model).strategy
+            strategy = train.parallel.strategy or (hook(train) if hook is not None else None)
+            defaults.update(tp_size=train.parallel.tp_size, strategy=strategy)
         return model, defaults
     classes = model_config_classes()
     if data.get("name") not in classes:

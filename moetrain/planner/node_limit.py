@@ -22,7 +22,7 @@ the planner's byte counts assume everywhere).
   :func:`moetrain.planner.comm.node_dedup_traffic`'s.
 
 ``tests/test_planner_node_limit.py`` checks these against routing random tokens through real
-routers; ``benchmarks/all_to_all.py --node-limited`` counts them on 8 gloo ranks.
+routers; ``benchmarks/node_limited.py`` counts them on 8 gloo ranks.
 """
 
 from __future__ import annotations

@@ -7,17 +7,25 @@ backward, freeing each layer's activations after it and allocating each layer's 
 gradients as it goes (the engine sets gradients to None between steps). The peak is the largest of
 (``L`` layers, ``A_j`` the bytes layer ``j`` keeps, ``F_j`` all it saves without recompute, ``G_j``
 its gradient bytes (autocast's weight copies count with ``A_j``, see :func:`step_peak`), ``O``
-the activations saved outside the layers, ``G_o`` the gradients outside
-the layers, allocated first (head, norms, embeddings: conservative), ``W_j`` layer ``j``'s backward
-working set, ``W_loss`` the loss's):
+the activations saved outside the layers, ``G_o`` the gradients outside the layers allocated
+first (head, final norm), ``G_in`` those of the parameters used before the first layer
+(embeddings, positions, an image stem: ``ModelArch.input_modules``), allocated last, ``W_j`` layer
+``j``'s backward working set, ``W_loss`` the loss's):
 
 - the start of the backward: ``O + sum_j A_j + G_o + W_loss``;
 - the backward of layer ``i`` (``i = L-1 .. 0``):
-  ``O' + sum_{j<i} A_j + F_i + G_o + sum_{j>i} G_j + max(W_i, G_i)`` (a recomputed layer's
-  activations are rebuilt whole: ``F_i`` replaces ``A_i``; ``O'``: ``O`` less what the final norm,
-  the head and the loss saved, freed by then; the layer's own gradients appear as its working
-  memory goes);
-- the end: ``G_o + sum_j G_j``.
+  ``O' + sum_{j<i} A_j + F_i + sum_{j>i} K_j + G_o + sum_{j>i} G_j + max(W_i, G_i)``
+  (a recomputed layer's activations are rebuilt whole: ``F_i`` replaces ``A_i``; ``O'``: ``O``
+  less what the final norm, the head and the loss saved, freed by then; the layer's own gradients
+  appear as its working memory goes);
+- the end, the backward of the inputs: ``O' + G_o + sum_j G_j + G_in + sum_j K_j`` (``O'`` is what
+  the embeddings and the stem saved, held until their backward).
+
+MoE routing replay (a recomputed MoE FFN): its record (``R_j`` in ``A_j``: the expert ids and,
+under EP, the rows each all-to-all delivered) is kept until the layer is rebuilt; the rebuild
+replays the rows once and lets them go (the rebuilt combine keeps its view of the returned rows,
+counted in ``F_i``). What the record still holds lives with the forward's autograd graph, to the
+end of the backward: ``K_j = T*k*8`` expert ids plus the dispatch index (0 without replay).
 
 ``W_i``: the gradient arriving at and leaving the layer (``2*T*D*b``) plus the largest of the
 attention backward (``4*T*D*b``: the gradients of q, k, v and the output) and the FFN backward
@@ -77,6 +85,17 @@ def loss_working_bytes(arch, acts: ActivationModel, b: int) -> int:
     return loss_tokens * arch.vocab_size * (b + 4)
 
 
+def replay_leftovers(arch, acts: ActivationModel, replayed) -> list[int]:
+    """``K_j`` of every layer (see the module docstring): what a replayed MoE layer's record keeps
+    after the layer's backward, ``T*k*8 + `` its dispatch index bytes."""
+    return [
+        layer.rows.tokens * arch.moe.top_k * 8 + layer.terms["dispatch_index"]
+        if replays and layer.is_moe and layer.replay
+        else 0
+        for layer, replays in zip(acts.layers, replayed, strict=True)
+    ]
+
+
 def step_peak(
     arch,
     acts: ActivationModel,
@@ -88,6 +107,8 @@ def step_peak(
     other_copies: int = 0,
     transient_low_precision_grads: bool = True,
     kept_copies: list[int] | None = None,
+    replayed: tuple[bool, ...] | None = None,
+    input_gradients: int = 0,
 ) -> StepPeak:
     """The peak of one micro-step (see the module docstring). ``kept_per_layer``: ``A_j`` (the
     recompute choice's bytes per layer); ``layer_gradients``: ``G_j``; ``other_gradients``: ``G_o``;
@@ -98,8 +119,11 @@ def step_peak(
     the forward keeps, default ``layer_copies`` (a recomputed layer's are cast again in its
     backward, so it keeps none); unless
     ``transient_low_precision_grads`` is False: the CPU grouped GEMM keeps those in buffers it
-    reuses, which the caller counts with ``other_gradients``)."""
+    reuses, which the caller counts with ``other_gradients``). ``replayed``: the layers whose MoE
+    FFN is recomputed with routing replay (``K_j``; default none); ``input_gradients``:
+    ``G_in``, not part of ``other_gradients``."""
     layer_copies = layer_copies or [0] * len(acts.layers)
+    leftovers = replay_leftovers(arch, acts, replayed or (False,) * len(acts.layers))
     kept_copies = layer_copies if kept_copies is None else kept_copies
     b = work.itemsize
     outside = acts.outside_bytes + acts.attention_mask_bytes
@@ -118,9 +142,11 @@ def step_peak(
     ]
     kept_below = kept_total
     gradients = other_gradients
+    records_above = 0  # K_j of the layers whose backward is done
     for index in reversed(range(len(acts.layers))):
         kept_below -= kept_per_layer[index] + kept_copies[index]
-        held = below + kept_below + max(full[index], kept_per_layer[index]) + layer_copies[index]
+        rebuilt = max(full[index], kept_per_layer[index])
+        held = below + kept_below + rebuilt + records_above + layer_copies[index]
         # under autocast the layer's weight gradients first arrive in low precision, then are cast
         layer_working = working[index] + (layer_copies[index] if transient_low_precision_grads else 0)
         # the layer's own gradients appear while its working memory goes: the larger of the two
@@ -129,5 +155,8 @@ def step_peak(
             StepPeak(held + gradients + own, f"backward of layer {index}", held, gradients, own)
         )
         gradients += layer_gradients[index]
-    candidates.append(StepPeak(gradients, "end of backward", 0, gradients, 0))
+        records_above += leftovers[index]
+    gradients += input_gradients
+    held = below + records_above
+    candidates.append(StepPeak(held + gradients, "end of backward", held, gradients, 0))
     return max(candidates, key=lambda peak: peak.total)

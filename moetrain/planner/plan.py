@@ -12,7 +12,10 @@
   moments) and pinned staging (two apply groups of gradients + weight copies) for each of the
   node's GPUs, plus the node's reserve;
 - traffic per optimizer step (:mod:`moetrain.planner.comm`): all-to-all rows and counts, the DP
-  all-reduce of dense gradients, the expert-DP all-reduce of expert gradients;
+  all-reduce of dense gradients (over the ``world / tp_size`` ranks of a tp index), the expert-DP
+  all-reduce of expert gradients, and with ``tp_size > 1`` the activation all-reduces of the split
+  units in the tp group (:mod:`moetrain.planner.split`); split units' parameters count ``1/tp``
+  per rank in the memory terms and their FLOPs ``1/tp`` in the compute;
 - step time = compute + recompute + all-to-all + gradient sync + optimizer step, not overlapped
   (an upper bound: DDP overlaps its all-reduce with backward in practice):
   compute ``= grad_accum * 3 * forward FLOPs / (peak * compute_efficiency)`` (backward = 2x forward),
@@ -20,8 +23,8 @@
   ``= max(params * max(grad, weight bytes) / PCIe, gpus_per_node * params * (24 + grad + weight
   bytes) / host memory bandwidth)`` (CPU Adam is bound by host memory; copies overlap it).
 
-Terms that are estimates, not validated by a test: all-to-all buffers, the reserve, and every time
-(the step peak is checked against measured peaks on the CPU).
+Terms that are estimates, not validated by a test: the reserve and every time (the step peak and
+the all-to-all buffers are checked against measured peaks on the CPU, tests/test_planner_validation.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from moetrain.comm.chunking import chunked_comm_bytes, hidden_seconds, unchunked_comm_bytes
 from moetrain.planner.activations import ActivationModel, Workload, activation_model, ceil_fraction
 from moetrain.planner.comm import (
     DDP_BUCKET_BYTES,
@@ -44,9 +48,11 @@ from moetrain.planner.comm import (
 from moetrain.planner.hardware import ClusterSpec
 from moetrain.planner.model import ModelDescription
 from moetrain.planner.node_limit import node_limit_figures, nodes_reached_per_token
+from moetrain.planner.overlap import layer_overlap_inputs, plan_chunks
 from moetrain.planner.peak import StepPeak, layer_working_bytes, loss_working_bytes, step_peak
 from moetrain.planner.reserve import FRAGMENTATION, Communicator, reserve_terms
 from moetrain.planner.settings import MODEL_CAPACITY, PlanSettings
+from moetrain.planner.split import split_plan_terms
 from moetrain.recompute import RecomputeOption, solve_recompute
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -318,10 +324,10 @@ def make_plan(
     maximum, and the plan's ``settings`` say which."""
     settings = resolve_seq_len(model, settings)
     world = cluster.world_size
-    ep = settings.ep_size
-    if world % ep:
+    ep, tp = settings.ep_size, settings.tp_size
+    if world % (ep * tp):
         raise ValueError(
-            f"ep_size = {ep} must divide the world size = {world} "
+            f"ep_size = {ep}{f' x tp_size = {tp}' if tp > 1 else ''} must divide the world size = {world} "
             f"({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs)"
         )
     arch = model.arch
@@ -341,14 +347,16 @@ def make_plan(
     peak = cluster.gpu.flops_for(settings.precision)
     flops_per_s = peak * settings.compute_efficiency
     params = model.params
-    dense, experts = params.dense, params.expert_per_rank(ep)
+    split = split_plan_terms(model, settings, cluster)  # tensor parallelism: 1/tp of these per rank
+    split_saved = split["elements"] - split["elements"] // tp if tp > 1 else 0
+    dense, experts = params.dense - split_saved, params.expert_per_rank(ep)
     per_rank = dense + experts
     b = ITEMSIZE[settings.precision]
     weight_b = 4 if settings.autocast or settings.precision == "fp32" else b
     optimizer_b = 8 if weight_b == 4 else ADAM_STATE_BYTES  # an fp32 weight is its own master
     notes: list[str] = []
 
-    groups, expert_dp_groups = expert_groups(world, ep, settings.ep_layout)
+    groups, expert_dp_groups = expert_groups(world, ep, settings.ep_layout, tp)
     algorithm = (
         choose_all_to_all(settings.all_to_all, ep, groups, cluster.gpus_per_node) if ep > 1 else "flat"
     )
@@ -370,20 +378,31 @@ def make_plan(
             f"can receive up to ep_size*T*k = {ep * acts.tokens * arch.moe.top_k} rows per layer"
         )
 
+    # ---- the all-to-all's chunks (overlap with the experts) and its buffers
+    chunks, overlap = 1, None
+    if moe_layers and ep > 1 and algorithm != "node_dedup":  # node_dedup is never chunked
+        balanced = moe_layers[0].balanced_rows.sent
+        overlap = layer_overlap_inputs(
+            cluster, ep_layout, algorithm, balanced, _wire_row_bytes(arch.d_model, b, settings.comm_dtype),
+            arch.d_model, arch.moe.d_ff, arch.moe.activation, flops_per_s,
+        )  # fmt: skip
+        chunks = plan_chunks(settings.a2a_chunks, *overlap)
+
     # ---- GPU memory
     gradient_bytes = per_rank * weight_b
     copies = per_rank * 2 if settings.autocast else 0  # autocast's low-precision weights: in the peak
     gpu = {
         "weights": per_rank * weight_b,
         "optimizer_states": 0 if settings.offload else per_rank * optimizer_b,
-        "all_to_all_buffers": _all_to_all_buffers(
-            moe_layers, arch, b, ep, algorithm, settings, ep_layout.nodes, max_nodes
-        ),
+        "all_to_all_buffers": 0,  # below, once the chunk count is known
         # DDP's gradient buckets: a flat copy of the dense gradients, kept for the whole run
         "ddp_buckets": dense * weight_b if world > 1 else 0,
         "step_peak": 0,
         "reserved": 0,
     }
+    gpu["all_to_all_buffers"] = _all_to_all_buffers(
+        moe_layers, arch, b, ep, algorithm, settings, ep_layout.nodes, max_nodes, chunks
+    )
     communicators = plan_communicators(world, ep, world // ep, algorithm, ep_layout)
     modelled = cluster.gpu_reserved_bytes is None
     if modelled:
@@ -397,9 +416,10 @@ def make_plan(
     layer_elements = [count.per_rank(ep) for count in model.layer_params]
     layer_gradients = [elements * weight_b for elements in layer_elements]
     if settings.grad_accum > 1:  # micro-steps after the first start with every gradient allocated
-        layer_gradients, other_gradients = [0] * len(layer_gradients), gradient_bytes
+        layer_gradients, other_gradients, input_gradients = [0] * len(layer_gradients), gradient_bytes, 0
     else:
-        other_gradients = gradient_bytes - sum(layer_gradients)
+        input_gradients = model.input_params * weight_b  # after layer 0's backward
+        other_gradients = gradient_bytes - sum(layer_gradients) - input_gradients
     cpu_buffers = kernels == "cpu" and copies > 0
     if cpu_buffers:  # the CPU grouped GEMM keeps every layer's low-precision expert-gradient buffer
         other_gradients += experts * 2
@@ -422,6 +442,8 @@ def make_plan(
             other_copies,
             transient_low_precision_grads=not cpu_buffers,
             kept_copies=kept_copies,
+            replayed=choice.ffn_recomputed,
+            input_gradients=input_gradients,
         )
 
     # "auto": the activation budget is what the rest leaves of the usable memory (fragmentation on
@@ -529,10 +551,17 @@ def make_plan(
     node_limit = None
     if moe_layers and max_nodes is not None:
         node_limit = node_limit_figures(arch.moe, max_nodes, ep_layout, algorithm, per_slot, dedup_inter)
-    world_layout = group_layout(list(range(world)), cluster.gpus_per_node)
+    dense_layout = group_layout(list(range(0, world, tp)), cluster.gpus_per_node)  # same tp index
     traffic.append(
-        all_reduce_traffic(cluster, "dp_all_reduce", world_layout, dense * weight_b, DDP_BUCKET_BYTES)
+        all_reduce_traffic(cluster, "dp_all_reduce", dense_layout, dense * weight_b, DDP_BUCKET_BYTES)
     )
+    if tp > 1:
+        traffic.append(
+            Traffic(
+                "tp_all_reduce", split["calls"], split["intra_bytes"], split["inter_bytes"],
+                split["messages"], 0, split["seconds"],
+            )
+        )  # fmt: skip
     if experts:
         expert_layout = group_layout(expert_dp_groups[0], cluster.gpus_per_node)
         traffic.append(
@@ -542,11 +571,16 @@ def make_plan(
         )
 
     # ---- time per optimizer step
-    forward = acts.forward_flops
+    forward = acts.forward_flops - (split["flops"] * settings.micro_batch * (1 - 1 / tp))
     compute = accum * 3 * forward / flops_per_s
     recompute_s = accum * recompute.extra_flops / flops_per_s
     a2a_s = sum(t.seconds for t in traffic if t.name.startswith("all_to_all"))
-    sync_s = sum(t.seconds for t in traffic if t.name.endswith("all_reduce"))
+    hidden_s = 0.0
+    if overlap is not None:  # per MoE layer and micro-step (see moetrain.planner.overlap)
+        cost, expert_s = overlap
+        hidden_s = len(moe_layers) * accum * hidden_seconds(cost, expert_s, expert_s, expert_s, chunks)
+    sync_s = sum(t.seconds for t in traffic if t.name.endswith("all_reduce") and t.name != "tp_all_reduce")
+    tp_s = sum(t.seconds for t in traffic if t.name == "tp_all_reduce")
     if settings.offload:
         pcie = per_rank * weight_b / cluster.gpu.pcie_bandwidth
         cpu = (
@@ -558,18 +592,22 @@ def make_plan(
         optimizer_s = max(pcie, cpu)
     else:
         optimizer_s = per_rank * GPU_ADAM_TRAFFIC / cluster.gpu.memory_bandwidth
-    step = compute + recompute_s + a2a_s + sync_s + optimizer_s
-    tokens = world * settings.micro_batch * (arch.image_tokens + settings.seq_len) * accum
+    step = compute + recompute_s + a2a_s - hidden_s + sync_s + tp_s + optimizer_s
+    streams = world // tp  # a tensor-parallel group reads one data stream
+    tokens = streams * settings.micro_batch * (arch.image_tokens + settings.seq_len) * accum
     time = {
         "compute_s": compute,
         "recompute_s": recompute_s,
         "all_to_all_s": a2a_s,
+        "all_to_all_hidden_s": hidden_s,
+        "a2a_chunks": chunks,
         "grad_sync_s": sync_s,
+        "tp_all_reduce_s": tp_s,
         "optimizer_s": optimizer_s,
         "step_s": step,
         "tokens_per_step": tokens,
         "tokens_per_s": tokens / step,
-        "samples_per_s": world * settings.micro_batch * accum / step,
+        "samples_per_s": streams * settings.micro_batch * accum / step,
         "model_flops_utilization": accum * 3 * forward / (step * peak),
     }
     return Plan(
@@ -578,7 +616,7 @@ def make_plan(
         settings=settings,
         world_size=world,
         dp_size=world,
-        expert_dp_size=world // ep,
+        expert_dp_size=world // (ep * tp),
         all_to_all=algorithm,
         capacity_factor=cf,
         params={
@@ -636,21 +674,35 @@ def _nodes_reached(moe, nodes: int, max_nodes: int | None) -> float:
 
 
 def _all_to_all_buffers(
-    moe_layers, arch, b: int, ep: int, algorithm: str, settings, nodes: int, max_nodes: int | None
+    moe_layers,
+    arch,
+    b: int,
+    ep: int,
+    algorithm: str,
+    settings,
+    nodes: int,
+    max_nodes: int | None,
+    chunks: int = 1,
 ) -> int:
-    """Transient rows of one MoE layer's exchange (estimate): the permuted rows ``N_s*D*b`` and the
-    received rows before regrouping ``N_r*D*b``; the 2-D algorithm adds its chunk transposes and
-    stage buffer (``3*N_s*D*b``); node_dedup its copies sent and received, ``2*N_s*R/K*D*b`` (R nodes
-    reached per token); a bf16/fp16 wire adds the encoded copies ``(N_s + N_r)*D*2``."""
+    """Transient bytes of one MoE layer's exchange (the rows a capacity allows at most): the permuted
+    rows it sends ``N_s*D*b`` (alive until the exchange returns), plus its wire buffers: unchunked,
+    :func:`~moetrain.comm.chunking.unchunked_comm_bytes` (received rows, the encoded rows sent with
+    a bf16/fp16 wire, the 2-D algorithm's stage copies); chunked,
+    :func:`~moetrain.comm.chunking.chunked_comm_bytes` (the pool's peak, which the layer reports),
+    ``min(2 * stages, n) * (S + R) / n``. node_dedup (never chunked) adds its copies sent and
+    received, ``2*N_s*R/K`` rows (R nodes reached per token; an estimate)."""
     if not moe_layers or ep == 1:
         return 0
-    rows, d_model = moe_layers[0].rows, arch.d_model
-    total = (rows.sent + rows.received) * d_model * b
-    if algorithm == "hierarchical":
-        total += 3 * rows.sent * d_model * b
+    rows = moe_layers[0].rows
+    row_bytes = _wire_row_bytes(arch.d_model, b, settings.comm_dtype)
+    permuted = rows.sent * arch.d_model * b
+    sent, received = rows.sent * row_bytes, rows.received * row_bytes
+    stages = 2 if algorithm == "hierarchical" else 1
+    if chunks > 1:
+        return permuted + math.ceil(chunked_comm_bytes(sent, received, stages, chunks))
+    encoded = settings.comm_dtype is not None and b != 2
+    total = permuted + math.ceil(unchunked_comm_bytes(sent, received, stages, encoded))
     if algorithm == "node_dedup":
         copies = rows.sent * _nodes_reached(arch.moe, nodes, max_nodes) / arch.moe.top_k
-        total += math.ceil(2 * copies) * d_model * b
-    if settings.comm_dtype is not None and b != 2:
-        total += (rows.sent + rows.received) * d_model * 2
+        total += math.ceil(2 * copies) * row_bytes
     return total

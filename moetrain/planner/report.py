@@ -60,9 +60,17 @@ def describe_settings(plan) -> str:
         f"{layout}, "
         f"micro-batch {s.micro_batch} x {seq}, grad_accum {s.grad_accum}, {precision}, "
         f"offload {'on' if s.offload else 'off'}, recompute {s.recompute}, "
-        f"all-to-all {plan.all_to_all}, {cf}, "
+        f"all-to-all {plan.all_to_all}{_chunks(plan)}, {cf}, "
         f"compute efficiency {s.compute_efficiency:g}"
     )
+
+
+def _chunks(plan) -> str:
+    """`` in 4 chunks (auto)`` when the all-to-all is chunked (or chunks were asked for)."""
+    chunks, asked = plan.time.get("a2a_chunks", 1), plan.settings.a2a_chunks
+    if chunks == 1 and asked in (1, "auto"):
+        return ""
+    return f" in {chunks} chunks" + (" (auto)" if asked == "auto" else "")
 
 
 def recompute_summary(plan) -> str:
@@ -102,12 +110,17 @@ _RESERVE_LABELS = {
 
 def reserve_lines(plan) -> list[str]:
     """The reserve by term: the CUDA context, NCCL per communicator, fragmentation."""
-    lines = []
+    from moetrain.planner.reserve import figures_for
+
+    lines, assumed = [], figures_for(plan.cluster.gpu.name).assumed
     for term, value in plan.reserve.items():
         label = (
             _RESERVE_LABELS.get(term) or f"NCCL, {term.removeprefix('nccl_').replace('_', ' ')} communicator"
         )
-        lines.append(f"    {label:<44} {_gib(value)}")
+        note = ""
+        if term.startswith("nccl_") and assumed:
+            note, assumed = f"  ({assumed})", ""  # once, on the first NCCL line
+        lines.append(f"    {label:<44} {_gib(value)}{note}")
     return lines
 
 
@@ -225,12 +238,16 @@ def format_plan(plan) -> str:
         )
     lines += node_limit_lines(plan)
     tm = plan.time
+    hidden = tm.get("all_to_all_hidden_s", 0.0)
+    overlap = (
+        f" - {hidden * 1e3:.1f} ms hidden behind the experts ({tm['a2a_chunks']} chunks)" if hidden else ""
+    )
     lines += [
         "",
-        "time per step (not overlapped)",
+        "time per step (only the chunked all-to-all overlaps; DDP's overlap with backward is not counted)",
         f"  compute {tm['compute_s'] * 1e3:.1f} ms + recompute {tm['recompute_s'] * 1e3:.1f} ms + all-to-all "
-        f"{tm['all_to_all_s'] * 1e3:.1f} ms + gradient sync {tm['grad_sync_s'] * 1e3:.1f} ms + optimizer "
-        f"{tm['optimizer_s'] * 1e3:.1f} ms = {tm['step_s'] * 1e3:.1f} ms",
+        f"{tm['all_to_all_s'] * 1e3:.1f} ms{overlap} + gradient sync {tm['grad_sync_s'] * 1e3:.1f} ms + "
+        f"optimizer {tm['optimizer_s'] * 1e3:.1f} ms = {tm['step_s'] * 1e3:.1f} ms",
         f"  {tm['tokens_per_step']:,} tokens per step, {tm['tokens_per_s']:,.0f} tokens/s, "
         f"{tm['samples_per_s']:,.1f} samples/s, "
         f"model FLOPs utilization {100 * tm['model_flops_utilization']:.1f}%",

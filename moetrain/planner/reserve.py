@@ -20,7 +20,7 @@ an assumption (5% of the step's dynamic memory) until measured on a GPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MB = 10**6
 MiB = 2**20
@@ -46,6 +46,7 @@ class ReserveFigures:
 
     nccl_collective: int
     nccl_all_to_all_node: int
+    assumed: str = ""  # which figures no public measurement gives (printed with the plan)
 
 
 # - A100: 688 MB per communicator of more than 2 GPUs after an all-reduce, 4 x A100 with NVLink
@@ -56,13 +57,34 @@ class ReserveFigures:
 #   more; 32 channels to every peer, #1685). Memory is linear in the channels (#986), which follow
 #   the NVLinks per GPU: A100 12, V100 6, P100 4 against H100's 18, so 3.28 GB x 12/18, 6/18, 4/18
 #   (an assumption until measured).
+# Measured: both H100 figures, A100's collective. ASSUMED (no public measurement): A100's all-to-all
+# and every V100 and P100 figure, the collective's 512 MiB and the all-to-all scaled from H100's.
 RESERVE_FIGURES: dict[str, ReserveFigures] = {
-    "H100-SXM5-80GB": ReserveFigures(nccl_collective=1060 * MB, nccl_all_to_all_node=3280 * MB),
-    "A100-SXM4-80GB": ReserveFigures(nccl_collective=688 * MB, nccl_all_to_all_node=3280 * MB * 12 // 18),
-    "V100-SXM2-32GB": ReserveFigures(nccl_collective=512 * MiB, nccl_all_to_all_node=3280 * MB * 6 // 18),
-    "P100-SXM2-16GB": ReserveFigures(nccl_collective=512 * MiB, nccl_all_to_all_node=3280 * MB * 4 // 18),
+    "H100-SXM5-80GB": ReserveFigures(nccl_collective=1060 * MB, nccl_all_to_all_node=3280 * MB),  # measured
+    "A100-SXM4-80GB": ReserveFigures(
+        nccl_collective=688 * MB,  # measured
+        nccl_all_to_all_node=3280 * MB * 12 // 18,
+        assumed="A100 all-to-all figure assumed: H100's x 12/18 NVLinks",
+    ),
+    "V100-SXM2-32GB": ReserveFigures(  # the M6-1T plan's GPUs
+        nccl_collective=512 * MiB,
+        nccl_all_to_all_node=3280 * MB * 6 // 18,
+        assumed="V100 NCCL figures assumed: 512 MiB per all-reduce group, H100's all-to-all x 6/18 NVLinks",
+    ),
+    "P100-SXM2-16GB": ReserveFigures(
+        nccl_collective=512 * MiB,
+        nccl_all_to_all_node=3280 * MB * 4 // 18,
+        assumed="P100 NCCL figures assumed: 512 MiB per all-reduce group, H100's all-to-all x 4/18 NVLinks",
+    ),
 }
 DEFAULT_FIGURES = RESERVE_FIGURES["H100-SXM5-80GB"]  # GPUs without figures: the largest known
+
+
+def figures_for(gpu_name: str) -> ReserveFigures:
+    """The figures of ``gpu_name``; a GPU without any gets H100's, marked as assumed."""
+    if gpu_name in RESERVE_FIGURES:
+        return RESERVE_FIGURES[gpu_name]
+    return replace(DEFAULT_FIGURES, assumed=f"no NCCL figures for {gpu_name}: H100's assumed")
 
 
 @dataclass(frozen=True)
@@ -93,7 +115,7 @@ def reserve_terms(
 ) -> dict[str, int]:
     """The reserve of one GPU by term: ``cuda_context``, ``nccl_<name>`` per communicator,
     ``fragmentation`` (of ``dynamic_bytes``, the memory allocated and freed during a step)."""
-    figures = RESERVE_FIGURES.get(gpu_name, DEFAULT_FIGURES)
+    figures = figures_for(gpu_name)
     terms = {"cuda_context": CUDA_CONTEXT_BYTES}
     for communicator in communicators:
         terms[f"nccl_{communicator.name}"] = nccl_bytes(communicator, figures, gpus_per_node)

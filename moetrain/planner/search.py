@@ -16,6 +16,7 @@ from moetrain.planner.hardware import ClusterSpec
 from moetrain.planner.model import ModelDescription
 from moetrain.planner.plan import Plan, make_plan, resolve_seq_len
 from moetrain.planner.settings import PlanSettings
+from moetrain.validation import require_int
 
 STATUSES = ("best", "fits", "slower", "does not fit", "invalid")
 
@@ -105,14 +106,8 @@ def recommend(
     optimizer step, fixed (``grad_accum`` derived; micro-batches that do not divide it are
     invalid); None keeps ``base.grad_accum``. ``base.seq_len`` None: the model's maximum, as in
     every candidate's settings."""
-    if global_batch is not None and (
-        isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1
-    ):
-        raise ValueError(
-            f"global_batch must be an integer >= 1 (sequences per step) or None, got {global_batch!r}"
-        )
-    if not isinstance(top, int) or top < 1:
-        raise ValueError(f"top must be an integer >= 1, got {top!r}")
+    require_int("global_batch", global_batch, 1, allow_none=True, note="(sequences per step)")
+    require_int("top", top, 1)
     base = resolve_seq_len(model, base)
     ep_sizes = valid_ep_sizes(model, cluster) if ep_sizes is None else list(ep_sizes)
     micro_batches = [2**i for i in range(7)] if micro_batches is None else list(micro_batches)

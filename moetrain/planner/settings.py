@@ -5,16 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
-from moetrain.config import ALL_TO_ALL_ALGORITHMS, COMM_DTYPES, EP_LAYOUTS, require_choice, require_int
+from moetrain.config import ALL_TO_ALL_ALGORITHMS, COMM_DTYPES, EP_LAYOUTS, validate_strategy
+from moetrain.validation import is_finite_number, require_bool, require_choice, require_int, require_number
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE_MODES = ("none", "full", "fraction", "budget", "auto")
 MODEL_CAPACITY = "model"
 DEFAULT_MEMORY_HEADROOM = 0.10  # fraction of GPU memory a plan leaves free (see PlanSettings)
-
-
-def _is_number(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -44,7 +41,9 @@ class PlanSettings:
       ``recompute_budget_bytes``, as :func:`moetrain.recompute.solve_recompute` picks); ``"auto"``:
       the budget is what the GPU has left after every other term (nothing recomputed if the
       activations already fit).
-    - ``all_to_all``, ``ep_layout``, ``comm_dtype``: as in :class:`moetrain.ParallelConfig`.
+    - ``all_to_all``, ``ep_layout``, ``comm_dtype``, ``a2a_chunks``: as in
+      :class:`moetrain.ParallelConfig` (``a2a_chunks="auto"``: the count with the least modelled
+      time, :mod:`moetrain.planner.overlap`).
     - ``capacity_factor``: ``"model"`` (the model config's training value), a number, or ``None`` /
       ``0`` (dropless); ``min_capacity`` comes from the model config.
     - ``max_nodes_per_token``: node-limited routing, ``"model"`` (the model config's
@@ -60,6 +59,10 @@ class PlanSettings:
     - ``async_checkpoint``: checkpoints are written in the background (the engine's default),
       from a host-memory copy (staging) of everything each rank saves: its weights and its
       optimizer states, already offloaded or not.
+    - ``tp_size``, ``strategy``: tensor parallelism (as :class:`moetrain.ParallelConfig`): the
+      units the strategy splits (:mod:`moetrain.planner.split`) hold ``1/tp_size`` of their
+      weights, gradients and optimizer states per rank and cost their activation all-reduces in
+      the tp group; a tp group reads one data stream (``world / tp_size`` streams).
     """
 
     ep_size: int = 1
@@ -77,14 +80,22 @@ class PlanSettings:
     all_to_all: str = "auto"
     ep_layout: str = "packed"
     comm_dtype: str | None = None
+    a2a_chunks: int | str = 1
     capacity_factor: float | str | None = MODEL_CAPACITY
     max_nodes_per_token: int | str | None = MODEL_CAPACITY
     compute_efficiency: float = 0.4
     memory_headroom: float = DEFAULT_MEMORY_HEADROOM
     async_checkpoint: bool = True
+    tp_size: int = 1
+    strategy: dict | None = None
 
     def __post_init__(self) -> None:
         require_int("ep_size", self.ep_size, 1)
+        require_int("tp_size", self.tp_size, 1)
+        if self.strategy is not None:
+            object.__setattr__(self, "strategy", validate_strategy("strategy", self.strategy))
+        if self.tp_size > 1 and self.strategy is None:
+            raise ValueError(f"tp_size = {self.tp_size} needs a strategy saying which layers are split")
         require_int("micro_batch", self.micro_batch, 1)
         if self.seq_len is not None:
             require_int("seq_len", self.seq_len, 1)
@@ -94,20 +105,15 @@ class PlanSettings:
             if self.seq_len is not None and self.target_len > self.seq_len:
                 raise ValueError(f"target_len must be <= seq_len = {self.seq_len}, got {self.target_len}")
         require_choice("precision", self.precision, PRECISIONS)
-        if not isinstance(self.autocast, bool):
-            raise ValueError(f"autocast must be True or False, got {self.autocast!r}")
+        require_bool("autocast", self.autocast)
         if self.autocast and self.precision == "fp32":
             raise ValueError("autocast must be False with precision 'fp32' (nothing to cast to)")
-        if not isinstance(self.offload, bool):
-            raise ValueError(f"offload must be True or False, got {self.offload!r}")
+        require_bool("offload", self.offload)
         require_int("offload_apply_groups", self.offload_apply_groups, 1)
         require_choice("recompute", self.recompute, RECOMPUTE_MODES)
         if self.recompute == "fraction":
-            if not (_is_number(self.recompute_fraction) and 0 <= self.recompute_fraction <= 1):
-                raise ValueError(
-                    "recompute_fraction must be a number in [0, 1] when recompute = 'fraction', "
-                    f"got {self.recompute_fraction!r}"
-                )
+            fraction = self.recompute_fraction
+            require_number("recompute_fraction", fraction, low=0, high=1, note="when recompute = 'fraction'")
         elif self.recompute_fraction is not None:
             raise ValueError(
                 f"recompute_fraction is only used with recompute = 'fraction' (got recompute = "
@@ -123,8 +129,19 @@ class PlanSettings:
         require_choice("all_to_all", self.all_to_all, ALL_TO_ALL_ALGORITHMS)
         require_choice("ep_layout", self.ep_layout, EP_LAYOUTS)
         require_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
+        if self.a2a_chunks != "auto" and not (
+            isinstance(self.a2a_chunks, int)
+            and not isinstance(self.a2a_chunks, bool)
+            and self.a2a_chunks >= 1
+        ):
+            raise ValueError(f"a2a_chunks must be an integer >= 1 or 'auto', got {self.a2a_chunks!r}")
+        if self.all_to_all == "node_dedup" and self.a2a_chunks not in (1, "auto"):
+            raise ValueError(
+                f"a2a_chunks = {self.a2a_chunks!r} chunks the flat and hierarchical all-to-all only; with "
+                "all_to_all = 'node_dedup' use 1 or 'auto' (which is 1 there)"
+            )
         cf = self.capacity_factor
-        if not (cf is None or cf == MODEL_CAPACITY or (_is_number(cf) and cf >= 0)):
+        if not (cf is None or cf == MODEL_CAPACITY or (is_finite_number(cf) and cf >= 0)):
             raise ValueError(
                 f"capacity_factor must be 'model', a finite number >= 0, or None (dropless), got {cf!r}"
             )
@@ -132,15 +149,11 @@ class PlanSettings:
             require_int(
                 "max_nodes_per_token", self.max_nodes_per_token, 1, note="or 'model'", allow_none=True
             )
-        if not (_is_number(self.compute_efficiency) and 0 < self.compute_efficiency <= 1):
-            raise ValueError(
-                f"compute_efficiency must be a number in (0, 1], got {self.compute_efficiency!r}"
-            )
-        if not (_is_number(self.memory_headroom) and 0 <= self.memory_headroom < 1):
-            raise ValueError(
-                "memory_headroom must be a number in [0, 1) (fraction of GPU memory kept free), "
-                f"got {self.memory_headroom!r}"
-            )
+        require_number("compute_efficiency", self.compute_efficiency, low=0, high=1, low_open=True)
+        require_number(
+            "memory_headroom", self.memory_headroom, low=0, high=1, high_open=True,
+            note="(fraction of GPU memory kept free)",
+        )  # fmt: skip
 
     @property
     def tokens_per_micro_batch(self) -> int:

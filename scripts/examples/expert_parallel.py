@@ -1,10 +1,11 @@
 """Expert parallelism in a few lines: run with
 ``torchrun --nproc-per-node 4 scripts/examples/expert_parallel.py`` (CPU/gloo or GPU/nccl).
 
-Each of the 4 ranks holds 2 of the 8 experts; tokens travel by all-to-all; dense parameters are
-averaged by DDP and expert gradients by the expert-data-parallel reducer; clipping uses the true
-global norm. ``--local-world-size 2`` pretends the 4 ranks are 2 nodes x 2, which makes the
-all-to-all hierarchical.
+The model is built whole, with no knowledge of the ranks; ``parallelize`` then gives each of the 4
+ranks 2 of the 8 experts (strategy ``{"moe": "expert"}``): tokens travel by all-to-all, replicated
+parameters are averaged by DDP and expert gradients by the expert-data-parallel reducer; clipping
+uses the true global norm. ``--local-world-size 2`` pretends the 4 ranks are 2 nodes x 2, which
+makes the all-to-all hierarchical.
 """
 
 import argparse
@@ -13,16 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain import MoELayer, ParallelContext
-from moetrain.comm.grad_sync import ExpertGradReducer, clip_grad_norm_, wrap_data_parallel
+from moetrain import MoELayer, ParallelContext, parallelize
 from moetrain.parallel import init_distributed
 
 
 class Net(nn.Module):
-    def __init__(self, parallel):
+    def __init__(self):
         super().__init__()
         self.inp = nn.Linear(32, 64)
-        self.moe = MoELayer(d_model=64, d_ff=128, num_experts=8, top_k=2, parallel=parallel)
+        self.moe = MoELayer(d_model=64, d_ff=128, num_experts=8, top_k=2)
         self.out = nn.Linear(64, 32)
 
     def forward(self, x):
@@ -39,18 +39,17 @@ def main():
         ep_size=launch.world_size, local_world_size=args.local_world_size, comm_dtype=args.comm_dtype
     )
     torch.manual_seed(0)  # same seed everywhere: replicas start equal, experts by global index
-    model = Net(ctx)
-    ddp = wrap_data_parallel(model, ctx)
-    reducer = ExpertGradReducer(model, ctx)
+    model = Net()
+    trained = parallelize(model, ctx, {"moe": "expert"})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(launch.rank)
     for step in range(20):
         x = torch.randn(64, 32, generator=generator)
-        loss = F.mse_loss(ddp(x), x)
+        loss = F.mse_loss(trained(x), x)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        reducer.reduce()
-        norm = clip_grad_norm_(model, 1.0, ctx)
+        trained.reduce_gradients()
+        norm = trained.clip_grad_norm_(1.0)
         optimizer.step()
         if launch.rank == 0 and step % 5 == 0:
             print(f"step {step} loss {loss.item():.4f} grad-norm {float(norm):.3f} ({ctx.all_to_all})")

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from moetrain import MoEConfig, collect_moe_stats
 from moetrain.lm import LMConfig, MoETransformerLM, load_tiny_corpus, sample_batch
+from moetrain.logs import configure_console
 from moetrain.progress import ProgressBar
 
 
@@ -30,6 +31,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    configure_console("INFO")  # the progress bar is a log record: shown on stderr
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 

@@ -1,12 +1,33 @@
 """`moetrain` with a fault injected, for the fault tests: python inject.py FAULT ARGS...
 
 FAULT: ``none``; ``inf-loss@S`` (the loss of optimizer step S is inf); ``nan-loss-from@S`` (every
-loss from step S on is NaN). Only this process is affected (the tests pass it to one rank)."""
+loss from step S on is NaN); ``overflow-grad@S`` (the loss of step S is finite, its gradient
+inf: an fp16 overflow in the backward); ``stop-in-moe@S`` (the first MoE layer's forward of step S, before
+its all-to-all, waits 2 s, long enough for the watchdog to publish where the rank is, then stops
+the process with SIGSTOP). Only this process is affected (the tests pass it to one rank)."""
 
 import math
+import os
+import signal
 import sys
+import time
+
+import torch
 
 from moetrain.registry import get_model, register_model
+
+
+class _InfGradient(torch.autograd.Function):
+    """Identity whose backward returns an inf gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * math.inf
+
 
 fault, args = sys.argv[1], sys.argv[2:]
 if fault != "none":
@@ -15,20 +36,42 @@ if fault != "none":
     spec = get_model("moe_lm")
     original_builder = spec.builder
 
-    def faulty_builder(config, parallel, rank):
-        model, batches, loss_fn = original_builder(config, parallel, rank)
+    def stop_in_moe(model, config) -> None:
+        from moetrain.layers import MoELayer
+
+        layer = next(module for module in model.modules() if isinstance(module, MoELayer))
+        original_forward, calls = layer.forward, {"n": 0}
+
+        def forward(*args, **kwargs):
+            calls["n"] += 1
+            if (calls["n"] - 1) // config.grad_accum + 1 == start:
+                time.sleep(2)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return original_forward(*args, **kwargs)
+
+        layer.forward = forward
+
+    def faulty_builder(config, shard):
+        model, batches, loss_fn = original_builder(config, shard)
+        if kind == "stop-in-moe":
+            stop_in_moe(model, config)
+            return model, batches, loss_fn
         calls = {"n": 0}
 
         def faulty_loss(logits, targets):
             calls["n"] += 1
             step = (calls["n"] - 1) // config.grad_accum + 1
             loss = loss_fn(logits, targets)
-            hit = step == start if kind == "inf-loss" else step >= start
+            hit = step >= start if kind == "nan-loss-from" else step == start
+            if hit and kind == "overflow-grad":
+                return _InfGradient.apply(loss)
             return loss * (math.inf if kind == "inf-loss" else math.nan) if hit else loss
 
         return model, batches, faulty_loss
 
-    register_model("moe_lm", spec.config_class, faulty_builder)
+    register_model(
+        "moe_lm", spec.config_class, faulty_builder, describe=spec.describe, strategy=spec.strategy
+    )
 
 from moetrain.cli import main  # noqa: E402
 

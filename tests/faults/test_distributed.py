@@ -1,18 +1,23 @@
 """Faults between ranks end within a bounded time, with one line on every surviving rank naming the
-cause: a stopped rank (the watchdog names it, the collective times out after ``dist_timeout_s``),
+cause: a stopped rank (the watchdog names it in that line, the collective times out after
+``dist_timeout_s``, also in an expert-parallel subgroup),
 ranks started with different ``ep_size`` or ``steps`` (the start-up check names the key before any
-group is built), an occupied rendezvous port under a per-task (srun-style) launch."""
+group is built), an occupied rendezvous port under a per-task (srun-style) launch and under the
+launcher with its static and its c10d rendezvous."""
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
 from tests.dist_utils import free_port
-from tests.faults.launch import error_lines, finish, start_ranks, tiny_config, write_config
+from tests.faults.launch import ROOT, error_lines, finish, start_ranks, tiny_config, write_config
 
 
 @pytest.mark.timeout(60)
@@ -24,6 +29,7 @@ def test_a_stopped_rank_is_named_and_the_others_end_within_the_timeout(tmp_path)
     deadline = time.monotonic() + 40
     while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
         time.sleep(0.1)
+    time.sleep(2)  # steps take milliseconds: let rank 1's watchdog publish a training step first
     procs[1].send_signal(signal.SIGSTOP)
     stopped_at = time.monotonic()
     try:
@@ -35,8 +41,42 @@ def test_a_stopped_rank_is_named_and_the_others_end_within_the_timeout(tmp_path)
     lines = error_lines(err)
     assert code == 1 and len(lines) == 1, err
     assert lines[0].startswith("moetrain: error: rank 0, step "), lines
+    assert re.search(r": rank 1 stopped making progress at step \d+, ", lines[0]), lines  # the cause
     assert "stopped or gone: rank 1 (last heard" in err, err  # the watchdog's line
     assert elapsed < 6 + 10, elapsed  # the timeout, plus start-up slack
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_rank_stopped_inside_an_expert_parallel_exchange_ends_the_others_within_the_timeout(tmp_path):
+    """Rank 1 stops as its MoE layer's forward of step 3 begins, so rank 0 waits in the exchange of
+    the expert-parallel group (a subgroup, not the world): the subgroups get ``dist_timeout_s`` too."""
+    settings = {"steps": 100, "dist_timeout_s": 6, "parallel.ep_size": 2}
+    config = write_config(tmp_path, tiny_config(tmp_path / "run", **settings))
+    procs = start_ranks([config, config], faults={1: "stop-in-moe@3"})
+    try:
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline and not _is_stopped(procs[1].pid):
+            time.sleep(0.05)
+        assert _is_stopped(procs[1].pid), "rank 1 did not reach step 3"
+        stopped_at = time.monotonic()
+        code, err = finish(procs[:1], timeout=30)[0]
+        elapsed = time.monotonic() - stopped_at
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    lines = error_lines(err)
+    assert code == 1 and len(lines) == 1, err
+    where = "moetrain: error: rank 0, step 3, forward of module blocks.0.ffn (MoELayer): "
+    assert lines[0].startswith(where), lines
+    assert "rank 1 stopped making progress at step 3, forward (last heard" in lines[0], lines
+    assert elapsed < 6 + 10, elapsed  # dist_timeout_s, plus slack; torch's default would be 30 min
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state T in /proc)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
 @pytest.mark.parametrize("key,values", [("parallel.ep_size", (2, 1)), ("steps", (4, 5))])
@@ -84,21 +124,26 @@ def test_an_occupied_rendezvous_port_is_named_on_every_rank(tmp_path):
     assert elapsed < 25
 
 
+@pytest.mark.parametrize(
+    "rendezvous",
+    [
+        pytest.param(("--master-port", "{port}"), id="static"),  # torchrun's static rendezvous
+        pytest.param(  # the SLURM templates' rendezvous
+            ("--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:{port}"), id="c10d", marks=pytest.mark.slow
+        ),
+    ],
+)
 @pytest.mark.timeout(60)
-def test_an_occupied_rendezvous_port_under_the_torchrun_launcher_is_one_line(tmp_path):
-    import subprocess
-    import sys
-
-    from tests.faults.launch import ROOT
-
+def test_an_occupied_rendezvous_port_under_the_torchrun_launcher_is_one_line(tmp_path, rendezvous):
     port = free_port()
-    squatter = socket.socket()
+    squatter = socket.socket()  # listens, never answers: torchrun's c10d client would wait forever
     squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     squatter.bind(("0.0.0.0", port))
     squatter.listen()
     config = write_config(tmp_path, tiny_config(tmp_path / "run"))
     command = [
-        sys.executable, "-m", "moetrain.cli", "launch", "--nproc-per-node", "2", "--master-port", str(port),
+        sys.executable, "-m", "moetrain.cli", "launch", "--nproc-per-node", "2",
+        *(arg.format(port=port) for arg in rendezvous),
         "-m", "moetrain.cli", "train", "--config", str(config),
     ]  # fmt: skip
     try:
@@ -110,3 +155,25 @@ def test_an_occupied_rendezvous_port_under_the_torchrun_launcher_is_one_line(tmp
         "moetrain: the launcher could not start the rendezvous: the rendezvous port is already in use "
         "(another job?): choose a free --master-port / --rdzv-endpoint port"
     )
+    assert not (tmp_path / "run").exists()  # no rank was started
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_c10d_rendezvous_store_already_on_the_port_is_joined(tmp_path):
+    """A second launcher of the same job on the endpoint's host finds the port taken by the first
+    one's store: it joins it (torchrun's own fallback) instead of failing."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, timeout=timedelta(seconds=30))
+    command = [
+        sys.executable, "-m", "moetrain.cli", "launch", "--nnodes", "1", "--nproc-per-node", "1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=probe", "--no-python",
+        sys.executable, "-c", "import os; print('rank', os.environ['RANK'])",
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert result.returncode == 0 and "rank 0" in result.stdout, result.stderr
+    assert store.num_keys() > 0  # the rendezvous went through this store

@@ -1,9 +1,11 @@
-"""Fault: non-finite gradients in fp32 / bf16 (fp16's overflows are tested in test_engine.py).
+"""Fault: non-finite gradients in fp32 / bf16 / fp16 (fp16's overflows on one rank are tested in
+test_engine.py).
 
 One rank's loss is inf at one step: every rank skips that step together (their weights stay equal),
 it is counted in the metrics, training goes on and ends with exit code 0, every checkpoint is
 finite. A loss that stays NaN stops the run after ``max_consecutive_skips`` steps with one line
-naming the step, and the last finite checkpoint survives ``keep_last``.
+naming the step, and the last finite checkpoint survives ``keep_last``; under fp16 too (a NaN loss
+is not the loss scaler's calibration), while an fp16 gradient overflow with a finite loss is.
 """
 
 from __future__ import annotations
@@ -52,12 +54,14 @@ def test_an_inf_loss_on_one_rank_skips_that_step_on_every_rank(tmp_path, precisi
         assert all(torch.isfinite(v).all() for v in model.state_dict().values() if v.is_floating_point())
 
 
-def test_a_loss_that_stays_nan_stops_the_run_naming_the_step_and_keeps_the_finite_checkpoints(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_loss_that_stays_nan_stops_the_run_naming_the_step_and_keeps_the_finite_checkpoints(
+    tmp_path, precision
+):
+    """fp16 as fp32: the loss scale (65536 at the start) being above 1 does not excuse a NaN loss."""
     out_dir = tmp_path / "run"
-    config = write_config(
-        tmp_path,
-        tiny_config(out_dir, checkpoint_every=1, keep_last=2, steps=20, max_consecutive_skips=3),
-    )
+    settings = {"checkpoint_every": 1, "keep_last": 2, "steps": 20, "max_consecutive_skips": 3}
+    config = write_config(tmp_path, tiny_config(out_dir, precision=precision, **settings))
     results = finish(start_ranks([config, config], faults={0: "nan-loss-from@4"}), timeout=90)
     for code, err in results:
         lines = error_lines(err)
@@ -69,3 +73,23 @@ def test_a_loss_that_stays_nan_stops_the_run_naming_the_step_and_keeps_the_finit
     model = MoETransformerLM(_lm_config(tiny_config(out_dir)["model"]))
     load_checkpoint(out_dir / "checkpoints", model=model)
     assert all(torch.isfinite(v).all() for v in model.state_dict().values() if v.is_floating_point())
+
+
+@pytest.mark.parametrize("precision,stops", [("fp16", False), ("fp32", True)])
+def test_an_fp16_gradient_overflow_with_a_finite_loss_is_calibration(tmp_path, precision, stops):
+    """max_consecutive_skips 1: under fp16 a step whose backward overflowed while its loss was finite
+    lowers the loss scale and does not count; in fp32 the same step stops the run."""
+    out_dir = tmp_path / "run"
+    config = write_config(
+        tmp_path, tiny_config(out_dir, precision=precision, steps=4, max_consecutive_skips=1)
+    )
+    ((code, err),) = finish(start_ranks([config], faults={0: "overflow-grad@2"}), timeout=60)
+    if stops:
+        assert code == 1 and "step 2: 1 consecutive steps had non-finite gradients" in error_lines(err)[0], (
+            err
+        )
+        return
+    assert code == 0, err
+    metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["skipped_steps"] for m in metrics] == [0, 1, 1, 1]
+    assert metrics[2]["loss_scale"] == metrics[1]["loss_scale"] / 2

@@ -1,14 +1,20 @@
-"""Faults of the run directory: a full disk during a save, a kill while pruning, ``resume: false``
-over an existing run, two runs in one ``out_dir``, a corrupt newest checkpoint, changed settings on
-resume. Each through ``moetrain train`` as users run it (in-process, one rank)."""
+"""Faults of the run directory: a full disk during a save (a real full tmpfs as root; anywhere, a
+file layer that runs out of room), a kill while pruning, ``resume: false`` over an existing run,
+two runs in one ``out_dir`` (a live lock, a dead one, an old one), a corrupt newest checkpoint,
+changed settings on resume. Each through ``moetrain train`` as users run it (in-process, one
+rank)."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +22,7 @@ import pytest
 from moetrain.checkpoint import list_checkpoints
 from moetrain.cli import main
 from moetrain.logs import detach_handlers
-from moetrain.run_dir import LOCK_NAME
+from moetrain.run_dir import LOCK_NAME, STALE_S
 from tests.faults.launch import error_lines, tiny_config, write_config
 
 
@@ -70,6 +76,59 @@ def test_a_full_disk_during_a_save_is_one_line_and_earlier_checkpoints_survive(t
     assert train(tmp_path, out_dir, steps=4, checkpoint_every=1, keep_last=5) == 0  # space again: resumes
 
 
+class FullDisk:
+    """DCP's file layer on a disk with ``room`` bytes left: files are created for real, and a write
+    beyond the room writes what fits and raises ``OSError(ENOSPC)`` naming the file, as a full disk
+    does. ``create_stream`` replaces ``FileSystem.create_stream`` (no root, no tmpfs needed)."""
+
+    def __init__(self, original, room: int):
+        self.original, self.room, self.paths = original, room, []
+
+    def create_stream(self, fs, path, mode):
+        disk = self
+
+        class Stream:
+            def __init__(self, stream):
+                self._stream = stream
+
+            def write(self, data) -> int:
+                size = memoryview(data).nbytes
+                if size > disk.room:
+                    self._stream.write(memoryview(data).cast("B")[: disk.room])
+                    disk.room = 0
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+                disk.room -= size
+                return self._stream.write(data)
+
+            def __getattr__(self, name):
+                return getattr(self._stream, name)
+
+        disk.paths.append(Path(path))
+        with self.original(fs, path, mode) as stream:
+            yield Stream(stream) if "w" in mode else stream
+
+
+def test_a_full_disk_during_a_save_without_root(tmp_path, capsys, monkeypatch):
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    out_dir = tmp_path / "run"
+    assert train(tmp_path, out_dir, steps=2, checkpoint_every=1, keep_last=5) == 0
+    before = [step for step, _ in list_checkpoints(out_dir / "checkpoints")]
+    disk = FullDisk(FileSystem.create_stream, room=4096)  # less than one checkpoint
+    monkeypatch.setattr(FileSystem, "create_stream", contextlib.contextmanager(disk.create_stream))
+    capsys.readouterr()
+    assert train(tmp_path, out_dir, steps=4, checkpoint_every=1, keep_last=5) == 2
+    line = one_error(capsys)
+    tmp_dir = out_dir / "checkpoints" / "step_00000003.tmp"
+    assert f"checkpoint step 3 could not be written to {tmp_dir}: no space left on device ({tmp_dir}/" in line
+    assert disk.paths and disk.room == 0  # the save did run into the full disk
+    assert [step for step, _ in list_checkpoints(out_dir / "checkpoints")] == before == [1, 2]
+    assert not list((out_dir / "checkpoints").glob("*.tmp"))  # the partial files were removed
+    monkeypatch.undo()
+    assert train(tmp_path, out_dir, steps=4, checkpoint_every=1, keep_last=5) == 0  # room again: resumes
+    assert [step for step, _ in list_checkpoints(out_dir / "checkpoints")] == [1, 2, 3, 4]
+
+
 def test_a_kill_while_pruning_is_finished_off_at_the_next_start(tmp_path, capsys):
     out_dir = tmp_path / "run"
     assert train(tmp_path, out_dir, steps=3, checkpoint_every=1, keep_last=5) == 0
@@ -114,6 +173,25 @@ def test_a_second_run_in_the_same_out_dir_is_refused_and_a_stale_lock_is_taken_o
     assert not (out_dir / LOCK_NAME).exists()  # released at the end
 
 
+def test_a_lock_not_refreshed_for_stale_s_is_taken_over_whatever_its_host(tmp_path, capsys):
+    """A lock from another host cannot be checked by its pid: it is live while its run refreshes it
+    (every REFRESH_S), stale once it is older than STALE_S."""
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    lock = out_dir / LOCK_NAME
+    lock.write_text(json.dumps({"host": "another-node", "pid": 1, "started": 0}))
+    assert train(tmp_path, out_dir, steps=2) == 2  # just written: its run may be alive on that host
+    assert f"out_dir {out_dir} is in use by another run (host another-node, pid 1" in one_error(capsys)
+    assert lock.exists() and not (out_dir / "checkpoints").exists()
+    old = time.time() - STALE_S - 30
+    os.utime(lock, (old, old))
+    assert train(tmp_path, out_dir, steps=2) == 0
+    err = capsys.readouterr().err
+    age = re.search(rf"taking over the stale lock {re.escape(str(lock))} \(not refreshed for (\d+) s\)", err)
+    assert age and STALE_S < int(age.group(1)) < STALE_S + 60, err
+    assert not lock.exists()  # released at the end
+
+
 def test_a_corrupt_newest_checkpoint_names_the_intact_one_and_resume_from_picks_it(tmp_path, capsys):
     out_dir = tmp_path / "run"
     assert train(tmp_path, out_dir, steps=3, checkpoint_every=1, keep_last=5) == 0
@@ -134,15 +212,15 @@ def test_a_corrupt_newest_checkpoint_names_the_intact_one_and_resume_from_picks_
     assert "resume_from = 7: no complete checkpoint of that step" in one_error(capsys)
 
 
-def test_changed_settings_on_resume_take_effect_and_every_config_is_kept(tmp_path, caplog):
+def test_changed_settings_on_resume_take_effect_and_every_config_is_kept(tmp_path):
     out_dir = tmp_path / "run"
     assert train(tmp_path, out_dir, steps=2, **{"optim.lr": 1e-3, "optim.warmup_steps": 0}) == 0
-    caplog.set_level("INFO", logger="moetrain")
     assert train(tmp_path, out_dir, steps=4, **{"optim.lr": 0.5, "optim.warmup_steps": 0}) == 0
     metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics[1]["lr"] <= 1e-3
     assert metrics[2]["lr"] == pytest.approx(0.5 * 0.55)  # the new lr, at step 3 of the new 4-step cosine
-    changed = [r.getMessage() for r in caplog.records if "config changed since step 2" in r.getMessage()]
+    log = (out_dir / "logs" / "rank_0.log").read_text()  # the command's INFO records, both runs
+    changed = [line for line in log.splitlines() if "config changed since step 2" in line]
     assert len(changed) == 1 and "optim.lr 0.001 -> 0.5" in changed[0] and "steps 2 -> 4" in changed[0]
     history = [json.loads(line) for line in (out_dir / "config_history.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [0, 2] and history[0]["changes"] is None

@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from moetrain import MoELayer, ParallelContext
+from moetrain import MoELayer, ParallelContext, shard_experts
 from moetrain.parallel import init_distributed
 
 
@@ -13,7 +13,7 @@ def main(out_dir: str) -> None:
     launch = init_distributed()
     ctx = ParallelContext(ep_size=launch.world_size)
     torch.manual_seed(0)
-    layer = MoELayer(d_model=8, d_ff=8, num_experts=4, top_k=2, parallel=ctx)
+    layer = shard_experts(MoELayer(d_model=8, d_ff=8, num_experts=4, top_k=2), ctx)
     out = layer(torch.randn(6, 8) * (1 + launch.rank))
     out.sum().backward()
     report = {

@@ -8,7 +8,9 @@ pools and classifies.
 
 The three things the registry needs (see moetrain/registry.py):
 1. a config dataclass, validated in ``__post_init__``;
-2. a builder ``build(train_config, parallel, rank) -> (model, batches, loss_fn)``;
+2. a builder ``build(train_config, shard) -> (model, batches, loss_fn)``: the model built whole (the
+   engine parallelizes it afterwards: the MoE layer becomes ``expert``), the batches seeded from
+   ``shard.index`` (this rank's data stream);
 3. a batches object: ``next()``, ``probe()``, ``state_dict()`` / ``load_state_dict()`` (the data
    position in checkpoints), ``reseed()``, ``tokens_per_batch`` and a settable ``batch``.
 """
@@ -46,12 +48,12 @@ class DigitSumConfig:
 class DigitSumClassifier(nn.Module):
     """digits ``[B, S]`` -> class logits ``[B, num_classes]``."""
 
-    def __init__(self, config: DigitSumConfig, parallel=None):
+    def __init__(self, config: DigitSumConfig):
         super().__init__()
         self.embed = nn.Embedding(config.vocab, config.d_model)
         self.position = nn.Parameter(torch.randn(config.seq_len, config.d_model) * 0.02)
         self.norm = nn.LayerNorm(config.d_model)
-        self.ffn = MoELayer(config.moe, parallel=parallel)
+        self.ffn = MoELayer(config.moe)
         self.head = nn.Linear(config.d_model, config.num_classes)
 
     def forward(self, digits_BS: torch.Tensor) -> torch.Tensor:
@@ -64,9 +66,9 @@ class DigitSumBatches:
     """Random digit sequences and their labels, from a generator seeded per rank; its state is the
     data position saved in checkpoints."""
 
-    def __init__(self, config: DigitSumConfig, batch: int, seed: int, rank: int):
+    def __init__(self, config: DigitSumConfig, batch: int, seed: int, stream: int):
         self.config, self.batch = config, batch
-        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + stream)
 
     def _draw(self, count: int, generator: torch.Generator):
         cfg = self.config
@@ -80,8 +82,8 @@ class DigitSumBatches:
     def probe(self, sequences: int, seed: int):
         return self._draw(sequences, torch.Generator().manual_seed(seed))
 
-    def reseed(self, seed: int, rank: int, step: int) -> None:
-        self.generator.manual_seed((seed * 1_000_003 + rank) * 1_000_033 + step)
+    def reseed(self, seed: int, stream: int, step: int) -> None:
+        self.generator.manual_seed((seed * 1_000_003 + stream) * 1_000_033 + step)
 
     @property
     def tokens_per_batch(self) -> int:
@@ -94,11 +96,11 @@ class DigitSumBatches:
         self.generator.set_state(state["generator"])
 
 
-def build(train_config, parallel, rank: int):
-    """The registry builder: (model, batches, loss function)."""
+def build(train_config, shard):
+    """The registry builder: (model, batches, loss function); ``shard``: this rank's data stream."""
     config = train_config.model
-    model = DigitSumClassifier(config, parallel)
-    batches = DigitSumBatches(config, train_config.data.micro_batch_size, train_config.seed, rank)
+    model = DigitSumClassifier(config)
+    batches = DigitSumBatches(config, train_config.data.micro_batch_size, train_config.seed, shard.index)
     return model, batches, lambda logits, labels: F.cross_entropy(logits.float(), labels)
 
 

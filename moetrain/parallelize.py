@@ -1,0 +1,418 @@
+"""``parallelize(model, mesh, strategy)``: Whale's parallel strategies applied to a plainly built model.
+
+The model is written once, with no knowledge of the parallel layout (built on the CPU, a GPU or
+``meta``); a *strategy* then says what to do with its parts. It maps module-name patterns
+(``fnmatch`` on the names of ``model.named_modules()``: ``*`` also crosses dots) to a kind, in the
+order given; each module takes the kind of the FIRST pattern that matches its name:
+
+- ``replica``: data parallel (the default of every parameter no pattern claims): DDP, or with
+  ``parallel.replica: fsdp`` FSDP2 ``fully_shard`` units (each outermost module a ``replica``
+  pattern matches is one unit, the root another);
+- ``expert``: expert parallelism of an :class:`~moetrain.MoELayer` (:func:`shard_experts`: this
+  rank keeps ``E / ep_size`` experts, tokens travel by the flat or hierarchical all-to-all);
+- ``split``: tensor parallelism over the mesh's ``tp`` ranks (``torch.distributed.tensor.parallel``):
+  an ``nn.Linear`` by columns (its output stays sharded on the last dimension, as the next
+  ``split.row`` layer wants it), an ``nn.Embedding`` by vocabulary rows (output all-reduced), a
+  :class:`~moetrain.layers.experts.DenseFFN` whole (first matrix by columns, second by rows:
+  Megatron's MLP, one all-reduce);
+- ``split.row``: an ``nn.Linear`` by rows (input sharded on the last dimension, output all-reduced);
+- ``split.head``: an output ``nn.Linear`` by columns whose output stays a vocabulary-sharded
+  ``DTensor``: the loss is computed inside :meth:`Parallelized.loss_context`
+  (``torch.distributed.tensor.parallel.loss_parallel()``), which never gathers the logits.
+
+Gradients (``Parallelized.reduce_gradients``, after the last micro-step's backward): replicated
+parameters are averaged over the dense group (``dp * ep`` ranks) by DDP/FSDP; expert gradients are
+summed over the expert-data-parallel group and divided by ``dp * ep`` (the data streams: tp ranks
+share theirs); split parameters' local shards are averaged over the dense group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moetrain.comm.grad_sync import (
+    GradReducer,
+    clip_grad_norm_,
+    global_grad_norm,
+    is_dtensor,
+    wrap_data_parallel,
+)
+from moetrain.config import REPLICA_MODES, STRATEGY_KINDS, validate_strategy
+from moetrain.layers.experts import DenseFFN
+from moetrain.layers.moe_layer import MoELayer, shard_experts
+from moetrain.parallel import ParallelContext
+
+log = logging.getLogger(__name__)
+
+SPLIT_KINDS = ("split", "split.row", "split.head")
+SPLITTABLE = {
+    "split": (nn.Linear, nn.Embedding, DenseFFN),
+    "split.row": (nn.Linear,),
+    "split.head": (nn.Linear,),
+}
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Module ``name`` (``module``) takes ``kind`` from ``pattern``."""
+
+    name: str
+    module: nn.Module
+    kind: str
+    pattern: str
+
+
+def resolve_strategy(model: nn.Module, strategy: dict[str, str]) -> list[Assignment]:
+    """The modules each pattern claims (first match wins, in the strategy's order), checked: a
+    pattern matching no module, or a kind on a module it cannot apply to, is a ValueError naming
+    the pattern and the module."""
+    strategy = validate_strategy("strategy", strategy)
+    modules = [(name, module) for name, module in model.named_modules() if name]
+    matched = dict.fromkeys(strategy, 0)
+    assignments = []
+    for name, module in modules:
+        for pattern, kind in strategy.items():
+            if fnmatchcase(name, pattern):
+                matched[pattern] += 1
+                assignments.append(Assignment(name, module, kind, pattern))
+                break
+    for pattern, count in matched.items():
+        if count == 0 and not any(fnmatchcase(name, pattern) for name, _ in modules):
+            shown = ", ".join(name for name, _ in modules[:8]) + (", ..." if len(modules) > 8 else "")
+            raise ValueError(
+                f"strategy pattern {pattern!r} matches no module of {type(model).__name__} (modules: {shown})"
+            )
+    for a in assignments:
+        if a.kind == "expert" and not isinstance(a.module, MoELayer):
+            raise ValueError(
+                f"strategy {a.pattern!r}: 'expert' applies to MoELayers, module {a.name!r} is a "
+                f"{type(a.module).__name__}"
+            )
+        if a.kind in SPLITTABLE and not isinstance(a.module, SPLITTABLE[a.kind]):
+            allowed = " / ".join(t.__name__ for t in SPLITTABLE[a.kind])
+            raise ValueError(
+                f"strategy {a.pattern!r}: {a.kind!r} applies to {allowed}, module {a.name!r} is a "
+                f"{type(a.module).__name__}"
+            )
+    return assignments
+
+
+def default_strategy(model: nn.Module) -> dict[str, str]:
+    """Every MoELayer ``expert`` (by name), everything else replicated: the strategy of a
+    registered model without a ``strategy`` hook."""
+    names = [name for name, module in model.named_modules() if isinstance(module, MoELayer)]
+    return {name or "*": "expert" for name in names} or {"*": "replica"}
+
+
+def _check_split(assignments: list[Assignment], model: nn.Module, tp: int) -> None:
+    """Shapes that ``tp`` ranks cannot split evenly, and attention whose heads they would cut."""
+    parents = dict(model.named_modules())
+    for a in assignments:
+        if a.kind not in SPLIT_KINDS:
+            continue
+        module = a.module
+        if isinstance(module, nn.Linear):
+            dim, size = (
+                ("in_features", module.in_features)
+                if a.kind == "split.row"
+                else ("out_features", module.out_features)
+            )
+        elif isinstance(module, nn.Embedding):
+            dim, size = "num_embeddings", module.num_embeddings
+        else:
+            if module.activation == "swiglu":
+                raise ValueError(
+                    f"strategy {a.pattern!r}: 'split' of the swiglu DenseFFN {a.name!r} is not supported "
+                    "(its gate and up projections are stored side by side); replicate it"
+                )
+            dim, size = "hidden size", module.w2_FD.shape[0]
+        if size % tp:
+            raise ValueError(
+                f"strategy {a.pattern!r}: {a.kind!r} of {a.name!r} over tp_size = {tp} needs its {dim} = "
+                f"{size} divisible by {tp}"
+            )
+        parent = parents.get(a.name.rpartition(".")[0])
+        heads = getattr(parent, "num_heads", None)
+        if isinstance(heads, int) and heads % tp:
+            raise ValueError(
+                f"strategy {a.pattern!r}: {a.kind!r} of {a.name!r} over tp_size = {tp} would cut heads: "
+                f"{a.name.rpartition('.')[0]!r} has num_heads = {heads}, not divisible by {tp}"
+            )
+
+
+def _split_styles(assignments: list[Assignment]) -> dict:
+    """``{module name: ParallelStyle}`` for ``parallelize_module`` (Linear and Embedding)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for a in assignments:
+        if isinstance(a.module, DenseFFN) or a.kind not in SPLIT_KINDS:
+            continue
+        if isinstance(a.module, nn.Embedding):
+            plan[a.name] = RowwiseParallel(input_layouts=Replicate())  # vocabulary rows; output all-reduced
+        elif a.kind == "split":
+            plan[a.name] = ColwiseParallel()
+        elif a.kind == "split.row":
+            plan[a.name] = RowwiseParallel()
+        else:
+            plan[a.name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    return plan
+
+
+def split_dense_ffn(module: DenseFFN, mesh) -> None:
+    """Megatron's MLP split of a DenseFFN over the 1-D ``mesh``: ``w1_DF`` by columns, ``w2_FD`` by
+    rows; the input enters replicated, the output leaves all-reduced (plain tensors both)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+
+    def partition(name, submodule, device_mesh):
+        if submodule is not module:
+            return
+        for pname, placement in (("w1_DF", Shard(1)), ("w2_FD", Shard(0))):
+            param = getattr(module, pname)
+            sharded = nn.Parameter(
+                distribute_tensor(param.data, device_mesh, [placement]), param.requires_grad
+            )
+            setattr(module, pname, sharded)
+
+    def inputs(submodule, args, device_mesh):
+        return tuple(
+            DTensor.from_local(a, device_mesh, [Replicate()], run_check=False)
+            if isinstance(a, torch.Tensor)
+            else a
+            for a in args
+        )
+
+    def outputs(submodule, output, device_mesh):
+        return output.redistribute(device_mesh, [Replicate()]).to_local()
+
+    distribute_module(module, mesh, partition, inputs, outputs)
+
+
+class Parallelized:
+    """What :func:`parallelize` returns: the model to call and how to train it.
+
+    - ``model``: the parallelized model (its state dict holds DTensors for split or FSDP
+      parameters and this rank's experts); ``module``: what to call (the DDP wrapper or the model);
+    - :meth:`no_sync`: gradient accumulation without synchronisation (all micro-steps but the last);
+    - :meth:`reduce_gradients`: after the last backward, the expert and split gradients' reduction;
+    - :meth:`grad_norm` / :meth:`clip_grad_norm_`: the true global norm (each element once);
+    - :meth:`loss_context`: ``loss_parallel()`` around loss and backward when the output is a
+      sharded DTensor (``split.head``);
+    - ``assignments``: which module took which kind; ``parallel``: the :class:`ParallelContext`.
+    """
+
+    def __init__(self, model, module, parallel, assignments, replica, reducers, wrap=None):
+        self.model, self.module, self.parallel = model, module, parallel
+        self.assignments, self.replica, self._reducers = assignments, replica, reducers
+        self._wrap = wrap  # DDP waits for real parameters (a model parallelized on meta)
+
+    def materialize(self, device) -> Parallelized:
+        """Allocates a model parallelized on ``meta`` on ``device`` and initialises it
+        (:func:`materialize`), then wraps it in DDP (``replica: ddp``). Returns ``self``."""
+        materialize(self.model, device)
+        if self._wrap is not None:
+            self.module, self._wrap = self._wrap(), None
+        return self
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def no_sync(self):
+        """A context in which backward accumulates gradients without synchronising them."""
+        if self.replica == "fsdp" and hasattr(self.model, "set_requires_gradient_sync"):
+            return _fsdp_no_sync(self.model)
+        no_sync = getattr(self.module, "no_sync", None)
+        return no_sync() if no_sync is not None else contextlib.nullcontext()
+
+    def reduce_gradients(self) -> None:
+        """Expert gradients: sum over the expert-data-parallel group / (dp * ep); split parameters
+        under DDP: average over the dense group. Call once per optimizer step, after the last
+        backward (DDP / FSDP synchronised the rest during it)."""
+        for reducer in self._reducers:
+            reducer.reduce()
+
+    def grad_norm(self) -> torch.Tensor:
+        return global_grad_norm(self.model, self.parallel)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_(self.model, max_norm, self.parallel)
+
+    def loss_context(self, output=None):
+        """``loss_parallel()`` when the strategy splits a head over tp > 1 ranks or ``output`` is a
+        DTensor, else a null context. Enter it around the loss and its backward."""
+        head_split = self.parallel.tp_size > 1 and any(a.kind == "split.head" for a in self.assignments)
+        if head_split or is_dtensor(output):
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def summary(self) -> str:
+        counts: dict[str, int] = {}
+        for a in self.assignments:
+            counts[a.kind] = counts.get(a.kind, 0) + 1
+        kinds = (
+            ", ".join(f"{kind} {counts[kind]}" for kind in STRATEGY_KINDS if kind in counts) or "replica only"
+        )
+        p = self.parallel
+        return (
+            f"parallelize: dp {p.dp_size} x ep {p.ep_size} x tp {p.tp_size}, replica {self.replica}; "
+            f"modules: {kinds}"
+        )
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def _dense_mesh(parallel: ParallelContext):
+    """The mesh FSDP shards replicated parameters over: HSDP over ``("dp", "ep")`` (replicated over
+    dp, sharded over ep) when both are > 1, else the one of them that is."""
+    if parallel.dp_size > 1 and parallel.ep_size > 1:
+        return parallel.submesh("dp", "ep")
+    return parallel.submesh("ep" if parallel.ep_size > 1 else "dp")
+
+
+def _apply_fsdp(model, parallel, assignments, experts, cpu_offload: bool) -> None:
+    """FSDP2 units: each sharded layer's experts over the expert-data-parallel ranks (gradients
+    summed, divided by dp * ep), each outermost ``replica`` module and the root over the dense mesh."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    options = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
+    sum_only = dist.get_backend(parallel.dense_group) == "gloo"  # gloo has no PREMUL_SUM
+    units = []  # (unit, its mesh's size)
+    for layer in experts:
+        unit = fully_shard(layer.experts, mesh=parallel.submesh("dp"), **options)
+        unit.set_gradient_divide_factor(float(parallel.data_count))
+        units.append((unit, parallel.dp_size))
+    dense_mesh = _dense_mesh(parallel)
+    replica_names = [a.name for a in assignments if a.kind == "replica"]
+    for a in assignments:
+        outermost = not any(a.name.startswith(other + ".") for other in replica_names)
+        if a.kind == "replica" and outermost and any(True for _ in a.module.parameters()):
+            units.append((fully_shard(a.module, mesh=dense_mesh, **options), parallel.data_count))
+    units.append((fully_shard(model, mesh=dense_mesh, **options), parallel.data_count))
+    if sum_only:
+        for unit, size in units:
+            # On a 1-rank mesh nothing is communicated, and forcing sums would divide twice (torch 2.13).
+            unit.set_force_sum_reduction_for_comms(size > 1)
+
+
+def parallelize(
+    model: nn.Module,
+    target,
+    strategy: dict[str, str] | None = None,
+    *,
+    replica: str | None = None,
+    cpu_offload: bool | None = None,
+    comm_hook: str | None = None,
+) -> Parallelized:
+    """Applies ``strategy`` (see the module docstring; None: :func:`default_strategy`) to ``model``
+    in place over ``target``: a :class:`~moetrain.parallel.ParallelContext`, or a ``DeviceMesh``
+    with dimensions ``("dp", "ep", "tp")`` (wrapped by :meth:`ParallelContext.from_mesh`).
+    ``replica``: ``"ddp"`` or ``"fsdp"`` (default: the context's ``config.replica``);
+    ``cpu_offload``: FSDP2's CPU offload policy (default: ``config.fsdp_cpu_offload``);
+    ``comm_hook``: DDP's gradient compression (None, ``"bf16"``, ``"fp16"``).
+
+    The model may be on ``meta``: experts are then sliced on ``meta`` too; materialise it
+    afterwards with :func:`materialize`. Call it on every rank with the same arguments (it creates
+    DTensors and DDP / FSDP state collectively)."""
+    parallel = target if isinstance(target, ParallelContext) else ParallelContext.from_mesh(target)
+    replica = replica or parallel.config.replica
+    if replica not in REPLICA_MODES:
+        raise ValueError(f"replica must be one of {', '.join(map(repr, REPLICA_MODES))}, got {replica!r}")
+    cpu_offload = parallel.config.fsdp_cpu_offload if cpu_offload is None else cpu_offload
+    if cpu_offload and replica != "fsdp":
+        raise ValueError("cpu_offload is FSDP2's offload policy: it needs replica = 'fsdp'")
+    assignments = resolve_strategy(model, default_strategy(model) if strategy is None else strategy)
+    tp = parallel.tp_size
+    splits = [a for a in assignments if a.kind in SPLIT_KINDS]
+    if splits and tp == 1 and parallel.world_size > 1:
+        log.info("parallelize: tp_size 1, the %d split module(s) stay whole", len(splits))
+    if tp > 1 and not splits:
+        raise ValueError(
+            f"tp_size = {tp} but the strategy splits no module: tensor-parallel ranks would repeat the same "
+            "work; mark layers 'split' / 'split.row' / 'split.head' or use tp_size 1"
+        )
+    _check_split(assignments, model, tp)
+
+    experts = [a.module for a in assignments if a.kind == "expert"]
+    for layer in experts:
+        shard_experts(layer, parallel)
+    if tp > 1:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        tp_mesh = parallel.submesh("tp")
+        styles = _split_styles(splits)
+        if styles:
+            parallelize_module(model, tp_mesh, styles)
+        for a in splits:
+            if isinstance(a.module, DenseFFN):
+                split_dense_ffn(a.module, tp_mesh)
+
+    reducers, wrap = [], None
+    module = model
+    if parallel.mesh is not None:
+        expert_params = [p for layer in experts for p in layer.experts.parameters()]
+        if replica == "fsdp":
+            _apply_fsdp(model, parallel, assignments, experts, cpu_offload)
+        else:
+            if expert_params:
+                reducers.append(
+                    GradReducer(
+                        expert_params, parallel.expert_dp_group, parallel.expert_dp_size, parallel.data_count
+                    )
+                )
+            split_params = [p for p in model.parameters() if is_dtensor(p)]
+            if split_params:
+                reducers.append(
+                    GradReducer(split_params, parallel.dense_group, parallel.data_count, parallel.data_count)
+                )
+
+            def wrap():
+                return wrap_data_parallel(model, parallel, comm_hook, ignore=expert_params)
+
+            on_meta = any(p.device.type == "meta" for p in model.parameters())
+            if not on_meta:
+                module, wrap = wrap(), None
+    result = Parallelized(model, module, parallel, assignments, replica, reducers, wrap)
+    log.debug("%s", result.summary())
+    return result
+
+
+def materialize(model: nn.Module, device) -> nn.Module:
+    """A model built (and parallelized) on ``meta``, allocated on ``device`` and initialised: every
+    module's ``reset_parameters()`` runs, children before their parents (a model's own
+    ``reset_parameters`` has the last word on its direct tensors: the LM's and M6's embeddings).
+    Experts: each from its own per-global-expert seed, so they equal the CPU build's; other
+    weights: their modules' initialisation, not the CPU build's values. Returns the model."""
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for module in reversed(list(model.modules())):
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+    return model
+
+
+__all__ = [
+    "Assignment",
+    "Parallelized",
+    "default_strategy",
+    "materialize",
+    "parallelize",
+    "resolve_strategy",
+]
