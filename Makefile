@@ -29,6 +29,8 @@ bench: build
 	$(PY) benchmarks/moe_layer.py --json benchmarks/moe_layer.json
 	$(PY) benchmarks/cpu_adam.py --json benchmarks/cpu_adam.json
 	$(PY) benchmarks/all_to_all.py --json benchmarks/all_to_all.json
+	$(PY) benchmarks/node_limited.py --json benchmarks/node_limited.json
+	$(PY) benchmarks/moe_layer_ep.py --json benchmarks/moe_layer_ep.json
 	$(PY) benchmarks/compile.py --json benchmarks/compile.json
 	$(PY) benchmarks/grouped_mm.py --json benchmarks/grouped_mm.json
 	$(PY) benchmarks/checkpoint_stall.py --json benchmarks/checkpoint_stall.json

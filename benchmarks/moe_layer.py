@@ -7,7 +7,9 @@ Figures are ratios measured in the same run:
 
 Cases (T=2048, d_model=512, d_ff=2048, E=8, top-2, fp32, 2 threads by default):
 ``capacity_1.0``, ``dropless_balanced`` and ``dropless_skewed`` (about half of the routed slots go
-to 2 of the 8 experts). Usage: ``python benchmarks/moe_layer.py [--json PATH] [--repeats N]``.
+to 2 of the 8 experts). Every candidate of every case is warmed up first (10 calls), then each
+measured round times every candidate of every case once, in turn (medians over rounds; ratios are
+medians of per-round ratios). Usage: ``python benchmarks/moe_layer.py [--json PATH] [--repeats N]``.
 
 GPU mode, ``--device cuda [--dtype bf16]``: the same cases at a GPU-sized default configuration
 (T=16384, d_model=4096, d_ff=14336, E=8, top-2), layer and floor in ``--dtype`` (parameters too),
@@ -107,7 +109,9 @@ def timed_cuda(fn, repeats: int) -> list[float]:
     return times
 
 
-def run_case(name: str, capacity_factor, skewed: bool, args) -> dict:
+def build_case(name: str, capacity_factor, skewed: bool, args) -> dict:
+    """One case's three candidates (``ours``, ``floor``, ``plain``: each one forward+backward) and
+    its figures; :func:`measure` times them."""
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
 
     def randn(*shape, requires_grad=False):
@@ -159,17 +163,38 @@ def run_case(name: str, capacity_factor, skewed: bool, args) -> dict:
             p.grad = None
         plain_pytorch_moe(x, *plain_weights, args.top_k, capacity).backward(grad_out)
 
-    candidates = {"ours": ours, "floor": floor, "plain": plain}
-    timer = timed_cuda if device.type == "cuda" else timed
-    for fn in candidates.values():
-        timer(fn, args.warmup)
-    samples = {key: [] for key in candidates}
-    for _ in range(args.repeats):  # interleaved, so drift in machine speed hits all three alike
-        for key, fn in candidates.items():
-            samples[key] += timer(fn, 1)
+    return {
+        "case": name,
+        "candidates": {"ours": ours, "floor": floor, "plain": plain},
+        "rows": rows,
+        "capacity": capacity,
+        "share": share,
+    }
+
+
+def measure(cases: list[dict], args) -> list[dict]:
+    """Warms every candidate of every case up (``args.warmup`` calls each) before timing any, then
+    runs ``args.repeats`` rounds, each timing every candidate of every case once, in turn: so the
+    first case is not timed on a colder machine than the others, and drift in the machine's speed
+    hits all cases and candidates alike."""
+    timer = timed_cuda if args.device == "cuda" else timed
+    for case in cases:
+        for fn in case["candidates"].values():
+            timer(fn, args.warmup)
+    for case in cases:
+        case["samples"] = {key: [] for key in case["candidates"]}
+    for _ in range(args.repeats):
+        for case in cases:
+            for key, fn in case["candidates"].items():
+                case["samples"][key] += timer(fn, 1)
+    return [case_figures(case, args) for case in cases]
+
+
+def case_figures(case: dict, args) -> dict:
+    samples, rows = case["samples"], case["rows"]
     median_ms = {key: 1e3 * statistics.median(v) for key, v in samples.items()}
     flops = 3 * 2 * 2 * rows * args.d_model * args.d_ff  # fwd + 2x bwd, two GEMMs, 2 flop per MAC
-    if device.type == "cuda":
+    if args.device == "cuda":
         peak = peak_tflops(args.dtype)
         tflops = flops / median_ms["ours"] / 1e9
         gpu_figures = {
@@ -179,10 +204,10 @@ def run_case(name: str, capacity_factor, skewed: bool, args) -> dict:
     else:
         gpu_figures = {}
     return {
-        "case": name,
+        "case": case["case"],
         "routed_rows": rows,
-        "capacity": capacity,
-        "hot2_share": round(share, 3),
+        "capacity": case["capacity"],
+        "hot2_share": round(case["share"], 3),
         "ours_ms": round(median_ms["ours"], 2),
         "floor_ms": round(median_ms["floor"], 2),
         "plain_ms": round(median_ms["plain"], 2),
@@ -279,7 +304,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=10, help="calls of every candidate before any is timed")
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON to PATH")
     args = parser.parse_args()
     for name, default in zip(("tokens", "d_model", "d_ff"), DEFAULT_SHAPES[args.device], strict=True):
@@ -296,7 +321,7 @@ def main() -> None:
         ("dropless_balanced", None, False),
         ("dropless_skewed", None, True),
     ]
-    results = [run_case(name, cf, skewed, args) for name, cf, skewed in cases]
+    results = measure([build_case(name, cf, skewed, args) for name, cf, skewed in cases], args)
     machine = {
         "cpu": platform.processor() or platform.machine(),
         "threads": args.threads,

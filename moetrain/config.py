@@ -73,6 +73,13 @@ class MoEConfig:
             "rate * sign(mean load - load) after each optimizer step; 0: off"
         ),
     )
+    max_nodes_per_token: int | None = option(
+        None,
+        (
+            "node-limited routing (DeepSeek-V3): each token's top_k experts lie on at most this many "
+            "nodes of the expert-parallel group; None: no limit"
+        ),
+    )
     batch_prioritized_routing: bool = option(
         False,
         (
@@ -140,6 +147,17 @@ class MoEConfig:
         require_nonneg_float("z_loss_coef", self.z_loss_coef)
         require_nonneg_float("seq_aux_loss_coef", self.seq_aux_loss_coef)
         require_nonneg_float("score_bias_rate", self.score_bias_rate)
+        require_int("max_nodes_per_token", self.max_nodes_per_token, 1, allow_none=True)
+        if (
+            self.num_prototypes > 1
+            and self.max_nodes_per_token is not None
+            and self.max_nodes_per_token < self.top_k
+        ):
+            raise ValueError(
+                f"max_nodes_per_token < top_k = {self.top_k} cannot be combined with num_prototypes = "
+                f"{self.num_prototypes} (each prototype group picks its own experts): use num_prototypes 1 "
+                f"or max_nodes_per_token >= top_k, got {self.max_nodes_per_token}"
+            )
         require_bool("batch_prioritized_routing", self.batch_prioritized_routing)
         require_choice("activation", self.activation, ACTIVATIONS)
         require_bool("expert_bias", self.expert_bias)
@@ -166,7 +184,7 @@ class MoEConfig:
 
 
 EP_LAYOUTS = ("packed", "spread")
-ALL_TO_ALL_ALGORITHMS = ("auto", "flat", "hierarchical")
+ALL_TO_ALL_ALGORITHMS = ("auto", "flat", "hierarchical", "node_dedup")
 COMM_DTYPES = (None, "bf16", "fp16")
 
 
@@ -212,13 +230,22 @@ class ParallelConfig:
     - ``ep_layout``: ``"packed"`` puts an expert-parallel group on consecutive ranks (inside a node
       first); ``"spread"`` takes one rank every ``world_size / ep_size`` (across nodes).
     - ``all_to_all``: ``"flat"``, ``"hierarchical"`` (2-D: intra-node, then inter-node among the
-      same local rank) or ``"auto"`` (hierarchical when a group spans > 1 node with > 1 rank each).
+      same local rank), ``"node_dedup"`` (each token crosses once to each node its experts are on,
+      then fans out inside the node: :mod:`moetrain.layers.node_dispatch`; pays with node-limited
+      routing) or ``"auto"`` (hierarchical when a group spans > 1 node with > 1 rank each; never
+      node_dedup).
     - ``comm_dtype``: ``None`` (send the payload as it is), ``"bf16"``, or ``"fp16"`` (with a
       per-row power-of-two scale so nothing overflows); gradients travel in the same precision.
     - ``local_world_size``: ranks per node; ``None`` reads ``LOCAL_WORLD_SIZE`` (torchrun) or
       ``SLURM_NTASKS_PER_NODE``; tests set it to emulate several nodes on one machine.
     - ``kernels``: the implementation of the all-to-all's chunk transpose and fp16 packing,
       ``"auto"``, ``"custom"`` or ``"torch"`` (as :class:`MoEConfig`'s ``kernels``).
+    - ``a2a_chunks``: each MoE layer splits its exchange into this many chunks and overlaps chunk
+      i + 1's all-to-all with chunk i's experts, forward and backward (1: no chunks, the plain
+      exchange -> experts -> exchange; results are bit-identical either way on the CPU). ``"auto"``:
+      the count the planner's alpha-beta model finds fastest for each layer call (agreed by the EP
+      group). The node-deduplicating exchange (``all_to_all: node_dedup``) is not chunked:
+      ``"auto"`` is 1 there, other counts are refused. See ``docs/expert_parallel.md``.
     - ``pp_size``: pipeline stages (outermost mesh dimension, ``world = pp x dp x ep x tp``); the
       layer stack the strategy marks ``pipeline`` is cut into ``pp_size`` (x ``pp_virtual``)
       stages (see :mod:`moetrain.pipeline`); 1: no pipeline.
@@ -243,7 +270,8 @@ class ParallelConfig:
     all_to_all: str = option(
         "auto",
         (
-            "'flat', 'hierarchical' (2-D: intra-node, then inter-node) or 'auto' "
+            "'flat', 'hierarchical' (2-D: intra-node, then inter-node), 'node_dedup' (a token "
+            "crosses once per node it reaches, then fans out inside it) or 'auto' "
             "(hierarchical when a group spans > 1 node with > 1 rank each)"
         ),
     )
@@ -254,6 +282,13 @@ class ParallelConfig:
         None, ("ranks per node; None: from the launcher (LOCAL_WORLD_SIZE, SLURM); set it to emulate nodes")
     )
     kernels: str = option("auto", ("all-to-all layout kernels: 'auto', 'custom' or 'torch' (as moe.kernels)"))
+    a2a_chunks: int | str = option(
+        1,
+        (
+            "chunks each MoE layer's all-to-all is split into, overlapped with the experts: an "
+            "integer >= 1 (1: no overlap) or 'auto' (the planner's model picks per layer call)"
+        ),
+    )
     tp_size: int = option(
         1, "ranks that split the 'split' layers of the strategy (tensor parallelism); they share their data"
     )
@@ -283,6 +318,8 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         require_int("ep_size", self.ep_size, 1)
+        if self.a2a_chunks != "auto":
+            require_int("a2a_chunks", self.a2a_chunks, 1, note="or 'auto'")
         require_int("tp_size", self.tp_size, 1)
         require_choice("replica", self.replica, REPLICA_MODES)
         require_bool("fsdp_cpu_offload", self.fsdp_cpu_offload)
@@ -295,6 +332,11 @@ class ParallelConfig:
             object.__setattr__(self, "strategy", validate_strategy("strategy", self.strategy))
         require_choice("ep_layout", self.ep_layout, EP_LAYOUTS)
         require_choice("all_to_all", self.all_to_all, ALL_TO_ALL_ALGORITHMS)
+        if self.all_to_all == "node_dedup" and self.a2a_chunks not in (1, "auto"):
+            raise ValueError(
+                f"a2a_chunks = {self.a2a_chunks!r} chunks the flat and hierarchical all-to-all only; with "
+                "all_to_all = 'node_dedup' use 1 or 'auto' (which is 1 there)"
+            )
         require_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
         if self.local_world_size is not None:
             require_int("local_world_size", self.local_world_size, 1)

@@ -85,7 +85,7 @@ class MoETransformerLM(nn.Module):
     initialisation (each layer's from :func:`~moetrain.layers.experts.derive_seed` of ``seed`` and
     its name), so a model built on ``meta`` and materialised has the CPU build's experts."""
 
-    def __init__(self, config: LMConfig, seed: int = 0):
+    def __init__(self, config: LMConfig, *, seed: int = 0):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)

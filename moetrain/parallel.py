@@ -17,7 +17,8 @@ one grid (all built here, never read from global state elsewhere):
   submesh): replicated parameters are averaged over it; each of its ranks reads its own data
   (``data_index`` of ``data_count = dp * ep`` streams).
 - ``intra_node_group`` / ``inter_node_group``: inside an EP group, its members on this node, and
-  its members with this node-local index on every node: the two stages of the 2-D all-to-all.
+  its members with this node-local index on every node: the two stages of the 2-D all-to-all
+  and of the node-deduplicating dispatch (``all_to_all="node_dedup"``).
 
 Ranks are numbered node-major (rank = node * local_world_size + local_rank), as torchrun and
 SLURM do, so an EP group's ranks sorted by number are also node-major.
@@ -45,6 +46,7 @@ import torch.distributed as dist
 from moetrain.config import ParallelConfig
 
 DEFAULT_MASTER_PORT = 29500
+NODE_GRID_ALGORITHMS = ("hierarchical", "node_dedup")  # need ep_node_grid and the two node subgroups
 
 
 def first_host(nodelist: str) -> str:
@@ -382,7 +384,7 @@ class ParallelContext:
             self.dense_group = dist.group.WORLD
         else:
             self.dense_group, _ = dist.new_subgroups_by_enumeration(groups["dense"], timeout=self.timeout)
-        if self.all_to_all == "hierarchical":
+        if self.all_to_all in NODE_GRID_ALGORITHMS:
             self._build_node_groups(groups["ep"])
 
     @classmethod
@@ -414,9 +416,9 @@ class ParallelContext:
         choice = self.config.all_to_all
         grid = self.ep_node_grid
         spans_nodes = grid is not None and grid[0] > 1 and grid[1] > 1
-        if choice == "hierarchical" and self.ep_size > 1 and grid is None:
+        if choice in NODE_GRID_ALGORITHMS and self.ep_size > 1 and grid is None:
             raise ValueError(
-                f"all_to_all = 'hierarchical' needs every expert-parallel group to hold the same number of "
+                f"all_to_all = {choice!r} needs every expert-parallel group to hold the same number of "
                 f"ranks on each of its nodes; ep_size = {self.ep_size}, layout = {self.config.ep_layout!r}, "
                 f"{self.num_nodes} nodes x {self.local_world_size} ranks do not"
             )
@@ -430,6 +432,13 @@ class ParallelContext:
         inter = [[g[m * per_node + l] for m in range(nodes)] for g in groups for l in range(per_node)]
         self.intra_node_group, _ = dist.new_subgroups_by_enumeration(intra, timeout=self.timeout)
         self.inter_node_group, _ = dist.new_subgroups_by_enumeration(inter, timeout=self.timeout)
+
+    @property
+    def ep_nodes(self) -> int | None:
+        """Nodes the expert-parallel group spans (1 without expert parallelism): its ranks are
+        node-major, so node m of the group holds the consecutive global experts of its ranks
+        ``m*L .. (m+1)*L - 1``. None when its nodes hold different numbers of its ranks."""
+        return None if self.ep_node_grid is None else self.ep_node_grid[0]
 
     def submesh(self, *dims: str):
         """The mesh restricted to ``dims`` (e.g. ``("dp", "ep")``); None without a mesh."""

@@ -57,6 +57,7 @@ from torch.utils.checkpoint import checkpoint
 from moetrain.layers import MoELayer
 from moetrain.layers.dispatch import AllToAllTokenDispatcher
 from moetrain.layers.experts import local_tensor
+from moetrain.layers.node_dispatch import NodeDedupTokenDispatcher
 from moetrain.validation import require_bool, require_int, require_number
 
 log = logging.getLogger(__name__)
@@ -357,13 +358,23 @@ class _SavedTensorRecorder:
 
 
 def moe_replay_bytes(
-    num_tokens: int, top_k: int, received_rows: int, returned_rows: int, d_model: int, itemsize: int
+    num_tokens: int,
+    top_k: int,
+    received_rows: int,
+    returned_rows: int,
+    d_model: int,
+    itemsize: int,
+    copy_rows: int = 0,
+    gate_bytes: int = 0,
 ) -> int:
     """Bytes one call of a MoELayer with ``set_recompute_replay(True)`` keeps until its recompute:
-    ``T*k*8`` (the int64 expert ids) ``+ (N_received + N_returned) * D * itemsize`` (the rows each
-    all-to-all delivered, in the experts' compute dtype; both 0 without expert parallelism). The
+    ``T*k*8`` (the int64 expert ids) ``+ (N_received + N_returned + copies) * D * itemsize`` (the
+    rows each all-to-all delivered, in the experts' compute dtype; 0 without expert parallelism)
+    ``+ gate_bytes``. ``copy_rows``, ``gate_bytes``: ``all_to_all="node_dedup"`` also records the
+    token copies it received and the partial rows it got back, and the gates it received. The
     dispatch plan in the record is not counted: the autograd graph holds it with or without replay."""
-    return num_tokens * top_k * 8 + (received_rows + returned_rows) * d_model * itemsize
+    rows = received_rows + returned_rows + copy_rows
+    return num_tokens * top_k * 8 + rows * d_model * itemsize + gate_bytes
 
 
 class _MoEReplayRecorder:
@@ -371,7 +382,8 @@ class _MoEReplayRecorder:
 
     ``N_received`` = rows the local experts computed; ``N_returned`` = slots of this rank's tokens
     kept by the capacity cut (``last_stats.kept_per_expert``); rows only count when the layer's
-    dispatcher communicates (:class:`AllToAllTokenDispatcher`)."""
+    dispatcher communicates (:class:`AllToAllTokenDispatcher`; :class:`NodeDedupTokenDispatcher`
+    records the rows of its round's four exchanges, ``last_round_rows``)."""
 
     def __init__(self, moe_layers: dict[str, MoELayer]):
         self.replay_bytes: dict[str, int] = dict.fromkeys(moe_layers, 0)
@@ -403,12 +415,20 @@ class _MoEReplayRecorder:
     def _layer_post(self, name):
         def hook(layer, args, output):
             call = self._pending.pop(name)
+            if "received" not in call:  # the chunked exchange computes the experts without the module
+                call["received"], call["d_model"], call["itemsize"] = layer.dispatcher.last_received
             communicates = isinstance(layer.dispatcher, AllToAllTokenDispatcher)
             received = call["received"] if communicates else 0
             returned = int(layer.last_stats.kept_per_expert.sum()) if communicates else 0
+            copies = gates = 0
+            if isinstance(layer.dispatcher, NodeDedupTokenDispatcher):
+                sent, copies_received, returned = layer.dispatcher.last_round_rows
+                received, copies = call["received"], sent + copies_received
+                gates = copies_received * layer.config.top_k * (8 if call["itemsize"] == 8 else 4)
             self.replay_bytes[name] += moe_replay_bytes(
-                call["tokens"], layer.config.top_k, received, returned, call["d_model"], call["itemsize"]
-            )
+                call["tokens"], layer.config.top_k, received, returned, call["d_model"], call["itemsize"],
+                copies, gates,
+            )  # fmt: skip
 
         return hook
 

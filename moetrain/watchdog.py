@@ -9,11 +9,11 @@ naming the ranks that are silent (no heartbeat for ``stall_s``: stopped or gone)
 earlier step or phase); when every rank is in the same place it only logs that they all wait there
 (a long phase, not a fault). Until it has found a silent rank it looks again every ``stall_s / 2``
 (a rank stopped just after this one started waiting is not yet silent at the first look), logging
-again only when the finding changes. A failing rank calls :meth:`Watchdog.look_now` before it writes
-its error line: a collective's timeout may come before the next periodic look. The finding is kept on the run's position
+again only when the finding changes. The finding is kept on the run's position
 (``RunPosition.stall``) while the rank stays stuck, so the error line of the collective's timeout
-names the cause (:func:`moetrain.failures.describe_failure`). Nothing is read while training makes
-progress.
+names the cause (:func:`moetrain.failures.describe_failure`); a failing rank calls
+:meth:`Watchdog.look_now` before it writes that line, as the timeout may come before the next
+periodic look. Nothing is read while training makes progress.
 
 Store traffic: one small ``set`` per rank every ``interval_s``; one ``multi_get`` of ``world`` keys
 per rank every ``stall_s / 2`` of a stall, until a silent rank is found.

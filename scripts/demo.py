@@ -8,7 +8,10 @@
    accuracy beside that of always answering the most frequent training caption, and each MoE
    layer's share of tokens per expert while captioning.
 
-Options: ``python scripts/demo.py --help`` (``--steps`` for a shorter or longer run).
+Options: ``python scripts/demo.py --help`` (``--steps`` for a shorter or longer run, ``--set
+KEY=VALUE`` to change the config for training and evaluation, ``--eval-limit`` to caption fewer
+held-out images). The evaluation routes as training did: with ``model.moe.max_nodes_per_token``
+set, each router is told the node count of the training run (``ranks / parallel.local_world_size``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "models" / "m6_moe" / "demo.yaml"
 
 
-def train(out_dir: Path, steps: int | None, ranks: int) -> None:
+def train(out_dir: Path, steps: int | None, ranks: int, overrides: list[str] = ()) -> None:
     """Runs `moetrain train` under torchrun; a fresh run each time (the dataset is kept)."""
     for stale in ("checkpoints", "metrics.jsonl"):
         path = out_dir / stale
@@ -55,30 +58,40 @@ def train(out_dir: Path, steps: int | None, ranks: int) -> None:
         "--set",
         f"parallel.ep_size={ranks}",
     ]
+    for override in overrides:
+        command += ["--set", override]
     if steps is not None:
         command += ["--set", f"steps={steps}", "--set", f"checkpoint_every={max(1, steps // 2)}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     subprocess.run(command, cwd=ROOT, env=env, check=True)
 
 
-def evaluate(out_dir: Path) -> None:
+def evaluate(out_dir: Path, overrides: list[str] = (), ranks: int = 2, limit: int | None = None) -> None:
     from m6_moe import M6Model, load_tokenizer
     from m6_moe.evaluate import evaluate_captioning
+    from moetrain import MoELayer
     from moetrain.checkpoint import load_checkpoint
     from moetrain.cli import build_train_config
     from moetrain.logs import configure_console
 
     configure_console("INFO")  # the captioning progress bar (a log record) on stderr
 
-    config = build_train_config(str(CONFIG), [f"out_dir={out_dir}"])
+    config = build_train_config(str(CONFIG), [f"out_dir={out_dir}", *overrides])
     torch.manual_seed(0)
     model = M6Model(config.model)
     loaded = load_checkpoint(out_dir / "checkpoints", model=model)
     model.eval()
+    if config.model.moe.max_nodes_per_token is not None:  # route as the training run's node layout did
+        nodes = ranks // (config.parallel.local_world_size or ranks)
+        for layer in model.modules():
+            if isinstance(layer, MoELayer):
+                layer.router.set_expert_nodes(nodes)
+        print(f"routing as in training: experts over {nodes} nodes, max_nodes_per_token "
+              f"{config.model.moe.max_nodes_per_token}")  # fmt: skip
     tokenizer = load_tokenizer(config.model.tokenizer)
     start = time.perf_counter()
     with torch.no_grad(), RoutingCounter(model) as routing:
-        result = evaluate_captioning(model, tokenizer, out_dir / "data", num_examples=12)
+        result = evaluate_captioning(model, tokenizer, out_dir / "data", limit=limit, num_examples=12)
     seconds = time.perf_counter() - start
 
     metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line]
@@ -94,6 +107,7 @@ def evaluate(out_dir: Path) -> None:
         print(f"{mark} {_pad(prediction, 34)} | {' / '.join(references)}")
     print(f"\ncaption accuracy (exact match, held-out): {result['accuracy']:.1%}")
     print(f"always the most frequent training caption: {result['baseline_accuracy']:.1%}")
+    print(f"token accuracy {result['token_accuracy']:.1%}, BLEU-4 {result['bleu4']:.1f}")
     attributes = ", ".join(f"{k} {v:.0%}" for k, v in result["attribute_accuracy"].items())
     print(f"per attribute: {attributes}")
     routing.print_table()
@@ -163,10 +177,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the config's)")
     parser.add_argument("--ranks", type=int, default=2, help="local ranks (ep_size = ranks)")
     parser.add_argument("--out-dir", default=str(ROOT / "runs" / "demo"))
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)"
+    )
+    parser.add_argument("--eval-limit", type=int, help="caption only the first N held-out images")
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
-    train(out_dir, args.steps, args.ranks)
-    evaluate(out_dir)
+    train(out_dir, args.steps, args.ranks, args.set)
+    evaluate(out_dir, args.set, args.ranks, args.eval_limit)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.config import MoEConfig
-from moetrain.layers import MoELayer
+from moetrain.layers import MoELayer, shard_experts
 from moetrain.lm import LMConfig, MoETransformerLM, describe_lm
 from moetrain.planner import ClusterSpec, PlanSettings, make_plan
 from moetrain.planner.hardware import GPU_PRESETS
@@ -205,7 +205,10 @@ def build(case: PeakCase, parallel=None) -> tuple[nn.Module, tuple, torch.Tensor
         )
         targets = torch.randint(0, config.vocab_size, (case.batch, target), generator=generator)
     else:
-        model = MoETransformerLM(lm_config(case), parallel)
+        model = MoETransformerLM(lm_config(case))
+        if parallel is not None:
+            for block in model.blocks:
+                shard_experts(block.ffn, parallel)
         inputs = (torch.randint(0, VOCAB, (case.batch, case.seq), generator=generator),)
         targets = torch.randint(0, VOCAB, (case.batch, case.seq), generator=generator)
     if case.layout == "bf16":

@@ -39,7 +39,8 @@ def test_look_now_names_a_silent_rank_once_this_rank_has_waited_stall_s():
         time.sleep(0.25)
         watchdog.look_now()
         assert position.stall is not None
-        assert position.stall.startswith("rank 1 stopped making progress at step 3, forward (last heard 5 s ago")
+        expected = "rank 1 stopped making progress at step 3, forward (last heard 5 s ago"
+        assert position.stall.startswith(expected)
     finally:
         watchdog.stop()
 

@@ -231,7 +231,7 @@ class M6Model(nn.Module):
         logits_BV = model.decode_step(cache, bos_B)  # then decode_step(cache, next_tokens_B) ...
     """
 
-    def __init__(self, config: M6Config, seed: int = 0):
+    def __init__(self, config: M6Config, *, seed: int = 0):
         super().__init__()
         self.config = config
         self.stem = PatchStem(config)

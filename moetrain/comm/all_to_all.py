@@ -17,6 +17,8 @@ M - 1 messages): L + M - 2 messages instead of P - 1, each inter-node message L 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -40,18 +42,51 @@ def transpose_chunks(x: torch.Tensor, sizes_AB: torch.Tensor, kernels: str = "au
     return kernel("transpose_chunks", x.device, kernels)(x.contiguous(), sizes_AB.contiguous())
 
 
+class Stage(NamedTuple):
+    """One all-to-all of a trip: the rows' chunks are first transposed by ``transpose_sizes`` (None:
+    taken as they are), then ``send[i]`` rows go to and ``recv[i]`` rows come from member i of
+    ``group``."""
+
+    transpose_sizes: torch.Tensor | None
+    send: list[int]
+    recv: list[int]
+    group: object
+
+
 class FlatAllToAllPlan:
+    """One ``all_to_all_single`` in the EP group. ``send_counts_PE`` / ``recv_counts_PE`` (rows to /
+    from each EP rank's local experts) are kept for the chunked exchange
+    (:mod:`moetrain.comm.overlap`)."""
+
+    stages = 1
+
     def __init__(
-        self, send_counts_P: torch.Tensor, recv_counts_P: torch.Tensor, group, kernels: str = "auto"
+        self, send_counts_PE: torch.Tensor, recv_counts_PE: torch.Tensor, group, kernels: str = "auto"
     ):
-        self.send = send_counts_P.tolist()
-        self.recv = recv_counts_P.tolist()
+        self.send_counts_PE, self.recv_counts_PE = send_counts_PE, recv_counts_PE
+        self.send = send_counts_PE.sum(1).tolist()
+        self.recv = recv_counts_PE.sum(1).tolist()
         self.group = group
         self.kernels = kernels
 
     @property
     def rows_sent(self) -> int:
         return sum(self.send)
+
+    @property
+    def rows_received(self) -> int:
+        return sum(self.recv)
+
+    def chunk(self, split) -> FlatAllToAllPlan:
+        """The plan of one chunk: ``split(counts)`` gives the chunk's share of every block."""
+        send, recv = split(self.send_counts_PE), split(self.recv_counts_PE)
+        return FlatAllToAllPlan(send, recv, self.group, self.kernels)
+
+    def steps(self, forward_direction: bool) -> tuple[list[Stage], torch.Tensor | None]:
+        """The trip as stages, and the chunk sizes of a last transpose (None: none)."""
+        if forward_direction:
+            return [Stage(None, self.send, self.recv, self.group)], None
+        return [Stage(None, self.recv, self.send, self.group)], None
 
     def exchange(self, x: torch.Tensor) -> torch.Tensor:
         return _all_to_all(x, self.send, self.recv, self.group)
@@ -63,28 +98,71 @@ class FlatAllToAllPlan:
 class HierarchicalAllToAllPlan:
     """Stage sizes: ``send_ML[m', l']`` rows to each destination; after the intra-node stage this
     rank holds ``stage1_LM[l, m']`` rows from local source l for destination node m'; after the
-    inter-node stage, ``stage2_ML[m, l]`` rows from source rank (m, l)."""
+    inter-node stage, ``stage2_ML[m, l]`` rows from source rank (m, l). Each is the sum over experts
+    of a per-expert tensor (``send_MLE``, ``stage1_LME``, ``stage2_MLE``) whose every entry is one
+    block of rows from one rank to one expert; those are kept for the chunked exchange."""
+
+    stages = 2
 
     def __init__(
         self,
-        send_ML: torch.Tensor,
-        stage1_LM: torch.Tensor,
-        stage2_ML: torch.Tensor,
+        send_MLE: torch.Tensor,
+        stage1_LME: torch.Tensor,
+        stage2_MLE: torch.Tensor,
         intra,
         inter,
         kernels: str = "auto",
     ):
-        self.send_ML, self.stage1_LM, self.stage2_ML = send_ML, stage1_LM, stage2_ML
+        self.send_MLE, self.stage1_LME, self.stage2_MLE = send_MLE, stage1_LME, stage2_MLE
+        self.send_ML, self.stage1_LM = send_MLE.sum(-1), stage1_LME.sum(-1)
+        self.stage2_ML = stage2_MLE.sum(-1)
         self.intra, self.inter = intra, inter
         self.kernels = kernels
-        self.intra_send = send_ML.sum(0).tolist()  # to local rank l'
-        self.intra_recv = stage1_LM.sum(1).tolist()  # from local rank l
-        self.inter_send = stage1_LM.sum(0).tolist()  # to node m'
-        self.inter_recv = stage2_ML.sum(1).tolist()  # from node m
+        self.intra_send = self.send_ML.sum(0).tolist()  # to local rank l'
+        self.intra_recv = self.stage1_LM.sum(1).tolist()  # from local rank l
+        self.inter_send = self.stage1_LM.sum(0).tolist()  # to node m'
+        self.inter_recv = self.stage2_ML.sum(1).tolist()  # from node m
 
     @property
     def rows_sent(self) -> int:
         return sum(self.intra_send)
+
+    @property
+    def rows_received(self) -> int:
+        return sum(self.inter_recv)
+
+    @property
+    def send_counts_PE(self) -> torch.Tensor:
+        return self.send_MLE.reshape(-1, self.send_MLE.shape[-1])
+
+    @property
+    def recv_counts_PE(self) -> torch.Tensor:
+        return self.stage2_MLE.reshape(-1, self.stage2_MLE.shape[-1])
+
+    def chunk(self, split) -> HierarchicalAllToAllPlan:
+        """The plan of one chunk: ``split(counts)`` gives the chunk's share of every block (each
+        stage-1 block is a block the source split the same way)."""
+        return HierarchicalAllToAllPlan(
+            split(self.send_MLE),
+            split(self.stage1_LME),
+            split(self.stage2_MLE),
+            self.intra,
+            self.inter,
+            self.kernels,
+        )
+
+    def steps(self, forward_direction: bool) -> tuple[list[Stage], torch.Tensor | None]:
+        """Forward: [m'][l'] -> [l'][m'], intra-node stage, -> [m'][l], inter-node stage. Reverse: the
+        inter-node stage, -> [l][m'], intra-node stage, then a last transpose -> [m'][l']."""
+        if forward_direction:
+            return [
+                Stage(self.send_ML, self.intra_send, self.intra_recv, self.intra),
+                Stage(self.stage1_LM, self.inter_send, self.inter_recv, self.inter),
+            ], None
+        return [
+            Stage(None, self.inter_recv, self.inter_send, self.inter),
+            Stage(self.stage1_LM.t(), self.intra_recv, self.intra_send, self.intra),
+        ], self.send_ML.t()
 
     def exchange(self, x: torch.Tensor) -> torch.Tensor:
         x_LM = transpose_chunks(x, self.send_ML, self.kernels)  # [m'][l'] -> [l'][m']
@@ -108,34 +186,51 @@ def exchange_counts(
     ``recv_counts_PE[p, e]`` (rows from EP rank p for this rank's local expert e) and the plan.
     The counts travel by the same algorithm as the rows (one small message per stage).
     """
+    recv_counts_PE, plan, _ = exchange_counts_and_value(send_counts_PE, ctx, kernels, None)
+    return recv_counts_PE, plan
+
+
+def exchange_counts_and_value(
+    send_counts_PE: torch.Tensor, ctx, kernels: str = "auto", value: int | None = None
+) -> tuple[torch.Tensor, FlatAllToAllPlan | HierarchicalAllToAllPlan, torch.Tensor | None]:
+    """:func:`exchange_counts`, and ``value`` (an integer, or None) sent along with the counts to
+    every EP rank: the third result is the value of each EP rank ``[P]`` (None without one). Every
+    rank sends to every rank, so all ranks learn all values: a decision made from them (their
+    maximum, say) is the same on every rank, at the cost of one more integer per message."""
     send_counts_PE = send_counts_PE.to(torch.int64).contiguous()
     ranks, experts = send_counts_PE.shape
+    if value is not None:
+        column = torch.full((ranks, 1), int(value), dtype=torch.int64, device=send_counts_PE.device)
+        send_counts_PE = torch.cat([send_counts_PE, column], 1)
+    width = send_counts_PE.shape[1]
     if ctx.all_to_all == "flat":
-        recv_counts_PE = _all_to_all(
-            send_counts_PE.view(-1), [experts] * ranks, [experts] * ranks, ctx.ep_group
+        received_PE = _all_to_all(send_counts_PE.view(-1), [width] * ranks, [width] * ranks, ctx.ep_group)
+        received_PE = received_PE.view(ranks, width)
+        recv_counts_PE = received_PE[:, :experts].contiguous()
+        plan = FlatAllToAllPlan(
+            send_counts_PE[:, :experts].contiguous(), recv_counts_PE, ctx.ep_group, kernels
         )
-        recv_counts_PE = recv_counts_PE.view(ranks, experts)
-        plan = FlatAllToAllPlan(send_counts_PE.sum(1), recv_counts_PE.sum(1), ctx.ep_group, kernels)
-        return recv_counts_PE, plan
+        return recv_counts_PE, plan, None if value is None else received_PE[:, experts]
     nodes, per_node = ctx.ep_node_grid
-    send_MLE = send_counts_PE.view(nodes, per_node, experts)
+    send_MLE = send_counts_PE.view(nodes, per_node, width)
     stage1_send = send_MLE.transpose(0, 1).contiguous().view(-1)  # [l'][m'][e]
-    block = nodes * experts
+    block = nodes * width
     stage1_LME = _all_to_all(stage1_send, [block] * per_node, [block] * per_node, ctx.intra_node_group)
-    stage1_LME = stage1_LME.view(per_node, nodes, experts)
+    stage1_LME = stage1_LME.view(per_node, nodes, width)
     stage2_send = stage1_LME.transpose(0, 1).contiguous().view(-1)  # [m'][l][e]
-    block = per_node * experts
+    block = per_node * width
     stage2_MLE = _all_to_all(stage2_send, [block] * nodes, [block] * nodes, ctx.inter_node_group)
-    stage2_MLE = stage2_MLE.view(nodes, per_node, experts)
+    stage2_MLE = stage2_MLE.view(nodes, per_node, width)
     plan = HierarchicalAllToAllPlan(
-        send_MLE.sum(-1),
-        stage1_LME.sum(-1),
-        stage2_MLE.sum(-1),
+        send_MLE[..., :experts].contiguous(),
+        stage1_LME[..., :experts].contiguous(),
+        stage2_MLE[..., :experts].contiguous(),
         ctx.intra_node_group,
         ctx.inter_node_group,
         kernels,
     )
-    return stage2_MLE.reshape(ranks, experts), plan
+    values = None if value is None else stage2_MLE[..., experts].reshape(ranks)
+    return plan.recv_counts_PE, plan, values
 
 
 class _Exchange(torch.autograd.Function):

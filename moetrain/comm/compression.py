@@ -49,3 +49,12 @@ def decode_rows(
         unpack_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
         return unpack(wire.contiguous().view(torch.int16), unpack_dtype).to(dtype)
     return wire.to(dtype)
+
+
+def wire_row_bytes(width: int, dtype: torch.dtype, comm_dtype: str | None) -> int:
+    """Bytes one row of ``width`` values of ``dtype`` takes on the wire: as it is, 2 per value for a
+    bf16 wire, ``2 * (width + 1)`` for the scaled fp16 wire (its exponent column) unless the rows
+    are fp16 already."""
+    if comm_dtype is None or dtype == WIRE_DTYPES[comm_dtype]:
+        return width * dtype.itemsize
+    return 2 * (width + 1) if comm_dtype == "fp16" else 2 * width

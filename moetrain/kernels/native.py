@@ -166,25 +166,29 @@ def unpermute_weight_grad(
 def transpose_chunks(x: torch.Tensor, sizes_AB: torch.Tensor) -> torch.Tensor:
     """Rows stored as chunks ``[a][b]`` (``sizes[a, b]`` rows each) -> the same chunks in ``[b][a]``
     order, by one ``index_select`` whose source rows are computed on ``x``'s device (no host
-    synchronisation): output chunk ``(b, a)`` starts at ``dst_start`` and copies the rows of
-    source chunk ``(a, b)`` from ``src_start`` on."""
-    a_count, b_count = sizes_AB.shape
+    synchronisation, :func:`transpose_chunks_index`)."""
     rows = x.shape[0]
     if sizes_AB.device.type == "cpu" and not torch.compiler.is_compiling():
         if bool((sizes_AB < 0).any()):
             raise ValueError(f"sizes must be >= 0, got {sizes_AB.tolist()}")
         if int(sizes_AB.sum()) != rows:
             raise ValueError(f"sizes sum to {int(sizes_AB.sum())} but x has {rows} rows")
-    sizes = sizes_AB.to(device=x.device, dtype=torch.int64)
+    return x.index_select(0, transpose_chunks_index(sizes_AB, rows, x.device))
+
+
+def transpose_chunks_index(sizes_AB: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
+    """The source row of each output row of :func:`transpose_chunks` (int64 ``[rows]`` on ``device``):
+    output chunk ``(b, a)`` starts at ``dst_start`` and copies the rows of source chunk ``(a, b)``
+    from ``src_start`` on."""
+    a_count, b_count = sizes_AB.shape
+    sizes = sizes_AB.to(device=device, dtype=torch.int64)
     src_start_AB = (torch.cumsum(sizes.reshape(-1), 0) - sizes.reshape(-1)).view(a_count, b_count)
     sizes_BA = sizes.t().reshape(-1)
     src_start_BA = src_start_AB.t().reshape(-1)
     dst_start_BA = torch.cumsum(sizes_BA, 0) - sizes_BA
-    chunk_R = torch.repeat_interleave(
-        torch.arange(a_count * b_count, device=x.device), sizes_BA, output_size=rows
-    )
-    source_R = src_start_BA[chunk_R] + torch.arange(rows, device=x.device) - dst_start_BA[chunk_R]
-    return x.index_select(0, source_R)
+    chunks = torch.arange(a_count * b_count, device=device)
+    chunk_R = torch.repeat_interleave(chunks, sizes_BA, output_size=rows)
+    return src_start_BA[chunk_R] + torch.arange(rows, device=device) - dst_start_BA[chunk_R]
 
 
 def _powers_of_two(exponent_N: torch.Tensor) -> torch.Tensor:

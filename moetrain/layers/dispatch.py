@@ -24,12 +24,17 @@ from moetrain.comm.all_to_all import (
     all_to_all,
     all_to_all_reverse,
     exchange_counts,
+    exchange_counts_and_value,
     regroup_chunks,
     replay_all_to_all,
 )
+from moetrain.comm.buffers import comm_buffer_pool
+from moetrain.comm.chunking import unchunked_comm_bytes
+from moetrain.comm.compression import WIRE_DTYPES, wire_row_bytes
 from moetrain.kernels import kernel
 from moetrain.kernels.native import accumulate_dtype
 from moetrain.kernels.registration import most_kept_rows
+from moetrain.layers.overlap import ChunkedExchange, OverlapSettings, chunked_experts
 from moetrain.layers.replay import DispatchRecord, RoutingReplay
 
 
@@ -157,6 +162,17 @@ class LocalTokenDispatcher:
     def combine(self, y_ND: torch.Tensor, gates_TK: torch.Tensor, record: DispatchRecord) -> torch.Tensor:
         return unpermute_tokens(y_ND, gates_TK, record.plan, self.kernels)
 
+    def compute(
+        self, x_TD: torch.Tensor, plan: DispatchPlan, gates_TK: torch.Tensor, experts
+    ) -> torch.Tensor:
+        """dispatch -> ``experts(x_ND, rows_per_expert_E)`` -> combine: the layer's output ``y_TD``."""
+        x_ND, rows_per_expert_E, record = self.dispatch(x_TD, plan)
+        return self.combine(experts(x_ND, rows_per_expert_E), gates_TK, record)
+
+    def comm_peak_bytes(self) -> int:
+        """Bytes of communication buffers the last forward or backward held at once (none here)."""
+        return 0
+
 
 class AllToAllTokenDispatcher(LocalTokenDispatcher):
     """Expert-parallel dispatcher: permute into global-expert order (which is destination-rank
@@ -168,7 +184,9 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
     run eagerly (``torch.compiler.disable``): a compiled layer breaks its graph around the
     exchanges and nowhere else (the permutations are opaque operators either way). With recompute
     replay on, the round's record keeps the exchange plan and the received rows, and a recompute
-    replays them.
+    replays them. ``ParallelConfig.a2a_chunks`` other than 1: :meth:`compute` runs the exchange,
+    the experts and the return exchange as one chunked, overlapped pipeline
+    (:mod:`moetrain.layers.overlap`) instead of dispatch -> experts -> combine.
     """
 
     _runs_eagerly = False  # dispatch and combine wrapped by torch.compiler.disable yet?
@@ -180,11 +198,67 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         self.parallel = parallel
         self.comm_dtype = parallel.config.comm_dtype
         self.comm_kernels = parallel.config.kernels
+        self.a2a_chunks = parallel.config.a2a_chunks
+        self.last_chunks = 1  # the chunk count of the last forward
+        self.last_received = None  # the last chunked forward's received rows, D and element size
+        self._overlap: OverlapSettings | None = None  # the last chunked forward's settings
+        self._unchunked_bytes = 0
         cls = AllToAllTokenDispatcher
         if not cls._runs_eagerly:  # here, not at import: torch.compiler.disable imports torch._dynamo (~1 s)
             cls.dispatch = torch.compiler.disable(cls.dispatch)
             cls.combine = torch.compiler.disable(cls.combine)
+            cls._compute_chunked = torch.compiler.disable(cls._compute_chunked)
             cls._runs_eagerly = True
+
+    def compute(self, x_TD, plan, gates_TK, experts):
+        """With ``a2a_chunks`` other than 1 (eagerly, off ``meta``), the chunked exchange overlapped
+        with the experts (:mod:`moetrain.layers.overlap`); otherwise dispatch -> experts -> combine.
+        A compiled layer always takes the latter."""
+        if self.a2a_chunks == 1 or torch.compiler.is_compiling() or x_TD.device.type == "meta":
+            return super().compute(x_TD, plan, gates_TK, experts)
+        return self._compute_chunked(x_TD, plan, gates_TK, experts)
+
+    def comm_peak_bytes(self) -> int:
+        """Bytes of all-to-all buffers the last forward or backward held at once: measured in the
+        buffer pool for a chunked exchange (forward and backward, the larger), modelled for the
+        unchunked one (:func:`moetrain.comm.chunking.unchunked_comm_bytes` of its last exchange)."""
+        if self._overlap is not None:
+            return int(self._overlap.peak_bytes)
+        return int(self._unchunked_bytes)
+
+    def _compute_chunked(self, x_TD, plan, gates_TK, experts):
+        record = self.replay.current if self.replay is not None else None
+        recording = record is not None and not record.replayed
+        x_ND = permute_tokens(x_TD, plan, self.kernels)
+        if record is None or not record.replayed:
+            record = record if record is not None else DispatchRecord()
+            kept_PE = plan.kept_per_expert_E.view(self.parallel.ep_size, -1)
+            proposal = self._proposed_chunks(kept_PE, x_ND, experts) if self.a2a_chunks == "auto" else None
+            record.recv_counts_PE, record.a2a_plan, proposals = exchange_counts_and_value(
+                kept_PE, self.parallel, self.comm_kernels, proposal
+            )
+            record.chunks = self.a2a_chunks if proposals is None else int(proposals.max())
+        record.plan = plan
+        self.last_chunks = record.chunks
+        # (rows, D, bytes per element) the experts computed: the chunked path never calls the module
+        self.last_received = (record.a2a_plan.rows_received, x_ND.shape[1], x_ND.element_size())
+        w1, w2, b1, b2, buffers = experts.weights_for(x_ND.dtype)
+        self._overlap = OverlapSettings(
+            ChunkedExchange(record.a2a_plan, record.chunks),
+            self.comm_dtype,
+            experts.activation,
+            buffers,
+            comm_buffer_pool(),
+            record if (recording or record.replayed) else None,
+        )
+        y_ND = chunked_experts(x_ND[: record.a2a_plan.rows_sent], w1, w2, b1, b2, self._overlap)
+        return super().combine(y_ND, gates_TK, record)
+
+    def _proposed_chunks(self, kept_PE, x_ND, experts) -> int:
+        """This rank's choice for ``a2a_chunks="auto"`` (the EP group takes the largest)."""
+        from moetrain.planner.overlap import runtime_chunks
+
+        return runtime_chunks(self.parallel, int(kept_PE.sum()), x_ND, experts, self.comm_dtype)
 
     def dispatch(self, x_TD, plan):
         record = self.replay.current if self.replay is not None else None
@@ -199,6 +273,8 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
             record.recv_counts_PE, record.a2a_plan = counts_and_plan
             x_ND = x_ND[: record.a2a_plan.rows_sent]  # a padded plan's zero rows stay here
             received = all_to_all(x_ND, record.a2a_plan, self.comm_dtype)  # [source rank][local expert]
+            self._overlap = None
+            self._unchunked_bytes = self._modelled_bytes(record.a2a_plan, x_ND)
             if self.replay is not None and record is self.replay.current:
                 record.received_rows = received.detach()
         record.plan = plan
@@ -215,3 +291,12 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
             if self.replay is not None and record is self.replay.current:
                 record.returned_rows = y_ND.detach()
         return super().combine(y_ND, gates_TK, record)
+
+    def _modelled_bytes(self, plan, x_ND: torch.Tensor) -> int:
+        encoded = self.comm_dtype is not None and x_ND.dtype != WIRE_DTYPES[self.comm_dtype]
+        row_bytes = wire_row_bytes(x_ND.shape[1], x_ND.dtype, self.comm_dtype)
+        return int(
+            unchunked_comm_bytes(
+                plan.rows_sent * row_bytes, plan.rows_received * row_bytes, plan.stages, encoded
+            )
+        )

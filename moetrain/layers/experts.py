@@ -6,10 +6,12 @@ Legend: N routed rows in expert order, D model dim, F ffn hidden dim, E local ex
 multiplied, so skewed routing never pays for padding.
 
 Two paths, same math. Eager runs on CPU (and CUDA outside torch's grouped GEMM) read the row
-counts once and use the autograd functions here (in-place activation backward, reused gradient
-buffers: the speed of ``benchmarks/moe_layer.py``). Compiled graphs, the ``meta`` device and CUDA
-calls that torch's grouped GEMM takes use the operators of :mod:`moetrain.kernels.grouped_mm`,
-whose row counts stay a tensor.
+counts once and use the autograd function here over the row-stable phases of
+:mod:`moetrain.layers.expert_math` (in-place activation backward, reused gradient buffers: the speed
+of ``benchmarks/moe_layer.py``; each row's result independent of the other rows in the call, which
+the chunked all-to-all relies on). Compiled graphs, the ``meta`` device and CUDA calls that torch's
+grouped GEMM takes use the operators of :mod:`moetrain.kernels.grouped_mm`, whose row counts stay
+a tensor.
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ from torch import nn
 
 from moetrain._torch_compat import storage_use_count
 from moetrain.kernels.grouped_mm import uses_torch_grouped_mm
+from moetrain.layers.expert_math import (
+    ExpertActivations,
+    expert_forward,
+    expert_input_grad,
+    expert_weight_grads,
+    row_offsets,
+)
 
 
 class ReusableGradBuffer:
@@ -59,110 +68,39 @@ class ReusableGradBuffer:
         return self._buffer.view(like.shape)
 
 
-def _row_offsets(rows_per_expert: list[int]) -> list[int]:
-    offsets = [0]
-    for count in rows_per_expert:
-        offsets.append(offsets[-1] + count)
-    return offsets
-
-
-def _grouped_mm_into(
-    out: torch.Tensor, a: torch.Tensor, w_EIO: torch.Tensor, offsets: list[int], transpose_w: bool
-):
-    """``out[rows_e] = a[rows_e] @ w[e]`` (``w[e]^T`` when ``transpose_w``) for each expert e."""
-    for e in range(w_EIO.shape[0]):
-        start, end = offsets[e], offsets[e + 1]
-        if end > start:
-            torch.mm(a[start:end], w_EIO[e].t() if transpose_w else w_EIO[e], out=out[start:end])
-    return out
-
-
-def _grouped_weight_grad(grad_w: torch.Tensor, a: torch.Tensor, g: torch.Tensor, offsets: list[int]):
-    """``grad_w[e] = a[rows_e]^T @ g[rows_e]``; experts without rows get zeros."""
-    for e in range(grad_w.shape[0]):
-        start, end = offsets[e], offsets[e + 1]
-        if end > start:
-            torch.mm(a[start:end].t(), g[start:end], out=grad_w[e])
-        else:
-            grad_w[e].zero_()
-    return grad_w
-
-
-class _GroupedMatmul(torch.autograd.Function):
-    """``out[rows_e] = x[rows_e] @ w[e]`` for each expert e; backward computes
-    ``grad_x[rows_e] = grad[rows_e] @ w[e]^T`` and ``grad_w[e] = x[rows_e]^T @ grad[rows_e]`` straight
-    into the stacked gradient (no per-expert full-size zero tensors)."""
-
-    @staticmethod
-    def forward(ctx, x_NI, w_EIO, offsets: list[int], grad_buffer: ReusableGradBuffer) -> torch.Tensor:
-        ctx.save_for_backward(x_NI, w_EIO)
-        ctx.offsets = offsets
-        ctx.grad_buffer = grad_buffer
-        return _grouped_mm_into(x_NI.new_empty(x_NI.shape[0], w_EIO.shape[2]), x_NI, w_EIO, offsets, False)
-
-    @staticmethod
-    def backward(ctx, grad_NO: torch.Tensor):
-        x_NI, w_EIO = ctx.saved_tensors
-        grad_NO = grad_NO.contiguous()
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = _grouped_mm_into(torch.empty_like(x_NI), grad_NO, w_EIO, ctx.offsets, True)
-        if ctx.needs_input_grad[1]:
-            grad_w = _grouped_weight_grad(ctx.grad_buffer.get(w_EIO), x_NI, grad_NO, ctx.offsets)
-        return grad_x, grad_w, None, None
-
-
-def grouped_matmul(
-    x_NI: torch.Tensor,
-    w_EIO: torch.Tensor,
-    rows_per_expert: list[int],
-    grad_buffer: ReusableGradBuffer | None = None,
-) -> torch.Tensor:
-    """Per-expert GEMM over contiguous row blocks: ``out[rows_e] = x[rows_e] @ w[e]``.
-
-    ``grad_buffer`` (optional) provides reusable storage for the weight gradient."""
-    grad_buffer = grad_buffer if grad_buffer is not None else ReusableGradBuffer()
-    if sum(rows_per_expert) != x_NI.shape[0] or len(rows_per_expert) != w_EIO.shape[0]:
-        raise ValueError(
-            f"rows_per_expert {rows_per_expert} must have {w_EIO.shape[0]} entries summing to the "
-            f"{x_NI.shape[0]} rows of x"
-        )
-    return _GroupedMatmul.apply(x_NI.contiguous(), w_EIO, _row_offsets(rows_per_expert), grad_buffer)
-
-
 class _ExpertMLP(torch.autograd.Function):
-    """``y = act(x @ w1[e]) @ w2[e]`` over each expert's rows, for elementwise activations (relu,
-    gelu). Saves x, h = x @ w1, a = act(h), like autograd would; its backward writes the
-    activation's gradient into the buffer of ``grad_a`` in place (``aten.*_backward.grad_input``
-    with the output aliasing the input), sparing one [N, F] allocation per step."""
+    """``y = act(x @ w1[e] + b1[e]) @ w2[e] + b2[e]`` over each expert's rows (biases optional), with
+    the row-stable phases of :mod:`moetrain.layers.expert_math`. Saves x, h, act(h) (and silu(gate)
+    for SwiGLU), like autograd would; its backward writes the activation's gradient into the buffer
+    of ``grad_a`` in place, sparing one [N, F] allocation per step."""
 
     @staticmethod
-    def forward(ctx, x_ND, w1_EDF, w2_EFD, offsets, activation, grad_buffers):
-        h_NF = _grouped_mm_into(x_ND.new_empty(x_ND.shape[0], w1_EDF.shape[2]), x_ND, w1_EDF, offsets, False)
-        a_NF = torch.relu(h_NF) if activation == "relu" else torch.nn.functional.gelu(h_NF)
-        y_ND = _grouped_mm_into(x_ND.new_empty(x_ND.shape[0], w2_EFD.shape[2]), a_NF, w2_EFD, offsets, False)
-        ctx.save_for_backward(x_ND, w1_EDF, w2_EFD, h_NF, a_NF)
+    def forward(ctx, x_ND, w1_EDF, w2_EFD, b1_EF, b2_ED, offsets, activation, grad_buffers):
+        y_ND, saved = expert_forward(x_ND, w1_EDF, w2_EFD, b1_EF, b2_ED, offsets, activation)
+        ctx.save_for_backward(x_ND, w1_EDF, w2_EFD, saved.h_PF2, saved.a_PF, saved.s_PF)
         ctx.offsets, ctx.activation, ctx.grad_buffers = offsets, activation, grad_buffers
         return y_ND
 
     @staticmethod
     def backward(ctx, grad_y_ND):
-        x_ND, w1_EDF, w2_EFD, h_NF, a_NF = ctx.saved_tensors
-        offsets, buffers = ctx.offsets, ctx.grad_buffers
+        x_ND, w1_EDF, w2_EFD, h_PF2, a_PF, s_PF = ctx.saved_tensors
+        offsets, buffers, needs = ctx.offsets, ctx.grad_buffers, ctx.needs_input_grad
         grad_y_ND = grad_y_ND.contiguous()
-        grad_w1 = grad_w2 = grad_x = None
-        if ctx.needs_input_grad[2]:
-            grad_w2 = _grouped_weight_grad(buffers[1].get(w2_EFD), a_NF, grad_y_ND, offsets)
-        grad_NF = _grouped_mm_into(torch.empty_like(h_NF), grad_y_ND, w2_EFD, offsets, True)
-        if ctx.activation == "relu":
-            torch.ops.aten.threshold_backward.grad_input(grad_NF, h_NF, 0.0, grad_input=grad_NF)
-        else:
-            torch.ops.aten.gelu_backward.grad_input(grad_NF, h_NF, grad_input=grad_NF)
-        if ctx.needs_input_grad[1]:
-            grad_w1 = _grouped_weight_grad(buffers[0].get(w1_EDF), x_ND, grad_NF, offsets)
-        if ctx.needs_input_grad[0]:
-            grad_x = _grouped_mm_into(torch.empty_like(x_ND), grad_NF, w1_EDF, offsets, True)
-        return grad_x, grad_w1, grad_w2, None, None, None
+        saved = ExpertActivations(h_PF2, a_PF, s_PF)
+        grad_x, grad_h_PF2 = expert_input_grad(
+            grad_y_ND, saved, w1_EDF, w2_EFD, offsets, ctx.activation, needs[0]
+        )
+        grads = expert_weight_grads(
+            x_ND,
+            a_PF,
+            grad_y_ND,
+            grad_h_PF2,
+            offsets,
+            buffers[0].get(w1_EDF) if needs[1] else None,
+            buffers[1].get(w2_EFD) if needs[2] else None,
+            (needs[3], needs[4]),
+        )
+        return grad_x, *grads, None, None, None
 
 
 def apply_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -256,24 +194,28 @@ class GroupedExperts(nn.Module):
         """``x_ND`` rows in expert order, ``rows_per_expert_E`` (int64 ``[E]``) rows per expert ->
         ``y_ND``."""
         dtype = x_ND.dtype
-        w1, w2 = self.w1_EDF.to(dtype), self.w2_EFD.to(dtype)
-        if self.b1_EF is not None:
-            return self._forward_with_biases(x_ND.contiguous(), w1, w2, rows_per_expert_E)
+        w1, w2, b1, b2, buffers = self.weights_for(dtype)
         if (
             torch.compiler.is_compiling()
             or x_ND.device.type == "meta"
             or uses_torch_grouped_mm(x_ND, w1, transpose_w=False)
         ):
+            if b1 is not None:
+                return self._forward_with_biases(x_ND.contiguous(), w1, w2, rows_per_expert_E)
             return self._forward_by_operators(x_ND.contiguous(), w1, w2, rows_per_expert_E)
-        rows_per_expert = rows_per_expert_E.tolist()
-        # A fresh buffer (used once) is a plain allocation: the gradient of a cast copy is
-        # converted by autograd, so only the parameters' own gradients are worth keeping.
+        offsets = row_offsets(rows_per_expert_E.tolist())
+        return _ExpertMLP.apply(x_ND.contiguous(), w1, w2, b1, b2, offsets, self.activation, buffers)
+
+    def weights_for(self, dtype: torch.dtype):
+        """``(w1, w2, b1, b2, grad_buffers)`` for rows of ``dtype``: the weights cast to it (biases
+        None without ``bias``) and the reusable weight-gradient storage, which only the parameters'
+        own gradients use (the gradient of a cast copy is converted by autograd; a fresh buffer is a
+        plain allocation)."""
+        w1, w2 = self.w1_EDF.to(dtype), self.w2_EFD.to(dtype)
+        b1 = None if self.b1_EF is None else self.b1_EF.to(dtype)
+        b2 = None if self.b2_ED is None else self.b2_ED.to(dtype)
         buffers = self._grad_buffers if w1 is self.w1_EDF else (ReusableGradBuffer(), ReusableGradBuffer())
-        if self.activation in ("relu", "gelu"):
-            offsets = _row_offsets(rows_per_expert)
-            return _ExpertMLP.apply(x_ND.contiguous(), w1, w2, offsets, self.activation, buffers)
-        h_NF = grouped_matmul(x_ND, w1, rows_per_expert, buffers[0])
-        return grouped_matmul(apply_activation(h_NF, self.activation), w2, rows_per_expert, buffers[1])
+        return w1, w2, b1, b2, buffers
 
     def _forward_with_biases(self, x_ND, w1_EDF, w2_EFD, rows_per_expert_E) -> torch.Tensor:
         """The operator path plus each row's expert bias, gathered by the row's expert index."""

@@ -32,6 +32,7 @@ from moetrain.layers.dispatch import (
 )
 from moetrain.layers.experts import DenseFFN, GroupedExperts
 from moetrain.layers.losses import attach_aux_loss, load_balancing_loss, router_z_loss, sequence_balance_loss
+from moetrain.layers.node_dispatch import NodeDedupTokenDispatcher
 from moetrain.layers.precision import autocast_off, compute_dtype
 from moetrain.layers.replay import RoutingReplay, attach_to_graph, input_digest
 from moetrain.layers.router import RouterOutput, TopKRouter
@@ -143,6 +144,12 @@ class MoELayer(nn.Module):
         """Bytes held by the replay records of this layer's live graphs (0 without replay)."""
         return self.replay.nbytes()
 
+    def comm_peak_bytes(self) -> int:
+        """Bytes of all-to-all send and receive buffers the last forward or backward held at once
+        (0 without expert parallelism): measured in the buffer pool when ``a2a_chunks`` chunks the
+        exchange, modelled for the unchunked exchange (see ``docs/expert_parallel.md``)."""
+        return self.dispatcher.comm_peak_bytes()
+
     def capacity(self, num_tokens: int) -> int | None:
         cfg = self.config
         factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
@@ -189,9 +196,7 @@ class MoELayer(nn.Module):
         sequences = sequence_lengths if sequence_lengths is not None else sequences
         gates_TK = self._attach_losses(routing.gates_TK, routing, expert_ids_TK, plan, capacity, sequences)
         with autocast_off(x.device.type):
-            x_ND, rows_per_local_expert_E, record = self.dispatcher.dispatch(x_TD.to(dtype), plan)
-            y_ND = self.experts(x_ND, rows_per_local_expert_E)
-            y_TD = self.dispatcher.combine(y_ND, gates_TK, record)
+            y_TD = self.dispatcher.compute(x_TD.to(dtype), plan, gates_TK, self.experts)
             if self.shared_expert is not None:
                 y_TD = y_TD + self.shared_expert(x_TD.to(dtype))
 
@@ -278,19 +283,22 @@ class MoELayer(nn.Module):
 def shard_experts(layer: MoELayer, parallel) -> MoELayer:
     """Expert parallelism of one layer, in place: the layer keeps the global experts
     ``parallel.local_experts(E)`` (``[ep_rank * E / ep_size, (ep_rank + 1) * E / ep_size)``) and
-    exchanges tokens with its EP group (``AllToAllTokenDispatcher``, flat or hierarchical, with
-    ``parallel.config.comm_dtype`` on the wire). On a real device the weights are copies of the
-    full layer's slices (the full ones are freed); on ``meta`` the slice is a ``meta`` module
-    initialised, once materialised, with the same per-global-expert seeds. Returns the layer."""
+    exchanges tokens with its EP group (``AllToAllTokenDispatcher``, flat or hierarchical, or
+    ``NodeDedupTokenDispatcher``, with ``parallel.config.comm_dtype`` on the wire); node-limited
+    routing learns the nodes the experts are spread over (``parallel.ep_nodes``). On a real device
+    the weights are copies of the full layer's slices (the full ones are freed); on ``meta`` the
+    slice is a ``meta`` module initialised, once materialised, with the same per-global-expert
+    seeds. Returns the layer."""
     if layer.parallel is not None or layer.experts.num_experts != layer.config.num_experts:
         raise ValueError("shard_experts: the layer's experts are already sharded")
     local = parallel.local_experts(layer.config.num_experts)
+    # node-limited routing needs the node grid of the experts: the one place routing reads the layout
+    layer.router.set_expert_nodes(parallel.ep_nodes)
     layer.experts = layer.experts.slice_experts(local.start, local.stop)
     layer.parallel = parallel
     if parallel.ep_size > 1:
-        layer.dispatcher = AllToAllTokenDispatcher(
-            layer.config.num_experts, parallel, layer.config.kernels, layer.replay
-        )
+        kind = NodeDedupTokenDispatcher if parallel.all_to_all == "node_dedup" else AllToAllTokenDispatcher
+        layer.dispatcher = kind(layer.config.num_experts, parallel, layer.config.kernels, layer.replay)
     return layer
 
 

@@ -7,7 +7,8 @@ time, also inside a compiled graph: in a forward it records the decision (expert
 priority order for batch-prioritised routing) and returns it; in a forward that runs inside a
 backward pass (a recompute) it returns the recorded decision instead. Under expert parallelism the
 dispatcher adds the exchange plan and the rows each all-to-all delivered to the same
-:class:`DispatchRecord`.
+:class:`DispatchRecord` (the node-deduplicating dispatcher, whose round has four exchanges, keeps
+its plans in ``a2a_plan`` and its rows in ``exchanged``).
 
 Lifetime of a record. In eager mode the layer hangs the record on its output's autograd node, so
 it lives exactly as long as that forward's graph: a forward whose graph is dropped without
@@ -46,13 +47,15 @@ class DispatchRecord:
     a2a_plan: object = None
     received_rows: torch.Tensor | None = None
     returned_rows: torch.Tensor | None = None
+    exchanged: dict[str, torch.Tensor] = field(default_factory=dict)  # other dispatchers' recorded rows
     replayed: bool = False
+    chunks: int = 1  # of a chunked exchange (moetrain.layers.overlap): its replay uses the same
 
     def nbytes(self) -> int:
         """Bytes a replay record keeps beyond the autograd graph's own tensors: the decision and
         the all-to-all rows (the plan's index tensors are held by the graph with or without
         replay)."""
-        tensors = [*self.decision, self.received_rows, self.returned_rows]
+        tensors = [*self.decision, self.received_rows, self.returned_rows, *self.exchanged.values()]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 

@@ -1,12 +1,14 @@
 """Top-k router: token features -> routing probabilities, chosen experts and their gates.
 
-Legend: T tokens, D model dim, E experts, K choices per token, G prototype groups.
+Legend: T tokens, D model dim, E experts, K choices per token, G prototype groups; node-limited
+routing: N nodes the experts are spread over, e = E/N experts per node, M = ``max_nodes_per_token``.
 Router math runs in fp32 (fp64 for fp64 inputs), also under autocast, so every rank routes a
 token identically whatever the training precision.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +17,7 @@ from torch import nn
 
 from moetrain.config import MoEConfig
 from moetrain.layers.precision import autocast_off
+from moetrain.validation import require_int
 
 
 @dataclass
@@ -23,6 +26,55 @@ class RouterOutput:
     probs_TE: torch.Tensor
     expert_ids_TK: torch.Tensor
     gates_TK: torch.Tensor
+
+
+def node_limit_binds(top_k: int, nodes: int, max_nodes: int | None) -> bool:
+    """Whether ``max_nodes`` can change a token's choice: only when ``max_nodes < min(top_k, nodes)``
+    (K experts never span more than K nodes, and there are only ``nodes`` of them)."""
+    return max_nodes is not None and max_nodes < min(top_k, nodes)
+
+
+def check_expert_nodes(num_experts: int, top_k: int, nodes: int, max_nodes: int | None) -> None:
+    """ValueError unless ``nodes`` divides ``num_experts`` and, where the limit binds, the
+    ``max_nodes`` kept nodes hold at least ``top_k`` experts."""
+    require_int("expert nodes", nodes, 1, note=f"dividing num_experts = {num_experts}")
+    if num_experts % nodes:
+        raise ValueError(
+            f"expert nodes must be an integer >= 1 dividing num_experts = {num_experts}, got {nodes!r}"
+        )
+    if node_limit_binds(top_k, nodes, max_nodes) and max_nodes * (num_experts // nodes) < top_k:
+        raise ValueError(
+            f"max_nodes_per_token = {max_nodes}: {max_nodes} of the {nodes} nodes hold "
+            f"{max_nodes * (num_experts // nodes)} experts, fewer than top_k = {top_k}"
+        )
+
+
+def node_limited_top_k(choice_TE: torch.Tensor, top_k: int, nodes: int, max_nodes: int) -> torch.Tensor:
+    """``expert_ids_TK`` of node-limited routing (DeepSeek-V3, section 2.1.2: "each token will be
+    sent to at most M nodes, which are selected according to the sum of the highest K_r/M affinity
+    scores of the experts distributed on each node").
+
+    Node m holds the ``E/N`` consecutive experts ``[m*E/N, (m+1)*E/N)``. With ``n = ceil(K/M)``:
+
+    1. ``node_score[t, m] = sum of the n largest choice[t, e] over the experts e of node m``
+       (n = K/M when M divides K, as in the paper; rounded up otherwise, where Megatron's
+       group-limited routing rounds down);
+    2. the token keeps the M nodes of highest ``node_score`` (ties: the lower node index);
+    3. its K experts are those of highest ``choice`` among the kept nodes' ``M*E/N`` experts (ties:
+       the lower expert index), in descending order of ``choice``.
+
+    Both selections are stable sorts, so ties are broken the same way on every device.
+
+    ``choice_TE``: the scores the choice is made on (with aux-free biases when enabled). Needs
+    ``M * E/N >= K`` (:func:`check_expert_nodes`)."""
+    num_tokens, num_experts = choice_TE.shape
+    per_node = num_experts // nodes
+    choice_TNe = choice_TE.view(num_tokens, nodes, per_node)
+    node_score_TN = choice_TNe.topk(math.ceil(top_k / max_nodes), dim=-1).values.sum(dim=-1)
+    kept_TM = torch.sort(node_score_TN, dim=-1, descending=True, stable=True).indices[:, :max_nodes]
+    keep_TN = torch.zeros_like(node_score_TN, dtype=torch.bool).scatter_(1, kept_TM, True)
+    masked_TE = choice_TNe.masked_fill(~keep_TN.unsqueeze(-1), float("-inf")).view(num_tokens, num_experts)
+    return torch.sort(masked_TE, dim=-1, descending=True, stable=True).indices[:, :top_k]
 
 
 class TopKRouter(nn.Module):
@@ -39,6 +91,14 @@ class TopKRouter(nn.Module):
     ``rate * sign(mean load - load_e)`` (see :func:`moetrain.layers.update_score_biases`, called
     once per optimizer step with the counts summed over every rank that shares the router). The
     bias is a buffer: it is saved with the model and identical on every replica.
+
+    Node-limited routing (``max_nodes_per_token = M``): once :meth:`set_expert_nodes` has said over
+    how many nodes N the experts are spread, each token's K experts are chosen among those of its M
+    best nodes (:func:`node_limited_top_k`, on the same scores as the plain choice, biases
+    included; the gates stay the unbiased scores). When ``M >= min(K, N)`` the limit cannot bind
+    and routing is the plain top-k, bit for bit. Refused with ``num_prototypes > 1``
+    (:class:`~moetrain.config.MoEConfig`). A recompute that replays a recorded choice reuses its
+    expert ids, so it needs nothing here.
     """
 
     def __init__(self, config: MoEConfig):
@@ -52,7 +112,29 @@ class TopKRouter(nn.Module):
             )
         else:
             self.score_bias_E = self.load_E = None
+        self.expert_nodes: int | None = 1
+        self.limits_nodes = False
         self.reset_parameters()
+
+    def set_expert_nodes(self, nodes: int | None) -> None:
+        """The number of nodes N the experts are spread over, node m holding experts
+        ``[m*E/N, (m+1)*E/N)`` (how expert parallelism lays them out: see
+        :attr:`moetrain.ParallelContext.ep_nodes`); 1 (the default) is a single node. ``None``: the
+        layout has no regular node grid, which node-limited routing cannot use (ValueError when its
+        limit could bind). Not saved: it belongs to the run's layout, not to the model."""
+        cfg = self.config
+        if nodes is None:
+            if cfg.max_nodes_per_token is not None and cfg.max_nodes_per_token < cfg.top_k:
+                raise ValueError(
+                    "max_nodes_per_token needs every node to hold the same number of the expert-parallel "
+                    "group's ranks (ParallelContext.ep_node_grid); this layout does not: set "
+                    "max_nodes_per_token to None (or >= top_k) or use a regular layout"
+                )
+            self.expert_nodes, self.limits_nodes = None, False
+            return
+        check_expert_nodes(cfg.num_experts, cfg.top_k, nodes, cfg.max_nodes_per_token)
+        self.expert_nodes = nodes
+        self.limits_nodes = node_limit_binds(cfg.top_k, nodes, cfg.max_nodes_per_token)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -88,13 +170,20 @@ class TopKRouter(nn.Module):
                     choice_TE = (
                         probs_TE if self.score_bias_E is None else probs_TE + self.score_bias_E.to(dtype)
                     )
-                    top_index_TGk = (
-                        choice_TE.view(num_tokens, groups, per_group)
-                        .topk(cfg.top_k_per_prototype, dim=-1)
-                        .indices
-                    )
-                    group_offset_G1 = torch.arange(groups, device=x_TD.device).mul_(per_group).view(groups, 1)
-                    expert_ids_TK = (top_index_TGk + group_offset_G1).reshape(num_tokens, cfg.top_k)
+                    if self.limits_nodes:
+                        expert_ids_TK = node_limited_top_k(
+                            choice_TE, cfg.top_k, self.expert_nodes, cfg.max_nodes_per_token
+                        )
+                    else:
+                        top_index_TGk = (
+                            choice_TE.view(num_tokens, groups, per_group)
+                            .topk(cfg.top_k_per_prototype, dim=-1)
+                            .indices
+                        )
+                        group_offset_G1 = (
+                            torch.arange(groups, device=x_TD.device).mul_(per_group).view(groups, 1)
+                        )
+                        expert_ids_TK = (top_index_TGk + group_offset_G1).reshape(num_tokens, cfg.top_k)
             gates_TK = self.gates(probs_TE, expert_ids_TK)
         return RouterOutput(logits_TE, probs_TE, expert_ids_TK, gates_TK)
 

@@ -36,7 +36,8 @@ outside the layers: token ids (int64; m6 also text positions and segments), the 
 
 Recompute options per layer (as :func:`moetrain.recompute.default_candidates` makes them): a
 recomputed block keeps only its input (T*D*b) and, for a MoE FFN, its replay record
-``T*k*8 + (N_r + N_s)*D*b`` (rows only under EP, :func:`moetrain.recompute.moe_replay_bytes`).
+``T*k*8 + (N_r + N_s)*D*b`` (rows only under EP, :func:`moetrain.recompute.moe_replay_bytes`;
+node_dedup adds its token copies both ways and their gates).
 Its cost is its forward FLOPs once more. (m6: recomputed layers and attention blocks also keep the
 boolean prefix-LM mask, ``B*S*S`` bytes, one storage for all of them.)
 """
@@ -104,7 +105,9 @@ class Workload:
     rules apply (``"cuda"`` or ``"cpu"``), ``ep_size``, the capacity factor in force (None:
     dropless) and the row bound used for memory (``"capacity"`` or ``"balanced"``).
     ``target_len``: text tokens per sequence that get logits (m6 family; None: all ``seq_len``,
-    the captioning worst case); the ``moe_lm`` family predicts every position."""
+    the captioning worst case); the ``moe_lm`` family predicts every position. ``nodes_reached``:
+    with ``all_to_all="node_dedup"``, the nodes a token's kept slots reach (its replay records keep
+    the token copies too); None for the per-slot all-to-alls."""
 
     batch: int
     seq_len: int
@@ -114,6 +117,7 @@ class Workload:
     capacity_factor: float | None = None
     row_bound: str = "capacity"
     target_len: int | None = None
+    nodes_reached: float | None = None  # all_to_all "node_dedup": nodes a token's slots reach
 
     def __post_init__(self) -> None:
         if self.target_len is not None and not 1 <= self.target_len <= self.seq_len:
@@ -265,8 +269,24 @@ def dispatch_index_bytes(moe: MoEConfig, rows: MoERows, ep_size: int) -> int:
     return (rows.tokens * moe.top_k + rows.sent + 2 * experts + (experts if ep_size > 1 else 0)) * 8
 
 
-def replay_bytes(moe: MoEConfig, rows: MoERows, b: int, ep_size: int) -> int:
-    """The routing replay record of a recomputed MoELayer (see ``moe_replay_bytes``)."""
+def replay_bytes(
+    moe: MoEConfig, rows: MoERows, b: int, ep_size: int, nodes_reached: float | None = None
+) -> int:
+    """The routing replay record of a recomputed MoELayer (see ``moe_replay_bytes``); node_dedup
+    (``nodes_reached`` R) also keeps ``C = N_s*R/k`` copies received and as many partial rows back
+    (balanced routing), and the copies' fp32 gates, ``C*k*4``."""
+    if ep_size > 1 and nodes_reached is not None:
+        copies = math.ceil(rows.sent * nodes_reached / moe.top_k)
+        return moe_replay_bytes(
+            rows.tokens,
+            moe.top_k,
+            rows.received,
+            rows.sent,
+            moe.d_model,
+            b,
+            2 * copies,
+            copies * moe.top_k * 4,
+        )
     if ep_size > 1:
         return moe_replay_bytes(rows.tokens, moe.top_k, rows.received, rows.sent, moe.d_model, b)
     return moe_replay_bytes(rows.tokens, moe.top_k, 0, 0, moe.d_model, b)
@@ -321,7 +341,7 @@ def activation_model(arch: ModelArch, work: Workload) -> ActivationModel:
                 "ffn": moe_ffn_bytes(moe, rows_memory, b),
                 "dispatch_index": dispatch_index_bytes(moe, rows_memory, work.ep_size),
             }
-            replay = replay_bytes(moe, rows_memory, b, work.ep_size)
+            replay = replay_bytes(moe, rows_memory, b, work.ep_size, work.nodes_reached)
             forward_ffn = moe_forward_flops(moe, tokens, rows_time.received)
             rows, balanced = rows_memory, rows_time
         else:
@@ -386,7 +406,7 @@ def _generic_activation_model(arch: ModelArch, work: Workload) -> ActivationMode
             layer_input=tokens * moe.d_model * b,
             attn_input=0,
             ffn_input=tokens * moe.d_model * b,
-            replay=replay_bytes(moe, rows_memory, b, work.ep_size),
+            replay=replay_bytes(moe, rows_memory, b, work.ep_size, work.nodes_reached),
             attn_flops=0.0,
             ffn_flops=moe_forward_flops(moe, tokens, rows_time.received),
             rows=rows_memory,

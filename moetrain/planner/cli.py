@@ -37,6 +37,7 @@ import argparse
 import json
 from dataclasses import replace
 
+from moetrain.config import ALL_TO_ALL_ALGORITHMS
 from moetrain.planner.hardware import GPU_PRESETS, ClusterSpec, GiB, GPUSpec, cluster_preset, gbps_to_bytes
 from moetrain.planner.model import resolve_model
 from moetrain.planner.plan import make_plan
@@ -133,9 +134,18 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--recompute", choices=RECOMPUTE_MODES)
     plan.add_argument("--recompute-fraction", type=float)
     plan.add_argument("--recompute-budget-gib", type=float)
-    plan.add_argument("--all-to-all", choices=("auto", "flat", "hierarchical"))
+    plan.add_argument("--all-to-all", choices=ALL_TO_ALL_ALGORITHMS)
     plan.add_argument("--comm-dtype", choices=("bf16", "fp16"))
+    plan.add_argument(
+        "--a2a-chunks", help="chunks of the all-to-all overlapped with the experts: an integer >= 1 or 'auto'"
+    )
     plan.add_argument("--capacity-factor", type=float, help="0: dropless (default: the model's)")
+    plan.add_argument(
+        "--max-nodes-per-token",
+        type=int,
+        help="node-limited routing: a token's experts on at most this many nodes of the EP group; the plan "
+        "reports the nodes reached and inter-node bytes (0: no limit; default: the model's)",
+    )
     plan.add_argument("--efficiency", type=float, help="fraction of peak FLOP/s reached (default 0.4)")
     plan.add_argument(
         "--recommend",
@@ -171,6 +181,7 @@ def settings_from_args(args, defaults: dict) -> PlanSettings:
         "recompute_fraction": args.recompute_fraction,
         "all_to_all": args.all_to_all,
         "comm_dtype": args.comm_dtype,
+        "a2a_chunks": _chunks_arg(args.a2a_chunks),
         "compute_efficiency": args.efficiency,
         "memory_headroom": args.memory_headroom,
     }
@@ -183,9 +194,21 @@ def settings_from_args(args, defaults: dict) -> PlanSettings:
         values["async_checkpoint"] = False
     if args.capacity_factor is not None:
         values["capacity_factor"] = args.capacity_factor or None
+    if args.max_nodes_per_token is not None:
+        values["max_nodes_per_token"] = args.max_nodes_per_token or None
     if args.recompute_budget_gib is not None:
         values["recompute_budget_bytes"] = int(args.recompute_budget_gib * GiB)
     return PlanSettings(**values)
+
+
+def _chunks_arg(value: str | None):
+    """``--a2a-chunks``: None, ``"auto"`` or an integer (PlanSettings checks the range)."""
+    if value is None or value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"--a2a-chunks must be an integer >= 1 or 'auto', got {value!r}") from None
 
 
 def check_cluster_flags(args) -> None:

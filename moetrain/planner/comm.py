@@ -14,6 +14,16 @@ All-to-all, per exchange (bytes a rank sends to *other* ranks; its own share nev
   of the ``M - 1`` other nodes ``L * r`` rows: ``(L - 1) * M * r * w`` intra and
   ``(M - 1) * L * r * w`` inter, in ``L - 1`` and ``M - 1`` messages.
 
+- node_dedup (:mod:`moetrain.layers.node_dispatch`, not a per-slot exchange): per token, one copy
+  to each node it reaches (``R`` nodes, :func:`moetrain.planner.node_limit.nodes_reached_per_token`;
+  ``R (M - 1) / M`` of them other nodes) to the rank with the same local index, then its ``K`` slot
+  rows inside the node. Per MoE layer and micro-step, for T tokens of which a share ``kept`` of the
+  slots survives the capacity cut: inter-node ``T kept R (M - 1) / M (4 w + 12 K)`` bytes (rows out,
+  partial rows back, and both again in the backward: 4 trips of w; int32 slot ids out, fp32 gates
+  out and their gradients back: 12 K bytes) in ``6 (M - 1)`` messages (3 exchanges forward, 3
+  backward), intra-node ``4 T kept K (L - 1) / L w`` bytes in ``4 (L - 1)`` messages; counts: ``M -
+  1`` messages of 8 bytes across and ``L - 1`` of ``El * 8`` inside the node, once per forward.
+
 The per-expert counts travel the same way first (int64, ``El`` per peer; ``M * El`` per local peer
 and ``L * El`` per node for the 2-D algorithm), once per forward. Per MoE layer and micro-step:
 one count exchange and four row exchanges (dispatch and combine, forward and backward; a
@@ -34,7 +44,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from moetrain.parallel import grid_groups, node_grid, rank_grid
+from moetrain.parallel import NODE_GRID_ALGORITHMS, grid_groups, node_grid, rank_grid
 from moetrain.planner.hardware import ClusterSpec
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DistributedDataParallel's default bucket_cap_mb
@@ -77,13 +87,13 @@ def expert_groups(
 
 def choose_all_to_all(requested: str, ep_size: int, groups: list[list[int]], gpus_per_node: int) -> str:
     """The algorithm ParallelContext would pick: ``"auto"`` is hierarchical when every EP group has
-    the same grid spanning more than one node with more than one rank on each; ``"hierarchical"``
-    on an irregular grid raises ValueError."""
+    the same grid spanning more than one node with more than one rank on each (never node_dedup);
+    ``"hierarchical"`` or ``"node_dedup"`` on an irregular grid raises ValueError."""
     grids = {node_grid(g, gpus_per_node) for g in groups}
     grid = grids.pop() if len(grids) == 1 else None
-    if requested == "hierarchical" and ep_size > 1 and grid is None:
+    if requested in NODE_GRID_ALGORITHMS and ep_size > 1 and grid is None:
         raise ValueError(
-            f"all_to_all = 'hierarchical' needs every expert-parallel group to hold the same number of "
+            f"all_to_all = {requested!r} needs every expert-parallel group to hold the same number of "
             f"ranks on each of its nodes; ep_size = {ep_size} on nodes of {gpus_per_node} does not"
         )
     if requested == "auto":
@@ -173,6 +183,41 @@ def all_to_all_traffic(
         count_exchanges * c_m_inter,
         count_exchanges * alpha_beta_seconds(cluster, c_intra, c_inter, c_m_intra, c_m_inter),
     )
+    return rows, counts
+
+
+def node_dedup_traffic(
+    cluster: ClusterSpec,
+    layout: GroupLayout,
+    kept_slots: float,
+    top_k: int,
+    nodes_reached: float,
+    row_bytes: int,
+    local_experts: int,
+    rounds: int,
+) -> tuple[Traffic, Traffic]:
+    """(rows, counts) traffic of ``rounds`` MoE layer forward + backward passes with
+    ``all_to_all="node_dedup"`` on a grid ``layout``, ``kept_slots`` slots a rank routes per layer
+    (``T kept K``), ``nodes_reached`` nodes a token's kept slots reach (module docstring)."""
+    if layout.size == 1:
+        return Traffic("all_to_all", 0, 0.0, 0.0, 0, 0, 0.0), Traffic(
+            "all_to_all_counts", 0, 0.0, 0.0, 0, 0, 0.0
+        )
+    m, l = layout.nodes, layout.per_node
+    remote_copies = kept_slots / top_k * nodes_reached * (m - 1) / m
+    inter = rounds * remote_copies * (4 * row_bytes + 12 * top_k)
+    intra = rounds * 4 * kept_slots * (l - 1) / l * row_bytes
+    m_inter, m_intra = rounds * 6 * (m - 1), rounds * 4 * (l - 1)
+    rows = Traffic(
+        "all_to_all", rounds * 10, intra, inter, m_intra, m_inter,
+        alpha_beta_seconds(cluster, intra, inter, m_intra, m_inter),
+    )  # fmt: skip
+    c_intra, c_inter = rounds * (l - 1) * local_experts * 8, rounds * (m - 1) * 8
+    c_m_intra, c_m_inter = rounds * (l - 1), rounds * (m - 1)
+    counts = Traffic(
+        "all_to_all_counts", rounds * 2, c_intra, c_inter, c_m_intra, c_m_inter,
+        alpha_beta_seconds(cluster, c_intra, c_inter, c_m_intra, c_m_inter),
+    )  # fmt: skip
     return rows, counts
 
 

@@ -296,6 +296,7 @@ def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
             "all_to_all": train.parallel.all_to_all,
             "ep_layout": train.parallel.ep_layout,
             "comm_dtype": train.parallel.comm_dtype,
+            "a2a_chunks": train.parallel.a2a_chunks,
             "offload": train.optim.name == "offload",
             "offload_apply_groups": train.optim.num_apply_groups,
             "async_checkpoint": train.async_checkpoint,

@@ -30,8 +30,9 @@ the all-to-all buffers are checked against measured peaks on the CPU, tests/test
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
+from moetrain.comm.chunking import chunked_comm_bytes, hidden_seconds, unchunked_comm_bytes
 from moetrain.planner.activations import ActivationModel, Workload, activation_model, ceil_fraction
 from moetrain.planner.comm import (
     DDP_BUCKET_BYTES,
@@ -42,9 +43,12 @@ from moetrain.planner.comm import (
     choose_all_to_all,
     expert_groups,
     group_layout,
+    node_dedup_traffic,
 )
 from moetrain.planner.hardware import ClusterSpec
 from moetrain.planner.model import ModelDescription
+from moetrain.planner.node_limit import node_limit_figures, nodes_reached_per_token
+from moetrain.planner.overlap import layer_overlap_inputs, plan_chunks
 from moetrain.planner.peak import StepPeak, layer_working_bytes, loss_working_bytes, step_peak
 from moetrain.planner.pipeline import PipelinePlan, plan_pipeline
 from moetrain.planner.reserve import FRAGMENTATION, Communicator, reserve_terms
@@ -95,7 +99,10 @@ class Plan:
     activations kept), per node in
     ``host_memory``; traffic per rank per step in ``traffic``;
     seconds in ``time``; ``all_to_all_alternative``: rows and counts of the all-to-all algorithm not
-    chosen, for comparison (not in the step time). ``gpu_capacity``: the GPU's memory (bytes);
+    chosen, for comparison (not in the step time); ``node_limit``: with a ``max_nodes_per_token``,
+    the nodes a token's rows reach and the inter-node bytes with and without per-node
+    deduplication (:func:`moetrain.planner.node_limit.node_limit_figures`), else None.
+    ``gpu_capacity``: the GPU's memory (bytes);
     ``gpu_usable``: what a plan may fill, the capacity less ``settings.memory_headroom``. ``fits`` is
     True when the GPU total is within ``gpu_usable`` and the host total within ``host_capacity``;
     ``overflow`` names what does not, by how much and its largest term (e.g. ``"GPU memory: 37.06
@@ -127,6 +134,7 @@ class Plan:
     time: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     pipeline: PipelinePlan | None = None
+    node_limit: dict | None = None
 
     @property
     def gpu_total(self) -> int:
@@ -210,6 +218,7 @@ class Plan:
                 None if self.all_to_all_alternative is None else self.all_to_all_alternative.to_dict()
             ),
             "time": dict(self.time),
+            "node_limit": None if self.node_limit is None else dict(self.node_limit),
             "fits": self.fits,
             "overflow": self.overflow,
             "notes": list(self.notes),
@@ -358,8 +367,15 @@ def make_plan(
         choose_all_to_all(settings.all_to_all, ep, groups, cluster.gpus_per_node) if ep > 1 else "flat"
     )
     ep_layout = group_layout(groups[0], cluster.gpus_per_node)
+    max_nodes = (
+        arch.moe.max_nodes_per_token
+        if settings.max_nodes_per_token == MODEL_CAPACITY
+        else settings.max_nodes_per_token
+    )
     cf = resolve_capacity_factor(model, settings)
     work = workload(model, settings, kernels)
+    if algorithm == "node_dedup":
+        work = replace(work, nodes_reached=_nodes_reached(arch.moe, ep_layout.nodes, max_nodes))
     acts = activation_model(arch, work)
     moe_layers = [layer for layer in acts.layers if layer.is_moe]
     pipeline = None
@@ -382,18 +398,31 @@ def make_plan(
             f"can receive up to ep_size*T*k = {ep * acts.tokens * arch.moe.top_k} rows per layer"
         )
 
+    # ---- the all-to-all's chunks (overlap with the experts) and its buffers
+    chunks, overlap = 1, None
+    if moe_layers and ep > 1 and algorithm != "node_dedup":  # node_dedup is never chunked
+        balanced = moe_layers[0].balanced_rows.sent
+        overlap = layer_overlap_inputs(
+            cluster, ep_layout, algorithm, balanced, _wire_row_bytes(arch.d_model, b, settings.comm_dtype),
+            arch.d_model, arch.moe.d_ff, arch.moe.activation, flops_per_s,
+        )  # fmt: skip
+        chunks = plan_chunks(settings.a2a_chunks, *overlap)
+
     # ---- GPU memory
     gradient_bytes = per_rank * weight_b
     copies = per_rank * 2 if settings.autocast else 0  # autocast's low-precision weights: in the peak
     gpu = {
         "weights": per_rank * weight_b,
         "optimizer_states": 0 if settings.offload else per_rank * optimizer_b,
-        "all_to_all_buffers": _all_to_all_buffers(moe_layers, arch.d_model, b, ep, algorithm, settings),
+        "all_to_all_buffers": 0,  # below, once the chunk count is known
         # DDP's gradient buckets: a flat copy of the dense gradients, kept for the whole run
         "ddp_buckets": dense * weight_b if world > 1 else 0,
         "step_peak": 0,
         "reserved": 0,
     }
+    gpu["all_to_all_buffers"] = _all_to_all_buffers(
+        moe_layers, arch, b, ep, algorithm, settings, ep_layout.nodes, max_nodes, chunks
+    )
     communicators = plan_communicators(stage_world, ep, stage_world // ep, algorithm, ep_layout)
     modelled = cluster.gpu_reserved_bytes is None
     if modelled:
@@ -496,21 +525,44 @@ def make_plan(
     # ---- traffic per optimizer step
     traffic = []
     alternative = None
+    per_slot = ("flat", 0.0)  # a per-slot all-to-all (the chosen one, else the alternative), inter bytes
+    dedup_inter = None  # limit -> inter-node row bytes of node_dedup (a grid layout only)
     accum = settings.grad_accum
     if moe_layers and ep > 1:
         rows = moe_layers[0].rows
         balanced_rows = moe_layers[0].balanced_rows.sent
         row_bytes = _wire_row_bytes(arch.d_model, b, settings.comm_dtype)
         n = (pipeline.moe_layers if pipeline is not None else len(moe_layers)) * accum
-        a2a_rows, a2a_counts = all_to_all_traffic(
-            cluster, ep_layout, algorithm, balanced_rows / ep, row_bytes, arch.moe.num_experts // ep, 4 * n, n
-        )
-        traffic += [a2a_rows, a2a_counts]
-        other = "flat" if algorithm == "hierarchical" else "hierarchical"
-        if other == "flat" or (ep_layout.grid and ep_layout.nodes > 1 and ep_layout.per_node > 1):
-            alt_rows, alt_counts = all_to_all_traffic(
-                cluster, ep_layout, other, balanced_rows / ep, row_bytes, arch.moe.num_experts // ep, 4 * n, n
+        local_experts = arch.moe.num_experts // ep
+
+        def per_slot_traffic(name: str) -> tuple[Traffic, Traffic]:
+            return all_to_all_traffic(
+                cluster, ep_layout, name, balanced_rows / ep, row_bytes, local_experts, 4 * n, n
             )
+
+        def dedup(limit: int | None) -> tuple[Traffic, Traffic]:
+            reached = _nodes_reached(arch.moe, ep_layout.nodes, limit)
+            return node_dedup_traffic(
+                cluster, ep_layout, balanced_rows, arch.moe.top_k, reached, row_bytes, local_experts, n
+            )
+
+        if ep_layout.grid:
+
+            def dedup_inter(limit: int | None) -> float:
+                return dedup(limit)[0].inter_bytes
+
+        a2a_rows, a2a_counts = dedup(max_nodes) if algorithm == "node_dedup" else per_slot_traffic(algorithm)
+        traffic += [a2a_rows, a2a_counts]
+        two_d = ep_layout.grid and ep_layout.nodes > 1 and ep_layout.per_node > 1
+        if algorithm == "hierarchical":
+            other = "flat"
+        elif algorithm == "flat":
+            other = "hierarchical" if two_d else None
+        else:  # node_dedup: against the per-slot algorithm "auto" picks
+            other = "hierarchical" if two_d else "flat"
+        per_slot = (algorithm, a2a_rows.inter_bytes)
+        if other is not None:
+            alt_rows, alt_counts = per_slot_traffic(other)
             alternative = Traffic(
                 f"all_to_all_{other}",
                 alt_rows.calls + alt_counts.calls,
@@ -520,11 +572,16 @@ def make_plan(
                 alt_rows.inter_messages + alt_counts.inter_messages,
                 alt_rows.seconds + alt_counts.seconds,
             )
+            if algorithm == "node_dedup":
+                per_slot = (other, alt_rows.inter_bytes)
         if cf is not None and balanced_rows != rows.sent:
             notes.append(
                 f"all-to-all bytes assume balanced routing ({balanced_rows} rows sent per layer); "
                 f"at most {rows.sent} when every expert fills its capacity {rows.capacity}"
             )
+    node_limit = None
+    if moe_layers and max_nodes is not None:
+        node_limit = node_limit_figures(arch.moe, max_nodes, ep_layout, algorithm, per_slot, dedup_inter)
     dense_layout = group_layout(list(range(0, stage_world, tp)), cluster.gpus_per_node)  # same tp index
     traffic.append(
         all_reduce_traffic(cluster, "dp_all_reduce", dense_layout, dense * weight_b, DDP_BUCKET_BYTES)
@@ -549,6 +606,11 @@ def make_plan(
     compute = accum * 3 * forward / flops_per_s
     recompute_s = accum * recompute.extra_flops / flops_per_s
     a2a_s = sum(t.seconds for t in traffic if t.name.startswith("all_to_all"))
+    hidden_s = 0.0
+    if overlap is not None:  # per MoE layer and micro-step (see moetrain.planner.overlap)
+        cost, expert_s = overlap
+        layers_here = pipeline.moe_layers if pipeline is not None else len(moe_layers)
+        hidden_s = layers_here * accum * hidden_seconds(cost, expert_s, expert_s, expert_s, chunks)
     sync_s = sum(t.seconds for t in traffic if t.name.endswith("all_reduce") and t.name != "tp_all_reduce")
     tp_s = sum(t.seconds for t in traffic if t.name == "tp_all_reduce")
     if settings.offload:
@@ -567,13 +629,15 @@ def make_plan(
     if pipeline is not None:  # v*m + p - 1 slots of the slowest stage, its share idle
         compute, bubble_s, p2p_s = pipeline.compute_s, pipeline.bubble_s, pipeline.p2p_s
         useful /= pp
-    step = compute + recompute_s + a2a_s + sync_s + tp_s + optimizer_s + p2p_s
+    step = compute + recompute_s + a2a_s - hidden_s + sync_s + tp_s + optimizer_s + p2p_s
     streams = world // (tp * pp)  # a tensor-parallel group (a pipeline) reads one data stream
     tokens = streams * settings.micro_batch * (arch.image_tokens + settings.seq_len) * accum
     time = {
         "compute_s": compute,
         "recompute_s": recompute_s,
         "all_to_all_s": a2a_s,
+        "all_to_all_hidden_s": hidden_s,
+        "a2a_chunks": chunks,
         "grad_sync_s": sync_s,
         "tp_all_reduce_s": tp_s,
         "optimizer_s": optimizer_s,
@@ -618,13 +682,14 @@ def make_plan(
         time=time,
         notes=notes,
         pipeline=pipeline,
+        node_limit=node_limit,
     )
 
 
 def plan_communicators(world: int, ep: int, expert_dp: int, algorithm: str, ep_layout) -> list[Communicator]:
     """The NCCL communicators a rank creates and uses (see :class:`moetrain.ParallelContext`): the
     world (DDP's all-reduce), the expert-data-parallel group, the EP group and, for the 2-D
-    all-to-all, the EP group's members on this node and its peers on the other nodes."""
+    all-to-all and node_dedup, the EP group's members on this node and its peers on the other nodes."""
     communicators = []
     if world > 1:
         communicators.append(Communicator("world", "all_reduce", 0, 0))
@@ -632,7 +697,7 @@ def plan_communicators(world: int, ep: int, expert_dp: int, algorithm: str, ep_l
         communicators.append(Communicator("expert_dp", "all_reduce", 0, 0))
     if ep > 1:
         communicators.append(Communicator("ep", "all_to_all", ep_layout.intra_peers, ep_layout.inter_peers))
-    if ep > 1 and algorithm == "hierarchical":
+    if ep > 1 and algorithm in ("hierarchical", "node_dedup"):
         communicators.append(Communicator("ep_intra_node", "all_to_all", ep_layout.per_node - 1, 0))
         communicators.append(Communicator("ep_inter_node", "all_to_all", 0, ep_layout.nodes - 1))
     return communicators
@@ -644,17 +709,40 @@ def _wire_row_bytes(d_model: int, b: int, comm_dtype: str | None) -> int:
     return d_model * (b if comm_dtype is None else 2)
 
 
-def _all_to_all_buffers(moe_layers, d_model: int, b: int, ep: int, algorithm: str, settings) -> int:
-    """Transient rows of one MoE layer's exchange: the permuted rows ``N_s*D*b`` and the received
-    rows before regrouping ``N_r*D*b``; the 2-D algorithm adds its chunk transposes and stage buffer
-    (``3*N_s*D*b``) (both measured); a bf16/fp16 wire adds the encoded copies ``(N_s + N_r)*D*2``
-    (an estimate)."""
+def _nodes_reached(moe, nodes: int, max_nodes: int | None) -> float:
+    return nodes_reached_per_token(moe.num_experts, moe.top_k, nodes, moe.num_prototypes, max_nodes)
+
+
+def _all_to_all_buffers(
+    moe_layers,
+    arch,
+    b: int,
+    ep: int,
+    algorithm: str,
+    settings,
+    nodes: int,
+    max_nodes: int | None,
+    chunks: int = 1,
+) -> int:
+    """Transient bytes of one MoE layer's exchange (the rows a capacity allows at most): the permuted
+    rows it sends ``N_s*D*b`` (alive until the exchange returns), plus its wire buffers: unchunked,
+    :func:`~moetrain.comm.chunking.unchunked_comm_bytes` (received rows, the encoded rows sent with
+    a bf16/fp16 wire, the 2-D algorithm's stage copies); chunked,
+    :func:`~moetrain.comm.chunking.chunked_comm_bytes` (the pool's peak, which the layer reports),
+    ``min(2 * stages, n) * (S + R) / n``. node_dedup (never chunked) adds its copies sent and
+    received, ``2*N_s*R/K`` rows (R nodes reached per token; an estimate)."""
     if not moe_layers or ep == 1:
         return 0
     rows = moe_layers[0].rows
-    total = (rows.sent + rows.received) * d_model * b
-    if algorithm == "hierarchical":
-        total += 3 * rows.sent * d_model * b
-    if settings.comm_dtype is not None and b != 2:
-        total += (rows.sent + rows.received) * d_model * 2
+    row_bytes = _wire_row_bytes(arch.d_model, b, settings.comm_dtype)
+    permuted = rows.sent * arch.d_model * b
+    sent, received = rows.sent * row_bytes, rows.received * row_bytes
+    stages = 2 if algorithm == "hierarchical" else 1
+    if chunks > 1:
+        return permuted + math.ceil(chunked_comm_bytes(sent, received, stages, chunks))
+    encoded = settings.comm_dtype is not None and b != 2
+    total = permuted + math.ceil(unchunked_comm_bytes(sent, received, stages, encoded))
+    if algorithm == "node_dedup":
+        copies = rows.sent * _nodes_reached(arch.moe, nodes, max_nodes) / arch.moe.top_k
+        total += math.ceil(2 * copies) * row_bytes
     return total

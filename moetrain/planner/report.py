@@ -60,9 +60,17 @@ def describe_settings(plan) -> str:
         f"{layout}, "
         f"micro-batch {s.micro_batch} x {seq}, grad_accum {s.grad_accum}, {precision}, "
         f"offload {'on' if s.offload else 'off'}, recompute {s.recompute}, "
-        f"all-to-all {plan.all_to_all}, {cf}, "
+        f"all-to-all {plan.all_to_all}{_chunks(plan)}, {cf}, "
         f"compute efficiency {s.compute_efficiency:g}"
     )
+
+
+def _chunks(plan) -> str:
+    """`` in 4 chunks (auto)`` when the all-to-all is chunked (or chunks were asked for)."""
+    chunks, asked = plan.time.get("a2a_chunks", 1), plan.settings.a2a_chunks
+    if chunks == 1 and asked in (1, "auto"):
+        return ""
+    return f" in {chunks} chunks" + (" (auto)" if asked == "auto" else "")
 
 
 def recompute_summary(plan) -> str:
@@ -142,6 +150,41 @@ def gpu_total_line(plan) -> str:
     )
 
 
+def node_limit_lines(plan) -> list[str]:
+    """With ``max_nodes_per_token``: the nodes a token's rows reach, the inter-node row bytes of a
+    per-slot all-to-all (unchanged by the limit) and of node_dedup (which the limit reduces)."""
+    nl = plan.node_limit
+    if nl is None:
+        return []
+    m, k, n = nl["max_nodes_per_token"], nl["rows_per_token"], nl["ep_nodes"]
+    unlimited = nl["nodes_reached_per_token_unlimited"]
+    if nl["binds"]:
+        reach = f"{nl['nodes_reached_per_token']:.2f}" if nl["exact"] else f"at most {m}"
+        head = f"a token's {k} rows reach {reach} nodes ({unlimited:.2f} without the limit)"
+    else:
+        head = f"no effect (top_k {k}: a token's rows reach {unlimited:.2f} nodes, never more than {k})"
+    used = nl["all_to_all"]
+    per_slot = nl["per_slot_all_to_all"]
+    share = 100 * nl["cross_node_row_share"]
+    lines = [
+        "",
+        f"node-limited routing, max_nodes_per_token {m}, EP group over {n} node{'s' * (n > 1)}: {head}",
+        "  inter-node all-to-all bytes per GPU per step:",
+        f"    {per_slot} (one row per routed slot; {share:.1f}% of the rows cross nodes, limit or not): "
+        f"{_bytes(nl['per_slot_inter_node_bytes'])}{', used' if used != 'node_dedup' else ''}",
+    ]
+    dedup = nl["node_dedup_inter_node_bytes"]
+    if dedup is None:
+        lines.append("    node_dedup (one copy per token and node reached): needs a regular node grid")
+    else:
+        lines.append(
+            f"    node_dedup (one copy per token and node reached): {_bytes(dedup)} "
+            f"({_bytes(nl['node_dedup_inter_node_bytes_unlimited'])} without the limit)"
+            f"{', used' if used == 'node_dedup' else ''}"
+        )
+    return lines
+
+
 def format_plan(plan) -> str:
     """Header, GPU memory, host memory, traffic and time tables, notes."""
     p = plan.params
@@ -193,13 +236,18 @@ def format_plan(plan) -> str:
             f"  {name:<26} {alt.calls:>7} {_bytes(alt.intra_bytes):>12} {_bytes(alt.inter_bytes):>12} "
             f"{alt.intra_messages + alt.inter_messages:>9} {alt.seconds * 1e3:>9.1f}"
         )
+    lines += node_limit_lines(plan)
     tm = plan.time
+    hidden = tm.get("all_to_all_hidden_s", 0.0)
+    overlap = (
+        f" - {hidden * 1e3:.1f} ms hidden behind the experts ({tm['a2a_chunks']} chunks)" if hidden else ""
+    )
     lines += [
         "",
-        "time per step (not overlapped)",
+        "time per step (only the chunked all-to-all overlaps; DDP's overlap with backward is not counted)",
         f"  compute {tm['compute_s'] * 1e3:.1f} ms + recompute {tm['recompute_s'] * 1e3:.1f} ms + all-to-all "
-        f"{tm['all_to_all_s'] * 1e3:.1f} ms + gradient sync {tm['grad_sync_s'] * 1e3:.1f} ms + optimizer "
-        f"{tm['optimizer_s'] * 1e3:.1f} ms = {tm['step_s'] * 1e3:.1f} ms",
+        f"{tm['all_to_all_s'] * 1e3:.1f} ms{overlap} + gradient sync {tm['grad_sync_s'] * 1e3:.1f} ms + "
+        f"optimizer {tm['optimizer_s'] * 1e3:.1f} ms = {tm['step_s'] * 1e3:.1f} ms",
         f"  {tm['tokens_per_step']:,} tokens per step, {tm['tokens_per_s']:,.0f} tokens/s, "
         f"{tm['samples_per_s']:,.1f} samples/s, "
         f"model FLOPs utilization {100 * tm['model_flops_utilization']:.1f}%",

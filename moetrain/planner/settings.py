@@ -41,9 +41,14 @@ class PlanSettings:
       ``recompute_budget_bytes``, as :func:`moetrain.recompute.solve_recompute` picks); ``"auto"``:
       the budget is what the GPU has left after every other term (nothing recomputed if the
       activations already fit).
-    - ``all_to_all``, ``ep_layout``, ``comm_dtype``: as in :class:`moetrain.ParallelConfig`.
+    - ``all_to_all``, ``ep_layout``, ``comm_dtype``, ``a2a_chunks``: as in
+      :class:`moetrain.ParallelConfig` (``a2a_chunks="auto"``: the count with the least modelled
+      time, :mod:`moetrain.planner.overlap`).
     - ``capacity_factor``: ``"model"`` (the model config's training value), a number, or ``None`` /
       ``0`` (dropless); ``min_capacity`` comes from the model config.
+    - ``max_nodes_per_token``: node-limited routing, ``"model"`` (the model config's
+      ``moe.max_nodes_per_token``), an integer >= 1 or ``None`` (no limit); the plan then reports
+      what it changes (:mod:`moetrain.planner.node_limit`).
     - ``compute_efficiency``: fraction of the GPU's peak FLOP/s the model's matmuls reach (0, 1].
     - ``memory_headroom``: fraction of each GPU's memory the plan keeps free, in [0, 1) (default
       0.10). A plan fits only if its total is at most the usable memory, ``memory_bytes * (1 -
@@ -80,7 +85,9 @@ class PlanSettings:
     all_to_all: str = "auto"
     ep_layout: str = "packed"
     comm_dtype: str | None = None
+    a2a_chunks: int | str = 1
     capacity_factor: float | str | None = MODEL_CAPACITY
+    max_nodes_per_token: int | str | None = MODEL_CAPACITY
     compute_efficiency: float = 0.4
     memory_headroom: float = DEFAULT_MEMORY_HEADROOM
     async_checkpoint: bool = True
@@ -151,10 +158,21 @@ class PlanSettings:
         require_choice("all_to_all", self.all_to_all, ALL_TO_ALL_ALGORITHMS)
         require_choice("ep_layout", self.ep_layout, EP_LAYOUTS)
         require_choice("comm_dtype", self.comm_dtype, COMM_DTYPES)
+        if self.a2a_chunks != "auto":
+            require_int("a2a_chunks", self.a2a_chunks, 1, note="or 'auto'")
+        if self.all_to_all == "node_dedup" and self.a2a_chunks not in (1, "auto"):
+            raise ValueError(
+                f"a2a_chunks = {self.a2a_chunks!r} chunks the flat and hierarchical all-to-all only; with "
+                "all_to_all = 'node_dedup' use 1 or 'auto' (which is 1 there)"
+            )
         cf = self.capacity_factor
         if not (cf is None or cf == MODEL_CAPACITY or (is_finite_number(cf) and cf >= 0)):
             raise ValueError(
                 f"capacity_factor must be 'model', a finite number >= 0, or None (dropless), got {cf!r}"
+            )
+        if self.max_nodes_per_token not in (None, MODEL_CAPACITY):
+            require_int(
+                "max_nodes_per_token", self.max_nodes_per_token, 1, note="or 'model'", allow_none=True
             )
         require_number("compute_efficiency", self.compute_efficiency, low=0, high=1, low_open=True)
         require_number(

@@ -1,0 +1,283 @@
+"""Node-deduplicating expert-parallel dispatch (``ParallelConfig.all_to_all = "node_dedup"``).
+
+A token crosses to each node its kept experts are on **once**, however many of its experts live
+there, and fans out to them inside the node; on the way back the node sums its experts' outputs,
+weighted by their gates, into one partial row per token, which crosses once and is added at the
+source. This is DeepSeek-V3's dispatch (its section 3.2.2: a token goes over IB to the GPU with the
+same in-node index on each target node, then over NVLink to its experts there); with node-limited
+routing (``max_nodes_per_token = M``) a token crosses to at most M nodes (M - 1 other than its own
+at best), instead of sending one row per routed slot as the flat and hierarchical all-to-alls do.
+
+Legend: the EP group is a grid of M nodes x L ranks (``ParallelContext.ep_node_grid``; EP rank
+``p = m*L + l``), El experts per rank, En = L*El per node (node m holds experts
+``[m*En, (m+1)*En)``, local rank l' of it the El after ``l'*El`` of those); T tokens on this
+rank, K choices; C copies this rank sends, one per (token, node one of its kept slots is on); R
+copies it receives; N rows of its node's slots it keeps for the node; D model dim.
+
+One round at rank (m, l):
+
+1. copies (``copy_plan``, a :class:`~moetrain.layers.dispatch.DispatchPlan` over the M nodes with
+   M slots per token): ``x_CD[c] = x_TD[t_c]`` for every pair (t, m') where token t has a slot
+   kept by the usual (source-side) capacity cut on node m', ordered [m'][t]; with each copy, the
+   node-local expert id of each of its K slots (-1: a slot on another node, or cut).
+2. inter-node exchange in ``inter_node_group`` (to rank (m', l)): counts, then the rows (in
+   ``comm_dtype``) and their ids (int32) in one message per node. The own node's copies stay on the
+   rank (``all_to_all_single`` to itself: no network).
+3. at (m', l): a dropless plan of the received copies' slots over the node's En experts
+   (``node_plan``: rows ordered by destination local rank, then expert) expands each copy into one
+   row per slot of this node.
+4. intra-node exchange in ``intra_node_group`` (counts, then rows), regrouped from [source][expert]
+   to [expert][source]: the rows the local experts compute.
+5. combine: regroup back, reverse intra-node exchange; the gates of every copy go to (m', l) (an
+   inter-node exchange of K floats per copy, in the gates' own dtype: :class:`MoELayer` hands the
+   gates to ``combine``, not to ``dispatch``), and the node sums each copy's slots weighted by their
+   gates: ``partial_RD[r] = sum_{j on this node} gate[r, j] * y[row(r, j)]`` (``unpermute`` on
+   ``node_plan``).
+6. reverse inter-node exchange of the partial rows.
+7. ``y_TD[t] = sum_{m' reached by t} partial[(t, m')]`` (``unpermute`` on ``copy_plan``, weights 1).
+
+Every step is a differentiable op (the permute/unpermute operators, the row exchanges of
+:mod:`moetrain.comm.all_to_all` on a flat plan of a subgroup), so autograd returns the gradients of
+the input, the gates (to the source's router) and the experts along the same paths.
+
+**Exactness.** The output sums the same terms ``gate * expert output`` as the flat algorithm, but
+in another order (per node, then over nodes), and each node's partial sum is rounded to the row
+dtype (and to ``comm_dtype`` on the wire) before the sum over nodes: outputs and gradients equal
+the flat algorithm within floating-point tolerance (fp32: ~1e-7 relative; fp64: ~1e-15), not bit
+for bit.
+
+**Recompute replay** is supported: a recorded round keeps its plans (``DispatchRecord.a2a_plan``,
+a :class:`NodeDedupRound`) and the rows each of its four forward exchanges delivered
+(``DispatchRecord.exchanged``); a recompute replays them without communicating and its backward
+communicates the gradients as usual.
+
+**Cost per round**, beside the flat algorithm's one row per kept slot: C copies (one per token
+and node reached) cross, plus 8K bytes of ids and gates per copy, and every slot row takes one
+intra-node hop ((L-1)/L of them leave the rank), as in the hierarchical all-to-all. Messages: one
+inter-node count exchange and three inter-node row exchanges (rows+ids, gates, partial rows) of
+M - 1 messages, one intra-node count exchange and two row exchanges of L - 1 messages, per forward;
+the backward sends the same rows again (no count exchange).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moetrain.comm.all_to_all import (
+    FlatAllToAllPlan,
+    all_to_all,
+    all_to_all_reverse,
+    regroup_chunks,
+    replay_all_to_all,
+)
+from moetrain.comm.compression import decode_rows, encode_rows
+from moetrain.kernels import kernel
+from moetrain.layers.dispatch import (
+    DispatchPlan,
+    LocalTokenDispatcher,
+    build_dispatch_plan,
+    permute_tokens,
+    unpermute_tokens,
+)
+from moetrain.layers.replay import DispatchRecord, RoutingReplay
+
+
+@dataclass(eq=False)
+class NodeDedupRound:
+    """The plans of one dispatch round at rank (m, l) (module docstring): ``copy_plan`` (tokens ->
+    copies [node][token]), ``inter_plan`` (copies to and from rank (m', l) of every node),
+    ``node_plan`` (received copies -> this node's slots, by destination local rank then expert),
+    ``intra_plan`` (slot rows to and from the node's ranks) and ``recv_counts_LE[l', e]``: rows
+    from local rank l' for local expert e."""
+
+    node: int
+    copy_plan: DispatchPlan
+    inter_plan: FlatAllToAllPlan
+    node_plan: DispatchPlan
+    intra_plan: FlatAllToAllPlan
+    recv_counts_LE: torch.Tensor
+
+    @property
+    def copies_per_node(self) -> list[int]:
+        """Copies this rank sends to each node ``[M]`` (its own node's stay on the rank)."""
+        return list(self.inter_plan.send)
+
+    @property
+    def cross_node_copies(self) -> int:
+        """Copies this rank sends to other nodes: its token rows that cross nodes, each way."""
+        return sum(n for m, n in enumerate(self.inter_plan.send) if m != self.node)
+
+
+def plan_of_real_slots(ids_TK: torch.Tensor, experts: int, kernels: str = "auto") -> DispatchPlan:
+    """Dropless :class:`DispatchPlan` of the slots with ``ids_TK < experts``; slots whose id is the
+    spare value ``experts`` go nowhere (``row_of_slot`` -1, as a cut slot). One counting sort over
+    ``experts + 1`` experts whose last one (the spare's rows, at the end of the order) is cut off."""
+    full = build_dispatch_plan(ids_TK, experts + 1, None, None, kernels)
+    kept_E = full.kept_per_expert_E[:experts]
+    rows = int(kept_E.sum())
+    row_of_slot_TK = torch.where(ids_TK < experts, full.row_of_slot_TK, -1)
+    return DispatchPlan(row_of_slot_TK, full.slot_of_row_N[:rows], kept_E, full.routed_per_expert_E[:experts])
+
+
+def expert_of_slots(plan: DispatchPlan) -> torch.Tensor:
+    """``expert_TK[t, j]``: the expert of slot (t, j) if the plan kept it, else ``E`` (the plan's
+    expert count): expert e owns rows ``[sum(kept[:e]), sum(kept[:e+1]))``."""
+    experts = plan.kept_per_expert_E.numel()
+    device = plan.row_of_slot_TK.device
+    expert_of_row_N = torch.repeat_interleave(torch.arange(experts, device=device), plan.kept_per_expert_E)
+    spare_N1 = torch.full((1,), experts, dtype=expert_of_row_N.dtype, device=device)
+    expert_of_row_N = torch.cat([expert_of_row_N, spare_N1])  # row -1 (a cut slot) reads the spare
+    return expert_of_row_N[plan.row_of_slot_TK]
+
+
+def copies_of_tokens(
+    plan: DispatchPlan, nodes: int, kernels: str = "auto"
+) -> tuple[DispatchPlan, torch.Tensor]:
+    """(``copy_plan``, ``ids_CK``) of step 1 (module docstring) from the source's dispatch plan over
+    ``E`` experts laid out node-major over ``nodes`` nodes. ``copy_plan`` has ``nodes`` slots per
+    token, slot (t, m') kept iff token t has a kept slot on node m'; its rows (the copies) are
+    ordered [m'][t], ``kept_per_expert_E`` counting them per node. ``ids_CK[c, j]``: the node-local
+    expert of slot j of copy c's token if that slot is kept and on copy c's node, else -1."""
+    tokens, _ = plan.row_of_slot_TK.shape
+    experts = plan.kept_per_expert_E.numel()
+    per_node = experts // nodes
+    device = plan.row_of_slot_TK.device
+    expert_TK = expert_of_slots(plan)
+    node_TK = expert_TK // per_node  # cut slots: `nodes`, the spare
+    reach_TN = torch.zeros(tokens, nodes + 1, dtype=torch.bool, device=device).scatter_(1, node_TK, True)
+    node_ids_TN = torch.where(reach_TN[:, :nodes], torch.arange(nodes, device=device), nodes)
+    copy_plan = plan_of_real_slots(node_ids_TN, nodes, kernels)
+    token_C, node_C = copy_plan.slot_of_row_N // nodes, copy_plan.slot_of_row_N % nodes
+    local_CK = expert_TK.index_select(0, token_C) - node_C.unsqueeze(1) * per_node
+    on_node_CK = node_TK.index_select(0, token_C) == node_C.unsqueeze(1)
+    return copy_plan, torch.where(on_node_CK, local_CK, -1)
+
+
+def exchange_counts_in(send_AE: torch.Tensor, group, kernels: str = "auto"):
+    """``send_AE[a, e]``: rows for expert (or bucket) e of member a of ``group`` -> (``recv_AE[a, e]``,
+    rows from member a for this rank's e; the flat row plan of that group)."""
+    send_AE = send_AE.to(torch.int64).contiguous()
+    recv_AE = torch.empty_like(send_AE)
+    dist.all_to_all_single(recv_AE, send_AE, group=group)
+    return recv_AE, FlatAllToAllPlan(send_AE, recv_AE, group, kernels)
+
+
+def _as_bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.uint8)  # [N, W] of s-byte elements -> [N, W*s]
+
+
+class _CopiesExchange(torch.autograd.Function):
+    """The inter-node exchange of step 2: rows (in ``comm_dtype``) and their int32 slot ids in one
+    message per peer; differentiable in the rows (the gradient takes the reverse trip, as
+    :func:`moetrain.comm.all_to_all.all_to_all`'s)."""
+
+    @staticmethod
+    def forward(ctx, x_CD: torch.Tensor, ids_CK: torch.Tensor, plan: FlatAllToAllPlan, comm_dtype):
+        ctx.plan, ctx.comm_dtype = plan, comm_dtype
+        wire_CW = encode_rows(x_CD, comm_dtype, plan.kernels)
+        packed = torch.cat([_as_bytes(wire_CW), _as_bytes(ids_CK.to(torch.int32))], dim=1)
+        split = packed.shape[1] - 4 * ids_CK.shape[1]
+        got = plan.exchange(packed)
+        wire_RW = got[:, :split].contiguous().view(wire_CW.dtype)
+        ids_RK = got[:, split:].contiguous().view(torch.int32).to(torch.int64)
+        ctx.mark_non_differentiable(ids_RK)
+        return decode_rows(wire_RW, comm_dtype, x_CD.dtype, plan.kernels), ids_RK
+
+    @staticmethod
+    def backward(ctx, grad_RD: torch.Tensor, _grad_ids):
+        plan, comm_dtype = ctx.plan, ctx.comm_dtype
+        wire = encode_rows(grad_RD.contiguous(), comm_dtype, plan.kernels)
+        return decode_rows(plan.reverse(wire), comm_dtype, grad_RD.dtype, plan.kernels), None, None, None
+
+
+class NodeDedupTokenDispatcher(LocalTokenDispatcher):
+    """Expert-parallel dispatcher of ``all_to_all="node_dedup"`` (module docstring): ``dispatch``
+    returns the rows of this rank's experts ordered [local expert][source local rank], the row
+    count of each local expert and the round's record; ``combine`` returns ``y_TD``. Like
+    :class:`~moetrain.layers.dispatch.AllToAllTokenDispatcher`, both run eagerly under
+    ``torch.compile`` and every rank joins every exchange, rows or none."""
+
+    _runs_eagerly = False  # dispatch and combine wrapped by torch.compiler.disable yet?
+
+    def __init__(
+        self, num_experts: int, parallel, kernels: str = "auto", replay: RoutingReplay | None = None
+    ):
+        super().__init__(num_experts, kernels, replay)
+        if parallel.ep_node_grid is None or parallel.inter_node_group is None:
+            raise ValueError(
+                "all_to_all = 'node_dedup' needs a node grid and its node groups (ParallelContext with "
+                f"all_to_all='node_dedup' on a regular layout), got {parallel!r}"
+            )
+        self.parallel = parallel
+        self.nodes, self.per_node = parallel.ep_node_grid
+        self.node = parallel.ep_rank // self.per_node
+        self.local_experts = num_experts // parallel.ep_size
+        self.comm_dtype = parallel.config.comm_dtype
+        self.comm_kernels = parallel.config.kernels
+        self.last_round_rows = (0, 0, 0)  # copies sent, copies received, node rows held: the last round's
+        cls = NodeDedupTokenDispatcher
+        if not cls._runs_eagerly:  # here, not at import: torch.compiler.disable imports torch._dynamo
+            cls.dispatch = torch.compiler.disable(cls.dispatch)
+            cls.combine = torch.compiler.disable(cls.combine)
+            cls._runs_eagerly = True
+
+    def dispatch(self, x_TD, plan):
+        record = self.replay.current if self.replay is not None else None
+        if record is not None and record.replayed:
+            rnd, rows = record.a2a_plan, record.exchanged
+            x_CD = permute_tokens(x_TD, rnd.copy_plan, self.kernels)
+            x_RD = replay_all_to_all(x_CD, rows["copies"], rnd.inter_plan, self.comm_dtype, True)
+            x_ND = permute_tokens(x_RD, rnd.node_plan, self.kernels)
+            received = replay_all_to_all(x_ND, rows["node_rows"], rnd.intra_plan, self.comm_dtype, True)
+        else:
+            recording = self.replay is not None and record is not None
+            record = record if record is not None else DispatchRecord()
+            copy_plan, ids_CK = copies_of_tokens(plan, self.nodes, self.kernels)
+            _, inter_plan = exchange_counts_in(
+                copy_plan.kept_per_expert_E.view(-1, 1), self.parallel.inter_node_group, self.comm_kernels
+            )
+            x_CD = permute_tokens(x_TD, copy_plan, self.kernels)
+            x_RD, ids_RK = _CopiesExchange.apply(x_CD, ids_CK, inter_plan, self.comm_dtype)
+            per_node_experts = self.per_node * self.local_experts
+            node_plan = plan_of_real_slots(
+                torch.where(ids_RK >= 0, ids_RK, per_node_experts), per_node_experts, self.kernels
+            )
+            recv_counts_LE, intra_plan = exchange_counts_in(
+                node_plan.kept_per_expert_E.view(self.per_node, self.local_experts),
+                self.parallel.intra_node_group,
+                self.comm_kernels,
+            )
+            x_ND = permute_tokens(x_RD, node_plan, self.kernels)
+            received = all_to_all(x_ND, intra_plan, self.comm_dtype)  # [source local rank][expert]
+            rnd = NodeDedupRound(self.node, copy_plan, inter_plan, node_plan, intra_plan, recv_counts_LE)
+            record.a2a_plan = rnd
+            if recording:
+                record.exchanged.update(copies=x_RD.detach(), node_rows=received.detach())
+        record.plan = plan
+        self.last_round_rows = (rnd.inter_plan.rows_sent, sum(rnd.inter_plan.recv), rnd.node_plan.num_rows)
+        regrouped = regroup_chunks(received, rnd.recv_counts_LE, self.comm_kernels)  # [expert][source]
+        return regrouped, rnd.recv_counts_LE.sum(0), record
+
+    def combine(self, y_ND, gates_TK, record):
+        rnd, rows, wire = record.a2a_plan, record.exchanged, self.comm_dtype
+        returned = regroup_chunks(y_ND, rnd.recv_counts_LE.t().contiguous(), self.comm_kernels)
+        gates_CK = permute_tokens(gates_TK, rnd.copy_plan, self.kernels)
+        if record.replayed:
+            y_node = replay_all_to_all(returned, rows["node_returned"], rnd.intra_plan, wire, False)
+            gates_RK = replay_all_to_all(gates_CK, rows["gates"], rnd.inter_plan, None, True)
+        else:
+            y_node = all_to_all_reverse(returned, rnd.intra_plan, wire)
+            gates_RK = all_to_all(gates_CK, rnd.inter_plan, None)  # uncompressed: K numbers per copy
+        partial_RD = unpermute_tokens(y_node, gates_RK, rnd.node_plan, self.kernels)
+        if record.replayed:
+            partial_CD = replay_all_to_all(partial_RD, rows["partials"], rnd.inter_plan, wire, False)
+        else:
+            partial_CD = all_to_all_reverse(partial_RD, rnd.inter_plan, wire)
+            if self.replay is not None and record is self.replay.current:
+                rows.update(node_returned=y_node.detach(), gates=gates_RK.detach())
+                rows.update(partials=partial_CD.detach())
+        unpermute = kernel("unpermute_rows", partial_CD.device, self.kernels)
+        return unpermute(partial_CD.contiguous(), rnd.copy_plan.row_of_slot_TK, None)

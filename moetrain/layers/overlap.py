@@ -1,0 +1,224 @@
+"""Exchange -> experts -> return exchange in chunks, communication overlapped with the experts.
+
+Legend: P EP ranks, E local experts, n chunks, ``N_s`` rows this rank sends (permuted, grouped by
+destination rank then expert: ``[p][e]``), ``N_r`` rows it receives (``[e][p]`` once regrouped:
+the unchunked expert order), D model dim.
+
+Chunk c takes the c-th share of every (rank, expert) block (:mod:`moetrain.comm.chunking`), so its
+rows for expert e are a subset of e's rows, in order. One autograd function spans the whole trip:
+
+- forward, per chunk (scheduled by :func:`moetrain.comm.overlap.run_pipeline`, chunk c + 1 travels
+  while chunk c is computed and c - 1 returns): receive, regroup ``[p][e] -> [e][p]``, the experts
+  (:mod:`moetrain.layers.expert_math`, whose rows do not depend on the call), regroup back, return;
+- backward, mirrored: the output gradient's chunk travels, the experts' backward to their inputs
+  runs on it, its result returns; the weight gradients are computed once, over all rows in the
+  unchunked order, after the last chunk (while its return travels).
+
+The rows the experts need again (inputs, hidden rows, activations, and in the backward the
+gradients for the weights) are kept in buffers of all ``N_r`` rows in the unchunked order, so the
+weight-gradient GEMMs see exactly the matrices of the unchunked layer: outputs and every gradient are
+bit-identical to ``a2a_chunks = 1`` (on the CPU, in fp32 and fp64, with every wire dtype; see
+``tests/test_a2a_chunks.py``). With recompute replay the record keeps the received rows (the
+experts' input buffer) and the returned rows; a replayed forward computes the experts again and
+communicates nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moetrain.comm.all_to_all import regroup_chunks
+from moetrain.comm.buffers import CommBufferPool
+from moetrain.comm.chunking import chunk_major_order, split_counts
+from moetrain.comm.overlap import Trip, encode_into, run_pipeline
+from moetrain.layers.expert_math import (
+    ExpertActivations,
+    expert_forward,
+    expert_input_grad,
+    expert_weight_grads,
+    padded_rows,
+    row_offsets,
+)
+
+
+class ChunkedExchange:
+    """The chunks of one dispatch: per chunk the exchange plan, the ``[P, E]`` block sizes it
+    receives, the rows of the send buffer it takes (``send_index``) and the positions its regrouped
+    rows hold in the unchunked expert order (``recv_index``)."""
+
+    def __init__(self, plan, chunks: int):
+        self.plan, self.chunks, self.stages = plan, chunks, plan.stages
+        send_PE, recv_PE = plan.send_counts_PE, plan.recv_counts_PE
+        send_order, send_rows = chunk_major_order(send_PE, chunks)  # blocks [p][e]
+        recv_order, recv_rows = chunk_major_order(recv_PE.t(), chunks)  # blocks [e][p]
+        self.send_index = _pieces(send_order, send_rows)
+        self.recv_index = _pieces(recv_order, recv_rows)
+        self.plans = [plan.chunk(lambda t, c=c: split_counts(t, chunks, c)) for c in range(chunks)]
+        self.recv_PE = [split_counts(recv_PE, chunks, c) for c in range(chunks)]
+        self.offsets = [row_offsets(counts.sum(0).tolist()) for counts in self.recv_PE]
+        self.full_offsets = row_offsets(recv_PE.sum(0).tolist())
+        self.rows_sent, self.rows_received = plan.rows_sent, plan.rows_received
+
+
+def _pieces(order: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
+    out, start = [], 0
+    for count in rows:
+        out.append(order[start : start + count])
+        start += count
+    return out
+
+
+class OverlapSettings:
+    """What the autograd function needs besides tensors: the chunks, the wire format, the experts'
+    activation and weight-gradient storage, the pool, and the replay record (or None)."""
+
+    def __init__(self, chunks: ChunkedExchange, comm_dtype, activation: str, grad_buffers, pool, record):
+        self.chunks, self.comm_dtype, self.activation = chunks, comm_dtype, activation
+        self.grad_buffers, self.pool, self.record = grad_buffers, pool, record
+        self.peak_bytes = 0  # most pool bytes held by this layer's forward or backward
+
+
+def _gather_padded(full: torch.Tensor, index: torch.Tensor, padded: int) -> torch.Tensor:
+    out = full.new_empty(padded, full.shape[1])
+    torch.index_select(full, 0, index, out=out[: index.numel()])
+    out[index.numel() :].zero_()
+    return out
+
+
+def _measure(pool: CommBufferPool):
+    pool.reset_peak()
+    return pool.in_use
+
+
+class _ChunkedExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_ND, w1_EDF, w2_EFD, b1_EF, b2_ED, settings: OverlapSettings):
+        chunks, pool, activation = settings.chunks, settings.pool, settings.activation
+        record = settings.record
+        d_model, inner = x_ND.shape[1], w1_EDF.shape[2]
+        hidden = w2_EFD.shape[1]
+        received = chunks.rows_received
+        replay = record is not None and record.replayed
+        x_full = record.received_rows if replay else x_ND.new_empty(received, d_model)
+        h_full = x_ND.new_empty(received, inner)
+        a_full = x_ND.new_empty(received, hidden)
+        s_full = x_ND.new_empty(received, hidden) if activation == "swiglu" else None
+
+        def experts(c: int, x_c: torch.Tensor) -> torch.Tensor:
+            y_c, saved = expert_forward(x_c, w1_EDF, w2_EFD, b1_EF, b2_ED, chunks.offsets[c], activation)
+            index, rows = chunks.recv_index[c], x_c.shape[0]
+            h_full.index_copy_(0, index, saved.h_PF2[:rows])
+            a_full.index_copy_(0, index, saved.a_PF[:rows])
+            if s_full is not None:
+                s_full.index_copy_(0, index, saved.s_PF[:rows])
+            return y_c
+
+        if replay:
+            for c in range(chunks.chunks):
+                experts(c, x_full.index_select(0, chunks.recv_index[c]))
+            y_ND = record.returned_rows.view_as(record.returned_rows)
+        else:
+            y_ND = x_ND.new_empty(chunks.rows_sent, d_model)
+            base = _measure(pool)
+
+            def receive(c, rows):
+                x_c = regroup_chunks(rows, chunks.recv_PE[c], chunks.plan.kernels)  # -> [e][p]
+                x_full.index_copy_(0, chunks.recv_index[c], x_c)
+                return x_c
+
+            def compute(c, x_c):
+                return regroup_chunks(experts(c, x_c), chunks.recv_PE[c].t(), chunks.plan.kernels)
+
+            _run(ctx, settings, x_ND, y_ND, receive, compute, None)
+            settings.peak_bytes = max(settings.peak_bytes, pool.peak - base)
+            if record is not None:
+                record.received_rows, record.returned_rows = x_full.detach(), y_ND.detach()
+        ctx.settings = settings
+        ctx.save_for_backward(x_full, h_full, a_full, s_full, w1_EDF, w2_EFD)
+        ctx.biases = (b1_EF is not None, b2_ED is not None)
+        return y_ND
+
+    @staticmethod
+    def backward(ctx, grad_y_ND):
+        settings = ctx.settings
+        chunks, pool, activation = settings.chunks, settings.pool, settings.activation
+        x_full, h_full, a_full, s_full, w1_EDF, w2_EFD = ctx.saved_tensors
+        grad_y_ND = grad_y_ND.contiguous()
+        received, d_model = x_full.shape
+        inner = w1_EDF.shape[2]
+        grad_y_full = grad_y_ND.new_empty(received, d_model)
+        grad_h_full = grad_y_ND.new_empty(received, inner)
+        grad_x_ND = grad_y_ND.new_empty(chunks.rows_sent, d_model)
+        needs = ctx.needs_input_grad
+        weight_grads: list = []
+
+        def receive(c, rows):
+            g_c = regroup_chunks(rows, chunks.recv_PE[c], chunks.plan.kernels)
+            grad_y_full.index_copy_(0, chunks.recv_index[c], g_c)
+            return g_c
+
+        def compute(c, g_c):
+            index, rows = chunks.recv_index[c], g_c.shape[0]
+            h_pad = _gather_padded(
+                h_full, index, padded_rows(rows, inner // 2 if s_full is not None else inner)
+            )
+            s_pad = None if s_full is None else _gather_padded(s_full, index, h_pad.shape[0])
+            saved = ExpertActivations(h_pad, None, s_pad)
+            grad_x_c, grad_h_pad = expert_input_grad(
+                g_c, saved, w1_EDF, w2_EFD, chunks.offsets[c], activation
+            )
+            grad_h_full.index_copy_(0, index, grad_h_pad[:rows])
+            return regroup_chunks(grad_x_c, chunks.recv_PE[c].t(), chunks.plan.kernels)
+
+        def weights():
+            buffers = settings.grad_buffers
+            weight_grads.extend(
+                expert_weight_grads(
+                    x_full,
+                    a_full,
+                    grad_y_full,
+                    grad_h_full,
+                    chunks.full_offsets,
+                    buffers[0].get(w1_EDF) if needs[1] else None,
+                    buffers[1].get(w2_EFD) if needs[2] else None,
+                    (needs[3], needs[4]),
+                )
+            )
+
+        base = _measure(pool)
+        _run(ctx, settings, grad_y_ND, grad_x_ND, receive, compute, weights)
+        settings.peak_bytes = max(settings.peak_bytes, pool.peak - base)
+        return grad_x_ND, *weight_grads, None
+
+
+def _run(ctx, settings: OverlapSettings, source_ND, target_ND, receive, compute, before_drain) -> None:
+    """The pipeline of one direction: ``source_ND`` (send order) out by chunks, the returned rows into
+    ``target_ND`` (send order)."""
+    chunks, pool, comm_dtype = settings.chunks, settings.pool, settings.comm_dtype
+    kernels, dtype = chunks.plan.kernels, source_ND.dtype
+
+    def start_in(c):
+        wire = encode_into(source_ND, chunks.send_index[c], comm_dtype, kernels, pool)
+        return Trip(wire, chunks.plans[c], True, comm_dtype, dtype, pool)
+
+    def start_out(c, rows):
+        return Trip(
+            encode_into(rows, None, comm_dtype, kernels, pool),
+            chunks.plans[c],
+            False,
+            comm_dtype,
+            dtype,
+            pool,
+        )
+
+    def deliver(c, rows):
+        target_ND.index_copy_(0, chunks.send_index[c], rows)
+
+    run_pipeline(chunks.chunks, chunks.stages, start_in, receive, compute, start_out, deliver, before_drain)
+    pool.end_round()
+
+
+def chunked_experts(x_ND, w1_EDF, w2_EFD, b1_EF, b2_ED, settings: OverlapSettings) -> torch.Tensor:
+    """``y_ND`` (send order, as the unchunked exchange -> experts -> return exchange gives it) for the
+    permuted rows ``x_ND`` (send order, ``N_s`` rows); differentiable in the rows and the weights."""
+    return _ChunkedExperts.apply(x_ND, w1_EDF, w2_EFD, b1_EF, b2_ED, settings)
