@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moetrain.comm.all_to_all import all_to_all, all_to_all_reverse, exchange_counts
+from moetrain.launch import free_port
 from moetrain.parallel import ParallelContext
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -277,7 +278,7 @@ def main() -> None:
                     raise SystemExit(f"a rank failed with exit status {code}")
                 runs[f"{rate:g}mbit"] = json.loads(Path(out).read_text())
         else:
-            mp.spawn(_spawned, args=(args, out, _free_port()), nprocs=LOOPBACK_WORLD, join=True)
+            mp.spawn(_spawned, args=(args, out, free_port()), nprocs=LOOPBACK_WORLD, join=True)
             runs["loopback"] = json.loads(Path(out).read_text())
     report(runs, args)
 
@@ -338,14 +339,6 @@ def report(runs: dict[str, list[dict]], args) -> None:
         saved[f"fit_{name}"] = {**fit, "prediction_60x8": predictions}
     if args.json:
         Path(args.json).write_text(json.dumps(saved, indent=2))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

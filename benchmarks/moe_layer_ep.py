@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moetrain import MoEConfig, MoELayer, shard_experts
+from moetrain.launch import free_port
 from moetrain.parallel import ParallelContext
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -149,7 +150,7 @@ def main() -> None:
                     raise SystemExit(f"a rank failed with exit status {code}")
                 runs[f"{rate:g}mbit"] = json.loads(Path(out).read_text())
         else:
-            port = _free_port()
+            port = free_port()
             mp.spawn(_spawned, args=(args, out, port, 2), nprocs=2, join=True)
             runs["loopback"] = json.loads(Path(out).read_text())
     local = args.ranks_per_node if args.emulated_mbit else 1
@@ -170,14 +171,6 @@ def main() -> None:
         Path(args.json).write_text(
             json.dumps({"benchmark": "moe_layer_ep", "config": vars(args), "runs": runs}, indent=2)
         )
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moetrain import MoEConfig, MoELayer, shard_experts
+from moetrain.launch import free_port
 from moetrain.parallel import ParallelContext
 from moetrain.planner.node_limit import cross_node_row_share, remote_nodes_per_token
 
@@ -230,21 +231,13 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "rows.json")
-        mp.spawn(node_limited_worker, args=(args, out_path, _free_port()), nprocs=WORLD, join=True)
+        mp.spawn(node_limited_worker, args=(args, out_path, free_port()), nprocs=WORLD, join=True)
         with open(out_path) as f:
             rows = json.load(f)
     print_node_limited(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "all_to_all_node_limited", "rows": rows}, f, indent=2)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

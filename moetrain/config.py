@@ -224,7 +224,7 @@ class ParallelConfig:
       gradients all-reduced) or ``"fsdp"`` (FSDP2 ``fully_shard``: parameters, gradients and
       optimizer states sharded over the data-parallel ranks, gathered per unit when used).
     - ``fsdp_cpu_offload``: with ``replica: fsdp``, FSDP2's CPU offload policy (parameters,
-      gradients and optimizer steps in host memory; needs a GPU).
+      gradients and optimizer steps in host memory; pinned on a GPU run).
     - ``strategy``: module-name patterns -> ``replica`` / ``expert`` / ``split`` /
       ``split.row`` / ``split.head`` (see :func:`moetrain.parallelize`); None: the model's default.
     - ``ep_layout``: ``"packed"`` puts an expert-parallel group on consecutive ranks (inside a node

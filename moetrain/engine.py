@@ -135,11 +135,6 @@ class Trainer:
             torch.set_num_threads(config.threads)
         launch = read_launch_environment()
         self.device = resolve_device(config.device, launch.local_rank, launch.local_world_size)
-        if config.parallel.fsdp_cpu_offload and self.device.type != "cuda":
-            raise ValueError(
-                "parallel.fsdp_cpu_offload needs device 'cuda' (FSDP2 copies the offloaded weights to the "
-                f"GPU for compute); this run's device is {self.device.type!r}: set fsdp_cpu_offload: false"
-            )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.position.phase = "process-group set-up"

@@ -58,6 +58,14 @@ def _is_this_host(host: str) -> bool:
     return any(address.startswith("127.") or address == "::1" for address in wanted) or bool(wanted & mine)
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at ``host`` now (the OS picks it; another process may take it
+    before it is used): for single-machine runs and benchmarks."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
 def _port_is_taken(port: int) -> bool:
     """Whether a listening socket holds ``port`` on this host (TCPStore's server could not bind it)."""
     with socket.socket() as probe:

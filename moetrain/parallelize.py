@@ -305,7 +305,9 @@ def _apply_fsdp(model, parallel, assignments, experts, cpu_offload: bool) -> Non
     summed, divided by dp * ep), each outermost ``replica`` module and the root over the dense mesh."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    options = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
+    # pinned host memory needs an accelerator; a CPU run (tests, gloo) offloads to pageable memory
+    pinned = torch.accelerator.is_available()
+    options = {"offload_policy": CPUOffloadPolicy(pin_memory=pinned)} if cpu_offload else {}
     sum_only = dist.get_backend(parallel.dense_group) == "gloo"  # gloo has no PREMUL_SUM
     units = []  # (unit, its mesh's size)
     for layer in experts:

@@ -9,21 +9,16 @@ import os
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.doc_commands import MOETRAIN, ROOT, bash_commands
+
 DOC = ROOT / "docs" / "parallelize.md"
-MOETRAIN = Path(sys.executable).parent / "moetrain"
 
 
 def documented_commands() -> list[list[str]]:
-    commands = []
-    for block in DOC.read_text(encoding="utf-8").split("```bash\n")[1:]:
-        lines = block.split("```", 1)[0].replace("\\\n", " ").splitlines()
-        commands += [shlex.split(line, comments=True) for line in lines]
-    return [words for words in commands if words]
+    return bash_commands(DOC)
 
 
 def test_the_page_runs_the_example_then_plans_and_trains():

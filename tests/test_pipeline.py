@@ -16,6 +16,7 @@ from moetrain.layers import MoELayer
 from moetrain.lm import LMConfig, MoETransformerLM, default_lm_strategy, lm_loss
 from moetrain.pipeline import balance_layers, bubble_fraction, stage_layers
 from tests.dist_utils import run_distributed
+from tests.pipeline_reference import gradient_errors, reference_step
 
 LM = LMConfig(
     vocab_size=64,
@@ -42,10 +43,6 @@ def _tokens(index: int, batch: int = 2, seq: int = 8):
     return ids[:, :-1], ids[:, 1:]
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
-
-
 def pipeline_worker(rank, world, layouts):
     reports = []
     for ep, schedule, virtual in layouts:
@@ -66,28 +63,10 @@ def pipeline_worker(rank, world, layouts):
             if isinstance(module, MoELayer)
         }
 
-        count = parallel.data_count
-        set_aux_loss_scale(reference, 1.0 / (MICRO * count))
-        ref_losses, ref_aux = [], torch.zeros(())
-        for index in range(count):
-            for micro in range(MICRO):
-                inputs, targets = _tokens(index * 100 + micro)
-                loss = lm_loss(reference(inputs), targets)
-                (loss / (MICRO * count)).backward()
-                if index == parallel.data_index:
-                    ref_losses.append(loss.detach())
-                    ref_aux = ref_aux + sum(
-                        m.last_stats.aux_loss for m in reference.modules() if isinstance(m, MoELayer)
-                    )
-        ref_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in reference.parameters()))
-        ref_params = dict(reference.named_parameters())
-        errors = {}
-        for name, param in model.named_parameters():
-            want = ref_params[name].grad
-            if ".experts." in name and param.shape != want.shape:
-                local = parallel.local_experts(want.shape[0])
-                want = want[local.start : local.stop]
-            errors[name] = _rel(param.grad, want)
+        ref_losses, ref_aux, ref_norm = reference_step(
+            reference, parallel, MICRO, _tokens, lambda net, inputs, targets: lm_loss(net(inputs), targets)
+        )
+        errors = gradient_errors(model, reference, parallel)
         reports.append(
             {
                 "layout": (ep, schedule, virtual),

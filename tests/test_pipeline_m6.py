@@ -17,9 +17,9 @@ from m6_moe.config import M6Config
 from m6_moe.model import M6Model, default_m6_strategy
 from m6_moe.tasks import IGNORE_INDEX, m6_loss
 from moetrain import ParallelConfig, ParallelContext, parallelize, set_aux_loss_scale
-from moetrain.layers import MoELayer
 from tests.dist_utils import run_distributed
-from tests.test_pipeline import _check, _rel
+from tests.pipeline_reference import gradient_errors, reference_step, rel_error
+from tests.test_pipeline import _check
 
 CONFIG = M6Config(
     d_model=32, num_layers=4, num_heads=2, d_ff=32, max_text_len=24, image_size=16, patch_size=8,
@@ -64,28 +64,10 @@ def m6_pipeline_worker(rank, world, layouts):
         trained.reduce_gradients()
         norm = trained.grad_norm()
 
-        count = parallel.data_count
-        set_aux_loss_scale(reference, 1.0 / (MICRO * count))
-        ref_losses, ref_aux = [], torch.zeros(())
-        for index in range(count):
-            for micro in range(MICRO):
-                inputs, labels = _batch(index * 100 + micro)
-                loss = m6_loss(reference(**inputs), labels)
-                (loss / (MICRO * count)).backward()
-                if index == parallel.data_index:
-                    ref_losses.append(loss.detach())
-                    ref_aux = ref_aux + sum(
-                        m.last_stats.aux_loss for m in reference.modules() if isinstance(m, MoELayer)
-                    )
-        ref_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in reference.parameters()))
-        ref_params = dict(reference.named_parameters())
-        errors = {}
-        for name, param in model.named_parameters():
-            want = ref_params[name].grad
-            if ".experts." in name and param.shape != want.shape:
-                local = parallel.local_experts(want.shape[0])
-                want = want[local.start : local.stop]
-            errors[name] = _rel(param.grad, want)
+        ref_losses, ref_aux, ref_norm = reference_step(
+            reference, parallel, MICRO, _batch, lambda net, inputs, labels: m6_loss(net(**inputs), labels)
+        )
+        errors = gradient_errors(model, reference, parallel)
         reports.append(
             {
                 "layout": (ep, schedule),
@@ -135,7 +117,7 @@ def test_m6_fixed_length_padding_changes_no_loss_or_gradient():
     padded_loss.backward()
     assert float(padded_loss) == pytest.approx(float(loss), rel=1e-5)
     for name, param in model.named_parameters():
-        assert _rel(param.grad, grads[name]) < 1e-4, name
+        assert rel_error(param.grad, grads[name]) < 1e-4, name
 
 
 def test_m6_collate_pads_to_seq_len_and_tied_embeddings_are_refused_under_pp():
