@@ -74,3 +74,32 @@ def test_plan_pipeline_settings_are_validated():
         PlanSettings(pp_size=2, grad_accum=2, recompute="full")
     with pytest.raises(ValueError, match="pp_schedule must be one of"):
         PlanSettings(pp_schedule="zb")
+
+
+def test_the_plans_split_is_a_setting_moetrain_train_takes(capsys, tmp_path):
+    """The plan prints its FLOP-balanced stage split as a --set line; that line gives the run those
+    stages (here a 4-layer LM on 2 stages of 2 ranks each: layers 0-1 and 2-3)."""
+    import shlex
+    from pathlib import Path
+
+    from moetrain.cli import build_train_config, main
+
+    root = Path(__file__).resolve().parent.parent
+    config = tmp_path / "lm.yaml"
+    config.write_text(
+        (root / "configs" / "tiny_lm.yaml").read_text().replace("num_layers: 2", "num_layers: 4")
+    )
+    argv = ["plan", "--model", str(config), "--cluster", "a100-80gb", "--nodes", "1", "--gpus-per-node", "4"]
+    assert main([*argv, "--pp-size", "2", "--ep-size", "2", "--grad-accum", "4"]) == 0
+    line = next(text for text in capsys.readouterr().out.splitlines() if "parallel.pp_layers" in text)
+    overrides = shlex.split(line.split(": ", 1)[1])[1::2]
+    expected = ["grad_accum=4", "parallel.pp_size=2", "parallel.pp_schedule=1f1b", "parallel.pp_layers=[2]"]
+    assert overrides == expected
+    train = build_train_config(str(config), overrides)
+    parallel = train.parallel
+    assert (train.grad_accum, parallel.pp_size, parallel.pp_schedule, list(parallel.pp_layers)) == (
+        4,
+        2,
+        "1f1b",
+        [2],
+    )

@@ -98,9 +98,16 @@ class PipelinePlan:
     bubble_s: float
     moe_layers: int
 
+    @property
+    def boundaries(self) -> list[int]:
+        """The first layer of every stage but the first: ``parallel.pp_layers`` for a run that
+        takes this split (balanced by the planner's per-layer FLOPs)."""
+        return [start for start, _ in self.ranges[1:]]
+
     def to_dict(self) -> dict:
         out = asdict(self)
         out["ranks"] = [{**asdict(r), "total": r.total} for r in self.ranks]
+        out["boundaries"] = self.boundaries
         return out
 
 

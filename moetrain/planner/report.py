@@ -301,4 +301,11 @@ def pipeline_lines(plan) -> list[str]:
             f"  {r.rank:>4}  {f'{r.layers[0]}-{r.layers[-1]}':<10}  {r.in_flight:>9}  "
             f"{states / 2**30:>27.2f}  {r.activations / 2**30:>15.2f}  {r.total / 2**30:>9.2f}"
         )
+    sets = [f"grad_accum={pipe.microbatches}", f"parallel.pp_size={pipe.stages}"]
+    sets += [f"parallel.pp_schedule={pipe.schedule}"]
+    sets += [f"parallel.pp_virtual={pipe.virtual}"] if pipe.virtual > 1 else []
+    sets += [f"parallel.pp_layers=[{','.join(map(str, pipe.boundaries))}]"]
+    lines.append(
+        "  this split (the planner's per-layer FLOPs) in a run: " + " ".join(f"--set {s}" for s in sets)
+    )
     return lines
