@@ -679,14 +679,29 @@ class TrainConfig:
     def _check_pipeline(self) -> None:
         """pp_size > 1: the micro-batches are the pipeline's (one schedule step per optimizer step)."""
         parallel = self.parallel
-        if parallel.pp_schedule != "gpipe" and self.grad_accum < parallel.pp_size:
-            raise ValueError(
-                f"grad_accum = {self.grad_accum} (the pipeline's micro-batches) must be >= "
-                f"parallel.pp_size = {parallel.pp_size} under pp_schedule {parallel.pp_schedule!r}"
-            )
+        check_pipeline_microbatches(
+            parallel.pp_schedule, parallel.pp_size, self.grad_accum, "parallel.pp_size"
+        )
         if self.balance.enabled or self.recompute_budget_mb is not None:
             what = "balance" if self.balance.enabled else "recompute_budget_mb"
             raise ValueError(f"{what} is not supported with parallel.pp_size > 1: turn it off")
+
+
+def check_pipeline_microbatches(schedule: str, stages: int, microbatches: int, stages_key: str) -> None:
+    """ValueError unless torch's ``schedule`` runs ``microbatches`` (the run's ``grad_accum``) over
+    ``stages`` pipeline ranks: 1F1B and interleaved 1F1B need ``m >= p``; interleaved 1F1B runs whole
+    rounds of ``max(1, m // p)`` micro-batches, so ``m`` must be a multiple of that."""
+    if schedule != "gpipe" and microbatches < stages:
+        raise ValueError(
+            f"grad_accum = {microbatches} (the pipeline's micro-batches) must be >= {stages_key} = {stages} "
+            f"under pp_schedule {schedule!r}"
+        )
+    rounds = max(1, microbatches // stages)
+    if schedule == "interleaved_1f1b" and microbatches % rounds:
+        raise ValueError(
+            f"grad_accum = {microbatches} must be a multiple of grad_accum // {stages_key} = {rounds} under "
+            "pp_schedule 'interleaved_1f1b' (torch's interleaved schedule runs whole rounds of micro-batches)"
+        )
 
 
 def model_config_classes() -> dict[str, type]:

@@ -524,6 +524,8 @@ class Trainer:
         self.position.phase = "data loading"
         batches = [to_device(self.batches.next(), self.device) for _ in range(accum)]
         set_aux_loss_scale(self.model, loss_scale / accum)
+        if self.scaler is not None:  # the schedule scales the losses by get_scale() itself; this
+            self.scaler.scale(torch.ones((), device=self.device))  # creates the scaler's state for step()
         self.position.phase = "pipeline forward and backward"
         with self._autocast():
             losses, aux = self.trained.pipeline.step(batches, self.loss_fn, loss_scale / accum)

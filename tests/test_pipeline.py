@@ -162,11 +162,13 @@ def _metrics(history):
     return [{k: m[k] for k in keys} for m in history]
 
 
-def engine_worker(rank, world, out_dir, schedule, until=None):
+def engine_worker(rank, world, out_dir, schedule, until=None, precision="fp32"):
     from moetrain.config import TrainConfig, config_from_dict
     from moetrain.engine import Trainer
 
-    config = config_from_dict(TrainConfig, _engine_config(out_dir, world, schedule))
+    config = config_from_dict(
+        TrainConfig, {**_engine_config(out_dir, world, schedule), "precision": precision}
+    )
     trainer = Trainer(config)
     try:
         return _metrics(trainer.train(until=until))
@@ -174,11 +176,11 @@ def engine_worker(rank, world, out_dir, schedule, until=None):
         trainer.close()
 
 
-def _approx(history, expected):
+def _approx(history, expected, rel=2e-4):
     assert len(history) == len(expected)
     for got, want in zip(history, expected, strict=True):
         for key, value in want.items():
-            assert got[key] == pytest.approx(value, rel=2e-4, abs=1e-7), (key, got, want)
+            assert got[key] == pytest.approx(value, rel=rel, abs=1e-7), (key, got, want)
 
 
 @pytest.mark.slow
@@ -208,6 +210,25 @@ def test_moetrain_train_pp2_equals_one_process_and_its_checkpoint_resumes_under_
     _approx(first[0], single[:2])
     second = single_run(tmp_path / "resumed")
     _approx(second, single[2:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_moetrain_train_pp2_under_fp16_equals_one_process(tmp_path):
+    """precision fp16 (autocast, dynamic loss scale) with two 1F1B stages: the schedule scales the
+    losses by the scaler's scale; the run's metrics equal one process's fp16 run."""
+    from moetrain.config import TrainConfig, config_from_dict
+    from moetrain.engine import Trainer
+
+    config = config_from_dict(TrainConfig, {**_engine_config(tmp_path / "single"), "precision": "fp16"})
+    trainer = Trainer(config)
+    try:
+        single = _metrics(trainer.train())
+    finally:
+        trainer.close()
+    ranks = run_distributed(engine_worker, 2, str(tmp_path / "pp2"), "1f1b", None, "fp16")
+    _approx(ranks[0], single, rel=2e-3)
+    assert ranks[1] == ranks[0]
 
 
 @pytest.mark.parametrize(
@@ -240,6 +261,37 @@ def test_train_config_pipeline_errors(tmp_path):
     config = config_from_dict(TrainConfig, tiny(tmp_path, grad_accum=2, **{"parallel.pp_size": 2}))
     with pytest.raises(ValueError, match="parallel.pp_size = 2 must divide the world size = 3"):
         check_fits(config, 3)
+    interleaved = {
+        "parallel.pp_size": 2,
+        "parallel.pp_schedule": "interleaved_1f1b",
+        "parallel.pp_virtual": 2,
+    }
+    # torch's interleaved schedule runs whole rounds of grad_accum // pp_size micro-batches: 5 is not 2 rounds
+    message = r"grad_accum = 5 must be a multiple of grad_accum // parallel.pp_size = 2 under pp_schedule"
+    with pytest.raises(ValueError, match=message):
+        config_from_dict(TrainConfig, tiny(tmp_path, grad_accum=5, **interleaved))
+    for accum in (2, 3, 4, 6):  # 1 round of 2 or 3, 2 rounds of 2 or 3
+        config_from_dict(TrainConfig, tiny(tmp_path, grad_accum=accum, **interleaved))
+
+
+def test_interleaved_microbatch_rule_is_torchs():
+    """The rule of :func:`moetrain.config.check_pipeline_microbatches` is what torch's
+    ScheduleInterleaved1F1B accepts (its constructor raises for the rest; no process group needed
+    to construct it on stages that are never run)."""
+    from moetrain.config import check_pipeline_microbatches
+    from moetrain.planner import PlanSettings
+
+    for stages in (2, 4):
+        for microbatches in range(stages, 4 * stages + 2):
+            try:
+                check_pipeline_microbatches("interleaved_1f1b", stages, microbatches, "pp_size")
+                ours = True
+            except ValueError:
+                ours = False
+            rounds = max(1, microbatches // stages)
+            assert ours == (microbatches % rounds == 0), (stages, microbatches)
+    with pytest.raises(ValueError, match="grad_accum = 9 must be a multiple of grad_accum // pp_size = 2"):
+        PlanSettings(pp_size=4, pp_schedule="interleaved_1f1b", pp_virtual=2, grad_accum=9)
 
 
 def test_lm_stage_keeps_parameter_names_and_the_model_without_pipeline_hook_is_refused():

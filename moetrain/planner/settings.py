@@ -5,7 +5,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
-from moetrain.config import ALL_TO_ALL_ALGORITHMS, COMM_DTYPES, EP_LAYOUTS, PP_SCHEDULES, validate_strategy
+from moetrain.config import (
+    ALL_TO_ALL_ALGORITHMS,
+    COMM_DTYPES,
+    EP_LAYOUTS,
+    PP_SCHEDULES,
+    check_pipeline_microbatches,
+    validate_strategy,
+)
 from moetrain.validation import is_finite_number, require_bool, require_choice, require_int, require_number
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -116,11 +123,7 @@ class PlanSettings:
                     f"recompute must be 'none' or 'auto' with pp_size > 1 (not planned with stages), got "
                     f"{self.recompute!r}"
                 )
-            if self.pp_schedule != "gpipe" and self.grad_accum < self.pp_size:
-                raise ValueError(
-                    f"grad_accum = {self.grad_accum} (the pipeline's micro-batches) must be >= pp_size = "
-                    f"{self.pp_size} under pp_schedule {self.pp_schedule!r}"
-                )
+            check_pipeline_microbatches(self.pp_schedule, self.pp_size, self.grad_accum, "pp_size")
         if self.strategy is not None:
             object.__setattr__(self, "strategy", validate_strategy("strategy", self.strategy))
         if self.tp_size > 1 and self.strategy is None:
