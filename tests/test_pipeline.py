@@ -311,3 +311,36 @@ def test_world8_pp2_ep2_dp2_1f1b_equals_one_process():
     """World 8 as pp2 x ep2 x dp2 (1F1B): every stage has two data streams of two expert-parallel
     ranks; losses, gradients, norm and aux sums equal one process (~18 s on 2 shared cores)."""
     _check(run_distributed(pipeline_worker, 8, [(2, "1f1b", 1)]), WORLD_PARAMS)
+
+
+def exchange_worker(rank, world, variants):
+    """pp2 x ep2 1F1B with each variant of the expert-parallel exchange: max relative gradient error
+    of this stage against one process, and the dispatcher its MoE layers use."""
+    reports = []
+    for extra in variants:
+        parallel = ParallelContext(ParallelConfig(ep_size=2, pp_size=2, pp_schedule="1f1b", **extra))
+        torch.manual_seed(0)
+        model = MoETransformerLM(LM, seed=3)
+        reference = copy.deepcopy(model)
+        trained = parallelize(model, parallel, default_lm_strategy(LM, 1, parallel.pp_size))
+        set_aux_loss_scale(model, 1.0 / MICRO)
+        batches = [_tokens(parallel.data_index * 100 + micro) for micro in range(MICRO)]
+        trained.pipeline.step(batches, lm_loss, 1.0 / MICRO)
+        trained.reduce_gradients()
+        reference_step(reference, parallel, MICRO, _tokens, lambda net, x, y: lm_loss(net(x), y))
+        errors = gradient_errors(model, reference, parallel)
+        dispatchers = {type(m.dispatcher).__name__ for m in model.modules() if isinstance(m, MoELayer)}
+        reports.append((max(errors.values()), sorted(dispatchers)))
+    return reports
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_stages_compose_with_the_chunked_and_the_node_deduplicating_exchange():
+    """Inside pipeline stages, the expert-parallel layers exchange with a2a_chunks 2, and with
+    node_dedup over two emulated nodes (one rank each): gradients equal one process."""
+    variants = [{"a2a_chunks": 2}, {"all_to_all": "node_dedup", "local_world_size": 1}]
+    for rank_reports in run_distributed(exchange_worker, 4, variants):
+        (chunked, chunked_kind), (dedup, dedup_kind) = rank_reports
+        assert chunked < 1e-5 and dedup < 1e-5, rank_reports
+        assert chunked_kind == ["AllToAllTokenDispatcher"] and dedup_kind == ["NodeDedupTokenDispatcher"]
