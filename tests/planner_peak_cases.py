@@ -241,15 +241,19 @@ def _ep_worker(rank: int, world: int, case: PeakCase) -> PeakResult:
 
 
 def run_case(case: PeakCase) -> PeakResult:
-    """The case's prediction and measurement (rank 0's under expert parallelism; with fixed routing
-    every rank holds the same rows)."""
+    """The case's prediction and measurement; under expert parallelism the larger rank's (the one a
+    GPU must hold). With fixed routing every rank exchanges the same rows (equal exchange buffers),
+    but which rank peaks about one exchange's buffers higher varies from run to run (observed: 12.4
+    vs 13.4 MB with a 1 MiB exchange, either rank), so the ranks may differ by that much."""
     if case.ep_size == 1:
         return measure_case(case)
     from tests.dist_utils import run_distributed
 
     results = run_distributed(_ep_worker, case.ep_size, case)
-    assert len({(r.measured, r.exchange_measured) for r in results}) == 1, results
-    return results[0]
+    assert len({r.exchange_measured for r in results}) == 1, results
+    peaks = [r.measured for r in results]
+    assert max(peaks) - min(peaks) <= results[0].exchange_measured, results
+    return max(results, key=lambda r: r.measured)
 
 
 def markdown_table() -> str:
