@@ -401,7 +401,9 @@ def test_fsdp_cpu_offload_trains_as_fsdp_on_two_gloo_ranks():
             torch.testing.assert_close(offloaded[name], weight, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDP2's CPU offload policy needs a GPU")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the pinned-memory path of FSDP2's CPU offload needs a GPU"
+)
 def test_fsdp_cpu_offload_equals_fsdp_on_one_gpu():
     """One process, one GPU: FSDP2 with the CPU offload policy (parameters and gradients on the
     host) gives the loss and gradients of FSDP2 without it."""
