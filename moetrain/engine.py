@@ -686,10 +686,10 @@ class Trainer:
     def _expert_metrics(self) -> dict:
         """Per MoE layer: coefficient of variation of the tokens routed to each expert, summed
         over the data-parallel ranks, and the global dropped-token fraction."""
-        stats = collect_moe_stats(self.model).layers
         pipeline = self.trained.pipeline
         if pipeline is not None:
             return self._pipeline_expert_metrics(pipeline)
+        stats = collect_moe_stats(self.model).layers
         if not stats:
             return {}
         routed = torch.stack([s.routed_per_expert for s in stats]).double()

@@ -16,6 +16,7 @@ from torch import nn
 from moetrain.config import MoEConfig, option
 from moetrain.layers import MoELayer
 from moetrain.layers.experts import derive_seed
+from moetrain.pipeline import keep_layers, stack_layers
 from moetrain.validation import require_int
 
 
@@ -108,8 +109,6 @@ class MoETransformerLM(nn.Module):
         """Keeps one pipeline stage (:mod:`moetrain.pipeline`): the blocks ``layers``, the embedding
         and positions when ``first``, the final norm and head when ``last``. Its forward then maps
         token ids ``[B, S]`` (first) or hidden states ``[B, S, D]`` to hidden states or logits."""
-        from moetrain.pipeline import keep_layers
-
         self.blocks = keep_layers(self.blocks, layers)
         if not first:
             self.embed, self.pos = None, None
@@ -121,8 +120,7 @@ class MoETransformerLM(nn.Module):
         if seq > self.config.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len = {self.config.max_seq_len}")
         x_BSD = tokens_BS if self.embed is None else self.embed(tokens_BS) + self.pos[:seq]
-        blocks = self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks
-        for block in blocks:
+        for block in stack_layers(self.blocks):
             x_BSD = block(x_BSD)
         return x_BSD if self.head is None else self.head(self.norm(x_BSD))
 

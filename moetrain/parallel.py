@@ -341,7 +341,6 @@ class ParallelContext:
             flat = self.pipeline_grid.reshape(self.pp_size, -1)
             groups["pp"] = [flat[:, i].tolist() for i in range(stage_world)]
             groups["stage"] = [row.tolist() for row in flat]
-        self.pp_ranks = [self.rank % stage_world + s * stage_world for s in range(self.pp_size)]
         self.dp_rank, self.ep_rank, self.tp_rank = (self.grid == self.rank).nonzero()[0].tolist()
         self.ep_ranks = self.grid[self.dp_rank, :, self.tp_rank].tolist()
         self.expert_dp_ranks = self.grid[:, self.ep_rank, self.tp_rank].tolist()

@@ -149,11 +149,9 @@ def split_stages(
     ranges = stage_layers(len(layers), stages, boundaries)
     mine = list(range(parallel.pp_rank, stages, parallel.pp_size))
     union = [i for s in mine for i in ranges[s]]
-    first, last = mine[0] == 0, mine[-1] == stages - 1
+    model.pipeline_stage(union, mine[0] == 0, mine[-1] == stages - 1)
     if len(mine) == 1:
-        model.pipeline_stage(union, first, last)
         return [model], mine, ranges
-    model.pipeline_stage(union, first, last)
     chunks = [_chunk(model, ranges[s], s == 0, s == stages - 1) for s in mine]
     return chunks, mine, ranges
 
@@ -238,11 +236,11 @@ class Pipeline:
         self._aux, losses = [], []
         args, kwargs, target = (), {}, None
         if self.holds_first:
-            inputs = [b[0] for b in batches]
-            if isinstance(inputs[0], dict):
-                kwargs = {key: torch.cat([i[key] for i in inputs]) for key in inputs[0]}
+            inputs = _concat([b[0] for b in batches])
+            if isinstance(inputs, dict):
+                kwargs = inputs
             else:
-                args = (torch.cat(inputs),)
+                args = (inputs,)
         if self.holds_last:
             target = _concat([b[1] for b in batches])
         self._schedule.step(*args, target=target, losses=losses if self.holds_last else None, **kwargs)
@@ -251,7 +249,8 @@ class Pipeline:
 
 
 def _concat(values: list):
-    """Micro-batch targets joined along the batch dimension (tensors, or dicts of tensors)."""
+    """Micro-batch inputs or targets joined along the batch dimension (tensors, or dicts of
+    tensors)."""
     if isinstance(values[0], dict):
         return {key: torch.cat([v[key] for v in values]) for key in values[0]}
     return torch.cat(values)

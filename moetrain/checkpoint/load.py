@@ -163,11 +163,10 @@ def load_checkpoint(
     own = layout.rank < manifest["world_size"]  # this rank existed at save time
     wanted = layout.rank if extra_state_rank is None else extra_state_rank
     extra_rank = wanted if wanted < manifest["world_size"] else 0
+    one_stage = getattr(parallel, "pp_size", 1) > 1  # the model holds one pipeline stage's part
     try:
         request = Request(read_metadata(path, files).state_dict_metadata, path)
-        request_model(
-            request, model, experts, manifest, layout.ep_size, stage=getattr(parallel, "pp_size", 1) > 1
-        )
+        request_model(request, model, experts, manifest, layout.ep_size, stage=one_stage)
         if optimizer is not None:
             if not manifest["optimizer"]:
                 raise ValueError(f"optimizer: checkpoint {path} was saved without an optimizer")
@@ -193,9 +192,7 @@ def load_checkpoint(
     error, optimizer_state, values = None, None, {}
     try:
         if optimizer is not None:
-            optimizer_state = optimizer_state_dict(
-                request, plans, optimizer, path, stage=getattr(parallel, "pp_size", 1) > 1
-            )
+            optimizer_state = optimizer_state_dict(request, plans, optimizer, path, stage=one_stage)
         if scheduler is not None:
             values["scheduler"] = request.value("scheduler")
         values["extra_state"] = request.value(f"extra_state/rank_{extra_rank}")
