@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import os
 import queue as queue_module
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -14,11 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from moetrain.launch import free_port
 
 
 def _serialize(value) -> bytes:

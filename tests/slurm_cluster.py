@@ -52,6 +52,8 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
+from moetrain.launch import free_port
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The interpreter running the tests (the repo's .venv when run via `make test`): jobs that run
 # repository code should use it, with ``cwd=REPO_ROOT``.
@@ -136,12 +138,6 @@ def _run_quiet(argv: list[str], env: Mapping[str, str], timeout: float) -> subpr
         )
     except subprocess.TimeoutExpired as error:
         raise SlurmUnavailable(f"`{' '.join(argv)}` did not finish within {timeout} s") from error
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _real_memory_mib() -> int:
@@ -381,9 +377,9 @@ class LocalSlurmCluster:
         self._wait_for(socket_path.exists, f"munged socket {socket_path}")
 
     def _write_config(self) -> None:
-        ctld_port, slurmd_port = _free_port(), _free_port()
+        ctld_port, slurmd_port = free_port(), free_port()
         while slurmd_port == ctld_port:
-            slurmd_port = _free_port()
+            slurmd_port = free_port()
         gres = f" Gres=gpu:{self.gpus_per_node}" if self.gpus_per_node else ""
         lines = [
             "# Written by tests/slurm_cluster.py: a single-node test cluster on loopback.",
