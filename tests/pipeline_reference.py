@@ -4,11 +4,12 @@ error of each stage's gradients against it."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
 
-from moetrain import set_aux_loss_scale
+from moetrain import parallelize, set_aux_loss_scale
 from moetrain.layers import MoELayer
 
 
@@ -48,3 +49,34 @@ def gradient_errors(model, reference, parallel) -> dict[str, float]:
             want = want[local.start : local.stop]
         errors[name] = rel_error(param.grad, want)
     return errors
+
+
+def pipeline_step_report(
+    model, parallel, strategy, micro: int, example: Callable, loss_fn: Callable, loss_of: Callable
+) -> dict:
+    """One pipeline step of ``model`` (parallelized by ``strategy``: this rank keeps its stages)
+    over ``micro`` micro-batches ``example(stream * 100 + i)`` of this rank's data stream, each
+    loss ``loss_fn(output, target) / micro``, and the same step by a copy of the whole ``model``
+    in one process (:func:`reference_step`, ``loss_of(net, inputs, target)``). Returns this
+    rank's ``stage``, data ``stream``, its parameter names (``params``), the pipeline's and the
+    reference's ``losses`` / ``ref_losses`` and summed ``aux`` / ``ref_aux`` losses, the global
+    ``norm`` of both, and each parameter's relative gradient error (``grads``)."""
+    reference = copy.deepcopy(model)
+    trained = parallelize(model, parallel, strategy)
+    set_aux_loss_scale(model, 1.0 / micro)
+    batches = [example(parallel.data_index * 100 + i) for i in range(micro)]
+    losses, aux = trained.pipeline.step(batches, loss_fn, 1.0 / micro)
+    trained.reduce_gradients()
+    norm = trained.grad_norm()
+    ref_losses, ref_aux, ref_norm = reference_step(reference, parallel, micro, example, loss_of)
+    return {
+        "stage": parallel.pp_rank,
+        "stream": parallel.data_index,
+        "params": sorted(name for name, _ in model.named_parameters()),
+        "losses": [float(x) for x in losses],
+        "ref_losses": [float(x) for x in ref_losses],
+        "aux": float(aux),
+        "ref_aux": float(ref_aux),
+        "grads": gradient_errors(model, reference, parallel),
+        "norm": (float(norm), float(ref_norm)),
+    }

@@ -6,17 +6,15 @@ running the same ``m`` micro-batches of every data stream with gradient accumula
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-from moetrain import MoEConfig, ParallelConfig, ParallelContext, parallelize, set_aux_loss_scale
+from moetrain import MoEConfig, ParallelConfig, ParallelContext
 from moetrain.layers import MoELayer
 from moetrain.lm import LMConfig, MoETransformerLM, default_lm_strategy, lm_loss
 from moetrain.pipeline import balance_layers, bubble_fraction, stage_layers
 from tests.dist_utils import run_distributed
-from tests.pipeline_reference import gradient_errors, reference_step
+from tests.pipeline_reference import pipeline_step_report
 
 LM = LMConfig(
     vocab_size=64,
@@ -50,39 +48,19 @@ def pipeline_worker(rank, world, layouts):
         parallel = ParallelContext(config)
         torch.manual_seed(0)
         model = MoETransformerLM(LM, seed=3)
-        reference = copy.deepcopy(model)
-        trained = parallelize(model, parallel, default_lm_strategy(LM, 1, parallel.pp_size))
-        set_aux_loss_scale(model, 1.0 / MICRO)
-        batches = [_tokens(parallel.data_index * 100 + micro) for micro in range(MICRO)]
-        losses, aux = trained.pipeline.step(batches, lm_loss, 1.0 / MICRO)
-        trained.reduce_gradients()
-        norm = trained.grad_norm()
+        strategy = default_lm_strategy(LM, 1, parallel.pp_size)
+        report = pipeline_step_report(model, parallel, strategy, MICRO, _tokens, lm_loss, _lm_loss_of)
         routed = {
-            name: module.last_stats.routed_per_expert.clone()
+            name: module.last_stats.routed_per_expert.tolist()
             for name, module in model.named_modules()
             if isinstance(module, MoELayer)
         }
-
-        ref_losses, ref_aux, ref_norm = reference_step(
-            reference, parallel, MICRO, _tokens, lambda net, inputs, targets: lm_loss(net(inputs), targets)
-        )
-        errors = gradient_errors(model, reference, parallel)
-        reports.append(
-            {
-                "layout": (ep, schedule, virtual),
-                "stage": parallel.pp_rank,
-                "stream": parallel.data_index,
-                "params": sorted(name for name, _ in model.named_parameters()),
-                "losses": [float(x) for x in losses],
-                "ref_losses": [float(x) for x in ref_losses],
-                "aux": float(aux),
-                "ref_aux": float(ref_aux),
-                "grads": errors,
-                "norm": (float(norm), float(ref_norm)),
-                "routed": {k: v.tolist() for k, v in routed.items()},
-            }
-        )
+        reports.append({"layout": (ep, schedule, virtual), **report, "routed": routed})
     return reports
+
+
+def _lm_loss_of(net, inputs, targets):
+    return lm_loss(net(inputs), targets)
 
 
 def _check(results, world_params):
@@ -321,16 +299,10 @@ def exchange_worker(rank, world, variants):
         parallel = ParallelContext(ParallelConfig(ep_size=2, pp_size=2, pp_schedule="1f1b", **extra))
         torch.manual_seed(0)
         model = MoETransformerLM(LM, seed=3)
-        reference = copy.deepcopy(model)
-        trained = parallelize(model, parallel, default_lm_strategy(LM, 1, parallel.pp_size))
-        set_aux_loss_scale(model, 1.0 / MICRO)
-        batches = [_tokens(parallel.data_index * 100 + micro) for micro in range(MICRO)]
-        trained.pipeline.step(batches, lm_loss, 1.0 / MICRO)
-        trained.reduce_gradients()
-        reference_step(reference, parallel, MICRO, _tokens, lambda net, x, y: lm_loss(net(x), y))
-        errors = gradient_errors(model, reference, parallel)
+        strategy = default_lm_strategy(LM, 1, parallel.pp_size)
+        report = pipeline_step_report(model, parallel, strategy, MICRO, _tokens, lm_loss, _lm_loss_of)
         dispatchers = {type(m.dispatcher).__name__ for m in model.modules() if isinstance(m, MoELayer)}
-        reports.append((max(errors.values()), sorted(dispatchers)))
+        reports.append((max(report["grads"].values()), sorted(dispatchers)))
     return reports
 
 

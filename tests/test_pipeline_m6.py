@@ -7,7 +7,6 @@ no loss, and ``tie_embeddings`` is refused under pp."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
@@ -16,9 +15,9 @@ import torch
 from m6_moe.config import M6Config
 from m6_moe.model import M6Model, default_m6_strategy
 from m6_moe.tasks import IGNORE_INDEX, m6_loss
-from moetrain import ParallelConfig, ParallelContext, parallelize, set_aux_loss_scale
+from moetrain import ParallelConfig, ParallelContext
 from tests.dist_utils import run_distributed
-from tests.pipeline_reference import gradient_errors, reference_step, rel_error
+from tests.pipeline_reference import pipeline_step_report, rel_error
 from tests.test_pipeline import _check
 
 CONFIG = M6Config(
@@ -56,33 +55,14 @@ def m6_pipeline_worker(rank, world, layouts):
         parallel = ParallelContext(ParallelConfig(ep_size=ep, pp_size=2, pp_schedule=schedule))
         torch.manual_seed(0)
         model = M6Model(CONFIG, seed=3)
-        reference = copy.deepcopy(model)
-        trained = parallelize(model, parallel, default_m6_strategy(CONFIG, 1, parallel.pp_size))
-        set_aux_loss_scale(model, 1.0 / MICRO)
-        batches = [_batch(parallel.data_index * 100 + micro) for micro in range(MICRO)]
-        losses, aux = trained.pipeline.step(batches, m6_loss, 1.0 / MICRO)
-        trained.reduce_gradients()
-        norm = trained.grad_norm()
-
-        ref_losses, ref_aux, ref_norm = reference_step(
-            reference, parallel, MICRO, _batch, lambda net, inputs, labels: m6_loss(net(**inputs), labels)
-        )
-        errors = gradient_errors(model, reference, parallel)
-        reports.append(
-            {
-                "layout": (ep, schedule),
-                "stage": parallel.pp_rank,
-                "stream": parallel.data_index,
-                "params": sorted(name for name, _ in model.named_parameters()),
-                "losses": [float(x) for x in losses],
-                "ref_losses": [float(x) for x in ref_losses],
-                "aux": float(aux),
-                "ref_aux": float(ref_aux),
-                "grads": errors,
-                "norm": (float(norm), float(ref_norm)),
-            }
-        )
+        strategy = default_m6_strategy(CONFIG, 1, parallel.pp_size)
+        report = pipeline_step_report(model, parallel, strategy, MICRO, _batch, m6_loss, _m6_loss_of)
+        reports.append({"layout": (ep, schedule), **report})
     return reports
+
+
+def _m6_loss_of(net, inputs, labels):
+    return m6_loss(net(**inputs), labels)
 
 
 @pytest.mark.slow
