@@ -344,11 +344,8 @@ class ParallelConfig:
         require_int("pp_size", self.pp_size, 1)
         require_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         require_int("pp_virtual", self.pp_virtual, 1)
-        if (self.pp_schedule == "interleaved_1f1b") != (self.pp_virtual > 1) and self.pp_size > 1:
-            raise ValueError(
-                f"pp_virtual must be > 1 exactly when pp_schedule = 'interleaved_1f1b', got pp_virtual = "
-                f"{self.pp_virtual} with pp_schedule = {self.pp_schedule!r}"
-            )
+        if self.pp_size > 1:
+            check_pipeline_virtual(self.pp_schedule, self.pp_virtual)
         if self.pp_layers is not None:
             layers = self.pp_layers
             stages = self.pp_size * self.pp_virtual
@@ -685,6 +682,16 @@ class TrainConfig:
         if self.balance.enabled or self.recompute_budget_mb is not None:
             what = "balance" if self.balance.enabled else "recompute_budget_mb"
             raise ValueError(f"{what} is not supported with parallel.pp_size > 1: turn it off")
+
+
+def check_pipeline_virtual(schedule: str, virtual: int) -> None:
+    """ValueError unless ``virtual`` (stages per pipeline rank) is > 1 exactly under
+    ``interleaved_1f1b``."""
+    if (schedule == "interleaved_1f1b") != (virtual > 1):
+        raise ValueError(
+            f"pp_virtual must be > 1 exactly when pp_schedule = 'interleaved_1f1b', got pp_virtual = "
+            f"{virtual} with pp_schedule = {schedule!r}"
+        )
 
 
 def check_pipeline_microbatches(schedule: str, stages: int, microbatches: int, stages_key: str) -> None:

@@ -37,7 +37,7 @@ import argparse
 import json
 from dataclasses import replace
 
-from moetrain.config import ALL_TO_ALL_ALGORITHMS
+from moetrain.config import ALL_TO_ALL_ALGORITHMS, PP_SCHEDULES
 from moetrain.planner.hardware import GPU_PRESETS, ClusterSpec, GiB, GPUSpec, cluster_preset, gbps_to_bytes
 from moetrain.planner.model import resolve_model
 from moetrain.planner.plan import make_plan
@@ -114,7 +114,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     )
     plan.add_argument("--ep-size", type=int)
     plan.add_argument("--pp-size", type=int, help="pipeline stages (micro-batches: --grad-accum)")
-    plan.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved_1f1b"))
+    plan.add_argument("--pp-schedule", choices=PP_SCHEDULES)
     plan.add_argument("--pp-virtual", type=int, help="stages per rank (interleaved_1f1b)")
     plan.add_argument("--micro-batch", type=int, help="sequences per GPU per micro-step")
     plan.add_argument(

@@ -392,6 +392,7 @@ def make_plan(
             f"{stage.in_flight} stage forwards in flight under {settings.pp_schedule}); bubble "
             f"{100 * pipeline.bubble:.1f}% of the step; no recompute planned with stages"
         )
+    layers_here = pipeline.moe_layers if pipeline is not None else len(moe_layers)  # MoE layers per rank
     if moe_layers and cf is None:
         notes.append(
             "dropless routing: activations assume balanced routing (N = T*k rows); an imbalanced step "
@@ -532,7 +533,7 @@ def make_plan(
         rows = moe_layers[0].rows
         balanced_rows = moe_layers[0].balanced_rows.sent
         row_bytes = _wire_row_bytes(arch.d_model, b, settings.comm_dtype)
-        n = (pipeline.moe_layers if pipeline is not None else len(moe_layers)) * accum
+        n = layers_here * accum
         local_experts = arch.moe.num_experts // ep
 
         def per_slot_traffic(name: str) -> tuple[Traffic, Traffic]:
@@ -609,7 +610,6 @@ def make_plan(
     hidden_s = 0.0
     if overlap is not None:  # per MoE layer and micro-step (see moetrain.planner.overlap)
         cost, expert_s = overlap
-        layers_here = pipeline.moe_layers if pipeline is not None else len(moe_layers)
         hidden_s = layers_here * accum * hidden_seconds(cost, expert_s, expert_s, expert_s, chunks)
     sync_s = sum(t.seconds for t in traffic if t.name.endswith("all_reduce") and t.name != "tp_all_reduce")
     tp_s = sum(t.seconds for t in traffic if t.name == "tp_all_reduce")

@@ -11,6 +11,7 @@ from moetrain.config import (
     EP_LAYOUTS,
     PP_SCHEDULES,
     check_pipeline_microbatches,
+    check_pipeline_virtual,
     validate_strategy,
 )
 from moetrain.validation import is_finite_number, require_bool, require_choice, require_int, require_number
@@ -111,11 +112,7 @@ class PlanSettings:
         require_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         require_int("pp_virtual", self.pp_virtual, 1)
         if self.pp_size > 1:
-            if (self.pp_schedule == "interleaved_1f1b") != (self.pp_virtual > 1):
-                raise ValueError(
-                    f"pp_virtual must be > 1 exactly when pp_schedule = 'interleaved_1f1b', got pp_virtual = "
-                    f"{self.pp_virtual} with pp_schedule = {self.pp_schedule!r}"
-                )
+            check_pipeline_virtual(self.pp_schedule, self.pp_virtual)
             if self.tp_size > 1:
                 raise ValueError(f"pp_size = {self.pp_size} composes with ep and dp only: tp_size must be 1")
             if self.recompute not in ("none", "auto"):
