@@ -5,14 +5,11 @@ output there, as the shell would)."""
 from __future__ import annotations
 
 import json
-import os
-import shlex
-import subprocess
 import sys
 
 import pytest
 
-from tests.doc_commands import MOETRAIN, ROOT, bash_commands
+from tests.doc_commands import MOETRAIN, ROOT, bash_commands, run_moetrain
 
 DOC = ROOT / "docs" / "parallelize.md"
 
@@ -33,22 +30,15 @@ def test_the_page_runs_the_example_then_plans_and_trains():
 @pytest.mark.timeout(400)
 def test_documented_commands_run(tmp_path):
     assert MOETRAIN.is_file(), f"the moetrain command is not installed next to {sys.executable}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     outputs = []
     for words in documented_commands():
         target = None
         if ">" in words:
             words, target = words[: words.index(">")], words[words.index(">") + 1]
-        argv = [str(MOETRAIN)] + [
-            str(ROOT / word) if word.startswith(("scripts/", "configs/")) else word for word in words[1:]
-        ]
-        result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, (
-            f"{shlex.join(words)}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
-        )
+        stdout, _ = run_moetrain(words, tmp_path, ("scripts/", "configs/"))
         if target is not None:
-            (tmp_path / target).write_text(result.stdout)
-        outputs.append(result.stdout)
+            (tmp_path / target).write_text(stdout)
+        outputs.append(stdout)
     assert "parallelize: dp 1 x ep 2 x tp 2" in outputs[0] and "split.head 1" in outputs[0]
     losses = [float(line.split()[3]) for line in outputs[0].splitlines() if line.startswith("step ")]
     assert len(losses) == 3 and all(loss == loss for loss in losses)

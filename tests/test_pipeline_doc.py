@@ -3,13 +3,9 @@ process (pp 1), from a fresh working directory."""
 
 from __future__ import annotations
 
-import os
-import shlex
-import subprocess
-
 import pytest
 
-from tests.doc_commands import MOETRAIN, ROOT, bash_commands
+from tests.doc_commands import ROOT, bash_commands, run_moetrain
 
 DOC = ROOT / "docs" / "pipeline.md"
 
@@ -31,16 +27,10 @@ def test_the_page_trains_with_stages_then_resumes_in_one_process():
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_documented_commands_run(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     outputs = []
     for words in documented_commands():
-        local = ("configs/", "models/")
-        argv = [str(MOETRAIN)] + [str(ROOT / w) if w.startswith(local) else w for w in words[1:]]
-        result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, (
-            f"{shlex.join(words)}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
-        )
-        outputs.append(result.stdout + result.stderr)
+        stdout, stderr = run_moetrain(words, tmp_path, ("configs/", "models/"))
+        outputs.append(stdout + stderr)
     run = tmp_path / "runs" / "pp2" / "checkpoints"
     assert (run / "step_00000003").is_dir() and (run / "step_00000005").is_dir()
     assert "resumed from step 3" in outputs[1]
