@@ -140,18 +140,20 @@ def _metrics(history):
     return [{k: m[k] for k in keys} for m in history]
 
 
-def engine_worker(rank, world, out_dir, schedule, until=None, precision="fp32"):
+def _train(config: dict, until=None) -> list[dict]:
+    """``moetrain train``'s Trainer on ``config`` (until step ``until``): its logged metrics."""
     from moetrain.config import TrainConfig, config_from_dict
     from moetrain.engine import Trainer
 
-    config = config_from_dict(
-        TrainConfig, {**_engine_config(out_dir, world, schedule), "precision": precision}
-    )
-    trainer = Trainer(config)
+    trainer = Trainer(config_from_dict(TrainConfig, config))
     try:
         return _metrics(trainer.train(until=until))
     finally:
         trainer.close()
+
+
+def engine_worker(rank, world, out_dir, schedule, until=None, precision="fp32"):
+    return _train({**_engine_config(out_dir, world, schedule), "precision": precision}, until)
 
 
 def _approx(history, expected, rel=2e-4):
@@ -169,24 +171,14 @@ def test_moetrain_train_pp2_equals_one_process_and_its_checkpoint_resumes_under_
     expert metrics (the aux-free score biases' range of every layer included) equal one process's;
     a pp2 run stopped at step 2 resumes in one process (pp1) and ends where the one-process run
     ends (parameters, optimizer state and data stream resharded pp2 -> pp1 by name)."""
-    from moetrain.config import TrainConfig, config_from_dict
-    from moetrain.engine import Trainer
-
-    def single_run(out_dir, until=None):
-        trainer = Trainer(config_from_dict(TrainConfig, _engine_config(out_dir)))
-        try:
-            return _metrics(trainer.train(until=until))
-        finally:
-            trainer.close()
-
-    single = single_run(tmp_path / "single")
+    single = _train(_engine_config(tmp_path / "single"))
     for schedule in ("gpipe", "1f1b"):
         ranks = run_distributed(engine_worker, 2, str(tmp_path / schedule), schedule)
         _approx(ranks[0], single)
         assert ranks[1] == ranks[0]
     first = run_distributed(engine_worker, 2, str(tmp_path / "resumed"), "1f1b", 2)
     _approx(first[0], single[:2])
-    second = single_run(tmp_path / "resumed")
+    second = _train(_engine_config(tmp_path / "resumed"))
     _approx(second, single[2:])
 
 
@@ -195,15 +187,7 @@ def test_moetrain_train_pp2_equals_one_process_and_its_checkpoint_resumes_under_
 def test_moetrain_train_pp2_under_fp16_equals_one_process(tmp_path):
     """precision fp16 (autocast, dynamic loss scale) with two 1F1B stages: the schedule scales the
     losses by the scaler's scale; the run's metrics equal one process's fp16 run."""
-    from moetrain.config import TrainConfig, config_from_dict
-    from moetrain.engine import Trainer
-
-    config = config_from_dict(TrainConfig, {**_engine_config(tmp_path / "single"), "precision": "fp16"})
-    trainer = Trainer(config)
-    try:
-        single = _metrics(trainer.train())
-    finally:
-        trainer.close()
+    single = _train({**_engine_config(tmp_path / "single"), "precision": "fp16"})
     ranks = run_distributed(engine_worker, 2, str(tmp_path / "pp2"), "1f1b", None, "fp16")
     _approx(ranks[0], single, rel=2e-3)
     assert ranks[1] == ranks[0]
