@@ -15,8 +15,8 @@ GPU mode, ``--device cuda [--dtype bf16]``: the same cases at a GPU-sized defaul
 (T=16384, d_model=4096, d_ff=14336, E=8, top-2), layer and floor in ``--dtype`` (parameters too),
 timed with CUDA events (warm-up, then the median). It adds the layer's achieved TFLOP/s against the
 GPU's dense bf16/fp16 peak (a table keyed by ``torch.cuda.get_device_name()``; "unknown" for other
-GPUs) and the achieved memory bandwidth of the permutation kernels (``csrc/permute.cu``,
-``csrc/a2a_layout.cu``) against the device's copy bandwidth measured in the same run (a large
+GPUs) and the achieved memory bandwidth of the permutation kernels (``csrc/permute_cuda.cu``,
+``csrc/a2a_layout_cuda.cu``) against the device's copy bandwidth measured in the same run (a large
 ``tensor.copy_``). Targets: ``ours_over_floor <= 1.10``, kernels >= 70% of the copy bandwidth.
 """
 

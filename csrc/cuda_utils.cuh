@@ -1,4 +1,4 @@
-// Shared pieces of moetrain's CUDA kernels (permute.cu, a2a_layout.cu): argument checks, the
+// Shared pieces of moetrain's CUDA kernels (permute_cuda.cu, a2a_layout_cuda.cu): argument checks, the
 // launch geometry, 16-byte packets, warp reductions, and the host functions each file exports.
 //
 // Geometry used by every row kernel: blocks of kThreads = 256 threads = 8 warps; one warp owns one
@@ -128,16 +128,16 @@ __device__ __forceinline__ T warp_max(T v) {
 
 }  // namespace cuda
 
-// ---- host functions exported by the .cu files (registered as CUDA kernels in permute.cu) ----
+// ---- host functions exported by the .cu files (registered as CUDA kernels in permute_cuda.cu) ----
 
-// permute.cu
+// permute_cuda.cu
 at::Tensor permute_rows_cuda(const at::Tensor& x_TD, const at::Tensor& slot_of_row_N, int64_t k,
                              const c10::optional<at::Tensor>& weights_S);
 at::Tensor unpermute_rows_cuda(const at::Tensor& y_ND, const at::Tensor& row_of_slot_TK,
                                const c10::optional<at::Tensor>& weights_TK);
 at::Tensor unpermute_weight_grad_cuda(const at::Tensor& grad_TD, const at::Tensor& y_ND,
                                       const at::Tensor& row_of_slot_TK);
-// a2a_layout.cu
+// a2a_layout_cuda.cu
 at::Tensor transpose_chunks_cuda(const at::Tensor& x, const at::Tensor& sizes_AB);
 at::Tensor pack_scaled_fp16_cuda(const at::Tensor& x_ND);
 at::Tensor unpack_scaled_fp16_cuda(const at::Tensor& packed, c10::ScalarType dtype);

@@ -157,7 +157,7 @@ def naive_moe_forward(layer, x, jitter_noise=None):
 
 
 # ------------------------------------------------------------------------------------------------
-# All-to-all layout (csrc/a2a_layout.cpp, csrc/a2a_layout.cu).
+# All-to-all layout (csrc/a2a_layout.cpp, csrc/a2a_layout_cuda.cu).
 # ------------------------------------------------------------------------------------------------
 
 

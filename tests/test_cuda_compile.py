@@ -108,7 +108,7 @@ def _compile(source: Path) -> tuple[int, str, Path]:
 
 
 def test_cuda_sources_exist():
-    assert {p.name for p in CUDA_SOURCES} >= {"permute.cu", "a2a_layout.cu"}
+    assert {p.name for p in CUDA_SOURCES} >= {"permute_cuda.cu", "a2a_layout_cuda.cu"}
 
 
 @pytest.mark.parametrize("source", CUDA_SOURCES, ids=lambda p: p.name)

@@ -1,4 +1,4 @@
-"""The GPU path: CUDA kernels (csrc/permute.cu, csrc/a2a_layout.cu, the CUDA implementations of
+"""The GPU path: CUDA kernels (csrc/permute_cuda.cu, csrc/a2a_layout_cuda.cu, the CUDA implementations of
 ``torch.ops.moetrain.*``) against the plain-PyTorch references, the CPU ops and the torch-native
 twins, the start-up check on a real GPU, and MoELayer on CUDA against MoELayer on the CPU.
 

@@ -37,7 +37,7 @@ def transpose_chunks(x: torch.Tensor, sizes_AB: torch.Tensor, kernels: str = "au
     (differentiable: the gradient takes the transposed trip).
 
     CPU rows use ``csrc/a2a_layout.cpp`` (``sizes_AB`` on the CPU); CUDA rows use
-    ``csrc/a2a_layout.cu``, with ``sizes_AB`` on the CPU or on the rows' GPU (offsets are computed on
+    ``csrc/a2a_layout_cuda.cu``, with ``sizes_AB`` on the CPU or on the rows' GPU (offsets are computed on
     the device, no synchronisation); ``kernels="torch"``: one ``index_select``."""
     return kernel("transpose_chunks", x.device, kernels)(x.contiguous(), sizes_AB.contiguous())
 

@@ -5,7 +5,7 @@
   largest value (3.39e38, a hair below fp32's 3.40e38).
 - ``"fp16"``: each row divided by a power of two ``2^e`` with ``max|row| / 2^e <= 2^15``, cast to
   float16 and sent with ``e`` in one extra 16-bit column (the ``pack_scaled_fp16`` op of
-  :mod:`moetrain.kernels`: ``csrc/a2a_layout.cpp`` for CPU rows, ``csrc/a2a_layout.cu`` for CUDA
+  :mod:`moetrain.kernels`: ``csrc/a2a_layout.cpp`` for CPU rows, ``csrc/a2a_layout_cuda.cu`` for CUDA
   rows, or the frexp/ldexp twin, as ``kernels`` selects). The scale is exact, so the error is fp16 rounding
   (relative 2^-11) and no finite value overflows (fp64 rows whose max is below ~1e-297 flush to
   zero: the exponent stops at -1000). bf16 rows (whose range fp16 lacks) are widened to
