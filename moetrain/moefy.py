@@ -16,14 +16,28 @@ FFN shapes it reads (duck-typed, so no model library is imported):
   (``nn.Linear``, biases if present) and a SiLU ``act_fn``: SwiGLU experts.
 
 A trailing dropout is kept after the MoE layer (``nn.Sequential(moe, dropout)``).
+
+Hugging Face round trip: when the model has a Hugging Face config (``model.config`` with
+``to_json_string``), :func:`moefy` records what it did under ``model.config.moetrain_moefy``
+(``RECORD_KEY``): per call, the swapped modules, ``num_experts``, ``top_k`` and every other
+resolved :class:`~moetrain.MoEConfig` option, so ``model.save_pretrained(path)`` writes it into
+``config.json``. :func:`from_pretrained` reads it back: builds the model class from the config,
+replays the recorded ``moefy`` calls and loads the safetensors weights strictly. Nothing in the
+folder is executed (JSON and safetensors only). Transformers' own ``from_pretrained`` cannot know
+the record: it rebuilds the dense FFNs with random weights and only warns (its LOAD REPORT lists
+the experts as UNEXPECTED and the FFN weights as MISSING), see docs/moefy.md.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import json
 import logging
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,6 +50,11 @@ log = logging.getLogger(__name__)
 _GELU_TANH_CLASSES = {"NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation"}
 _GELU_CLASSES = {"GELUActivation"}
 _SILU_CLASSES = {"SiLU", "SiLUActivation"}
+
+RECORD_KEY = "moetrain_moefy"  # the entry of a Hugging Face config (config.json) recording moefy calls
+RECORD_FORMAT = 1
+# MoEConfig fields a call gives or the FFN decides: not part of a call's recorded ``options``.
+_NOT_OPTIONS = ("d_model", "d_ff", "activation", "expert_bias", "num_experts", "top_k")
 
 
 @dataclass
@@ -167,6 +186,11 @@ def moefy(
     through the aux loss only). The new layers hold every expert and take the FFN's device and
     dtype; expert parallelism is applied afterwards (:func:`moetrain.parallelize` with
     ``expert``, or :func:`moetrain.shard_experts`).
+
+    A Hugging Face model (``model.config`` a ``PretrainedConfig``) gets the call recorded in
+    ``model.config.moetrain_moefy`` (see the module docstring): ``save_pretrained`` then writes it
+    to ``config.json`` and :func:`from_pretrained` gives the MoE model back. Call ``moefy`` on the
+    model you will save (the recorded names are relative to it).
     """
     accepts = _matcher(match)
     chosen = [(name, module) for name, module in model.named_modules() if name and accepts(name, module)]
@@ -202,6 +226,8 @@ def moefy(
         replacement = layer if dense.after is None else nn.Sequential(layer, dense.after)
         model.set_submodule(name, replacement)
         replaced.append(name)
+    resolved = {key: value for key, value in asdict(config).items() if key not in _NOT_OPTIONS}
+    _record(model, {"modules": replaced, "num_experts": num_experts, "top_k": top_k, "options": resolved})
     log.info(
         "moefy: %d FFN(s) replaced by MoELayers of %d experts (upcycled: %s)",
         len(replaced),
@@ -209,3 +235,238 @@ def moefy(
         upcycle,
     )
     return replaced
+
+
+# ------------------------------------------------------------------------------------------------
+# Hugging Face round trip: the record in the config, and loading a saved folder back.
+
+
+def _record(model: nn.Module, call: dict[str, Any]) -> None:
+    """Appends ``call`` to ``model.config.moetrain_moefy`` when ``model`` has a Hugging Face config
+    (a new dict each time: an earlier record is never mutated)."""
+    config = getattr(model, "config", None)
+    if not callable(getattr(config, "to_json_string", None)):
+        return
+    call = json.loads(json.dumps(call))  # plain JSON values, as config.json will hold them
+    earlier = getattr(config, RECORD_KEY, None)
+    calls = list(earlier["moefied"]) if isinstance(earlier, dict) and "moefied" in earlier else []
+    setattr(config, RECORD_KEY, {"format": RECORD_FORMAT, "moefied": [*calls, call]})
+
+
+def _record_problem(record: Any) -> str | None:
+    """What is wrong with a ``moetrain_moefy`` record (None: its shape is right; the option values
+    are checked by MoEConfig when the calls are replayed)."""
+    if not isinstance(record, dict):
+        return f"a mapping expected, got {type(record).__name__}"
+    if record.get("format") != RECORD_FORMAT:
+        return f"format {record.get('format')!r}, this moetrain reads format {RECORD_FORMAT}"
+    calls = record.get("moefied")
+    if not isinstance(calls, list) or not calls:
+        return "'moefied' must be a non-empty list of moefy calls"
+    for index, call in enumerate(calls):
+        where = f"moefied[{index}]"
+        if not isinstance(call, dict):
+            return f"{where} must be a mapping, got {type(call).__name__}"
+        missing = [key for key in ("modules", "num_experts", "top_k", "options") if key not in call]
+        if missing:
+            return f"{where} lacks {', '.join(missing)}"
+        modules = call["modules"]
+        if not isinstance(modules, list) or not modules or not all(isinstance(m, str) for m in modules):
+            return f"{where}.modules must be a non-empty list of module names, got {modules!r}"
+        if not isinstance(call["options"], dict):
+            return f"{where}.options must be a mapping of MoEConfig options, got {call['options']!r}"
+        clashing = sorted(set(call["options"]) & set(_NOT_OPTIONS))
+        if clashing:
+            return f"{where}.options may not set {', '.join(clashing)} (given by the call or the FFN)"
+    return None
+
+
+def read_moefy_record(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``moetrain_moefy`` record of the Hugging Face folder ``path`` (or of a ``config.json``
+    file), read as JSON and checked; ``ValueError`` (one line naming the folder) when the folder
+    has no config, the config has no record, or the record is malformed."""
+    path = Path(path)
+    file = path if path.is_file() else path / "config.json"
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no config.json (not a Hugging Face model folder)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{file}: unreadable config ({type(error).__name__}: {error})") from None
+    if not isinstance(config, dict) or RECORD_KEY not in config:
+        raise ValueError(
+            f"{path}: config.json has no {RECORD_KEY!r} entry, so the MoE options are unknown: the folder "
+            "was not saved from a moetrain.moefy-ed model (load it with transformers' from_pretrained), or "
+            "its config was rewritten without the entry"
+        )
+    problem = _record_problem(config[RECORD_KEY])
+    if problem is not None:
+        raise ValueError(f"{file}: invalid {RECORD_KEY!r} entry: {problem}")
+    return config[RECORD_KEY]
+
+
+def replay_moefy(model: nn.Module, record: dict[str, Any], source: str = "the record") -> list[str]:
+    """Applies the ``moefy`` calls of ``record`` to ``model`` (the dense model they were made on),
+    with freshly initialised experts (``upcycle=False``: the weights are loaded afterwards) and the
+    recorded options; returns the replaced names. ``ValueError`` naming ``source`` when a recorded
+    module is missing or the options are invalid."""
+    problem = _record_problem(record)
+    if problem is not None:
+        raise ValueError(f"{source}: invalid {RECORD_KEY!r} entry: {problem}")
+    replaced: list[str] = []
+    for index, call in enumerate(record["moefied"]):
+        wanted = list(call["modules"])
+        absent = [name for name in wanted if _submodule(model, name) is None]
+        if absent:
+            raise ValueError(
+                f"{source}: invalid {RECORD_KEY!r} entry: moefied[{index}] names module {absent[0]!r}, "
+                f"which {type(model).__name__} does not have (another model class, or moefy was called on "
+                "a submodule)"
+            )
+        chosen = set(wanted)
+        try:
+            replaced += moefy(
+                model,
+                match=lambda name, module, chosen=chosen: name in chosen,
+                num_experts=call["num_experts"],
+                top_k=call["top_k"],
+                upcycle=False,
+                **call["options"],
+            )
+        except (ValueError, TypeError) as error:
+            message = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise ValueError(f"{source}: invalid {RECORD_KEY!r} entry: moefied[{index}]: {message}") from None
+    return replaced
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def build_moefied(model_class, path: str | os.PathLike, **config_kwargs) -> nn.Module:
+    """The moefied model the Hugging Face folder ``path`` describes, with fresh weights: the config
+    (``transformers.AutoConfig``, ``config_kwargs`` overriding its values), ``model_class`` built
+    from it (``from_config`` for the ``AutoModel*`` classes, the constructor otherwise), then the
+    recorded ``moefy`` calls replayed. Load weights into it afterwards (:func:`from_pretrained`
+    does, and ``moetrain export-hf`` loads a moetrain checkpoint)."""
+    import transformers
+
+    path = Path(path)
+    folder = path.parent if path.is_file() else path
+    record = read_moefy_record(folder)
+    config = transformers.AutoConfig.from_pretrained(str(folder), **config_kwargs)
+    delattr(config, RECORD_KEY)  # replaying the calls records them again, identically
+    factory = getattr(model_class, "from_config", None)
+    model = factory(config) if callable(factory) else model_class(config)
+    replay_moefy(model, record, str(folder / "config.json"))
+    return model
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            return [folder / name for name in sorted(set(weight_map.values()))]
+        except (KeyError, TypeError, json.JSONDecodeError) as error:
+            raise ValueError(f"{index}: not a safetensors index ({type(error).__name__}: {error})") from None
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ValueError(
+        f"{folder}: no model.safetensors or model.safetensors.index.json (moetrain.moefy.from_pretrained "
+        "reads safetensors weights only, never pickles)"
+    )
+
+
+def load_safetensors_strictly(
+    model: nn.Module, folder: str | os.PathLike, *, keep_saved_dtypes: bool = True
+) -> None:
+    """Loads the safetensors weights of ``folder`` into ``model``: every saved tensor must be one
+    of the model's, of the same shape, and every entry of the model's state dict must be saved,
+    except a parameter tied to a saved one (``lm_head.weight`` of a model with tied embeddings,
+    which ``save_pretrained`` leaves out). ``keep_saved_dtypes``: each floating tensor takes the
+    saved dtype (exact values); otherwise values are cast to the model's dtypes.
+    ``ValueError`` naming the folder and the first offending keys otherwise."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    saved: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(folder):
+        saved.update(load_file(str(file), device="cpu"))
+    own = model.state_dict()
+    unexpected = sorted(set(saved) - set(own))
+    names_by_tensor: dict[int, set[str]] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
+        names_by_tensor.setdefault(id(tensor), set()).add(name)
+    tied = {name for names in names_by_tensor.values() if names & set(saved) for name in names - set(saved)}
+    missing = sorted(set(own) - set(saved) - tied)
+    mismatched = [
+        f"{name} {tuple(saved[name].shape)} vs {tuple(own[name].shape)}"
+        for name in sorted(set(saved) & set(own))
+        if saved[name].shape != own[name].shape
+    ]
+    if unexpected or missing or mismatched:
+        parts = [
+            f"{label} {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''} ({len(keys)})"
+            for label, keys in (("unexpected", unexpected), ("missing", missing), ("shape", mismatched))
+            if keys
+        ]
+        raise ValueError(
+            f"{folder}: the saved weights do not fit the moefied {type(model).__name__}: {'; '.join(parts)}"
+        )
+    if keep_saved_dtypes:
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            value = saved.get(name)
+            if value is not None and value.is_floating_point() and tensor.dtype != value.dtype:
+                tensor.data = tensor.data.to(value.dtype)
+    model.load_state_dict(saved, strict=False)  # the tied entries were checked above
+
+
+def from_pretrained(
+    model_class,
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    **config_kwargs,
+) -> nn.Module:
+    """The moefied model that ``model.save_pretrained(path)`` saved, exactly: ``model_class`` (a
+    transformers class such as ``AutoModelForCausalLM`` or ``GPT2LMHeadModel``) built from the
+    folder's config, the ``moefy`` calls its ``moetrain_moefy`` entry records replayed, and the
+    safetensors weights loaded strictly (every saved tensor used, none missing). In ``eval()``
+    mode, as transformers returns models.
+
+    ``path``: a local folder (nothing is downloaded, nothing in it is executed). ``dtype``: cast
+    the model to it (default: each tensor keeps its saved dtype); ``device``: move it there;
+    ``config_kwargs``: config values to override (``transformers.AutoConfig.from_pretrained``'s
+    keyword arguments). ``ValueError`` with one line naming the folder when the config has no
+    ``moetrain_moefy`` entry, when the entry is invalid, or when the weights do not fit.
+    """
+    folder = Path(path)
+    model = build_moefied(model_class, folder, **config_kwargs)
+    if dtype is not None:
+        model.to(dtype)
+    load_safetensors_strictly(model, folder, keep_saved_dtypes=dtype is None)
+    if (folder / "generation_config.json").is_file() and hasattr(model, "generation_config"):
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(folder))
+    if device is not None:
+        model.to(device)
+    log.info("moefy: loaded %s (%s) from %s", type(model).__name__, _describe(model), folder)
+    return model.eval()
+
+
+def _describe(model: nn.Module) -> str:
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    experts = sorted({layer.config.num_experts for layer in layers})
+    return f"{len(layers)} MoELayers of {'/'.join(map(str, experts))} experts"
+
+
+# ``moetrain.moefy`` is the function once the package is imported (``moetrain/__init__.py`` exports
+# it under the module's name): the loader is reachable as ``moetrain.moefy.from_pretrained`` too.
+moefy.from_pretrained = from_pretrained
