@@ -254,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     train.set_defaults(run=_train)
     add_plan_parser(commands)
+    from moetrain.hf_export import add_export_parser  # moetrain export-hf (docs/moefy.md)
+
+    add_export_parser(commands)
     launch = commands.add_parser(
         "launch",
         help="torchrun with a one-line end on SIGTERM (arguments: torchrun's)",
