@@ -250,7 +250,28 @@ def _record(model: nn.Module, call: dict[str, Any]) -> None:
     call = json.loads(json.dumps(call))  # plain JSON values, as config.json will hold them
     earlier = getattr(config, RECORD_KEY, None)
     calls = list(earlier["moefied"]) if isinstance(earlier, dict) and "moefied" in earlier else []
-    setattr(config, RECORD_KEY, {"format": RECORD_FORMAT, "moefied": [*calls, call]})
+    just_swapped = set(call["modules"])  # FFNs until this call: an earlier record of them is stale
+
+    def current(earlier_call) -> bool:
+        names = earlier_call.get("modules", ()) if isinstance(earlier_call, dict) else ()
+        return all(_holds_moe(model, name) and name not in just_swapped for name in names)
+
+    kept = [earlier_call for earlier_call in calls if current(earlier_call)]
+    if len(kept) < len(calls):  # e.g. a moefied folder loaded by plain transformers: dense again
+        log.warning(
+            "moefy: %s's config recorded %d moefy call(s) whose modules were not MoE layers; dropped from "
+            "%s (the model was rebuilt dense, e.g. by plain transformers from_pretrained)",
+            type(model).__name__, len(calls) - len(kept), RECORD_KEY,
+        )  # fmt: skip
+    setattr(config, RECORD_KEY, {"format": RECORD_FORMAT, "moefied": [*kept, call]})
+
+
+def _holds_moe(model: nn.Module, name: str) -> bool:
+    """Whether module ``name`` of ``model`` is what moefy puts in place of an FFN."""
+    module = _submodule(model, name)
+    if isinstance(module, nn.Sequential) and len(module) > 0:
+        module = module[0]
+    return isinstance(module, MoELayer)
 
 
 def _record_problem(record: Any) -> str | None:
@@ -356,11 +377,13 @@ def build_moefied(model_class, path: str | os.PathLike, **config_kwargs) -> nn.M
 
     path = Path(path)
     folder = path.parent if path.is_file() else path
+    if config_kwargs.pop("trust_remote_code", False):
+        raise ValueError(f"{folder}: trust_remote_code: moetrain never runs code from a model folder")
     record = read_moefy_record(folder)
-    config = transformers.AutoConfig.from_pretrained(str(folder), **config_kwargs)
+    config = transformers.AutoConfig.from_pretrained(str(folder), trust_remote_code=False, **config_kwargs)
     delattr(config, RECORD_KEY)  # replaying the calls records them again, identically
     factory = getattr(model_class, "from_config", None)
-    model = factory(config) if callable(factory) else model_class(config)
+    model = factory(config, trust_remote_code=False) if callable(factory) else model_class(config)
     replay_moefy(model, record, str(folder / "config.json"))
     return model
 

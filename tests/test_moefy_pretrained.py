@@ -190,3 +190,36 @@ def test_weights_that_do_not_fit_are_refused(tmp_path):
     _one_line_error(tmp_path, r"shape transformer.h.0.mlp.0.experts")
     (tmp_path / "model.safetensors").unlink()
     _one_line_error(tmp_path, "no model.safetensors or model.safetensors.index.json")
+
+
+def test_sharded_safetensors_load(tmp_path):
+    model = trained_moe(tiny_llama)
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    loaded = from_pretrained(transformers.LlamaForCausalLM, tmp_path)
+    assert torch.equal(logits(loaded), logits(model))
+
+
+def test_a_record_left_by_plain_loading_is_replaced_when_the_dense_model_is_moefied_again(tmp_path, caplog):
+    """A moefied folder loaded by plain transformers is dense, but its config still holds the
+    record: moefying that model again records the new call only (with a warning), and the saved
+    folder round-trips."""
+    trained_moe(tiny_gpt2).save_pretrained(tmp_path / "moe")
+    dense = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "moe")
+    assert len(dense.config.moetrain_moefy["moefied"]) == 1
+    with caplog.at_level(logging.WARNING, logger="moetrain.moefy"):
+        moetrain.moefy(dense, match="transformer.h.*.mlp", num_experts=2, top_k=1)
+    assert "recorded 1 moefy call(s) whose modules were not MoE layers" in caplog.text
+    calls = dense.config.moetrain_moefy["moefied"]
+    assert [(c["num_experts"], c["top_k"]) for c in calls] == [(2, 1)]
+    dense.save_pretrained(tmp_path / "again")
+    assert torch.equal(
+        logits(from_pretrained(transformers.AutoModelForCausalLM, tmp_path / "again")), logits(dense)
+    )
+
+
+def test_remote_code_is_refused(tmp_path):
+    trained_moe(tiny_gpt2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="trust_remote_code: moetrain never runs code from a model folder"):
+        from_pretrained(transformers.AutoModelForCausalLM, tmp_path, trust_remote_code=True)
