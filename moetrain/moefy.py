@@ -243,7 +243,9 @@ def moefy(
 
 def _record(model: nn.Module, call: dict[str, Any]) -> None:
     """Appends ``call`` to ``model.config.moetrain_moefy`` when ``model`` has a Hugging Face config
-    (a new dict each time: an earlier record is never mutated)."""
+    (a new dict each time: an earlier record is never mutated). Earlier calls whose modules are not
+    MoE layers, or were FFNs until this call, are dropped with a warning: the model was rebuilt
+    dense with the record in its config (a moefied folder loaded by plain transformers)."""
     config = getattr(model, "config", None)
     if not callable(getattr(config, "to_json_string", None)):
         return

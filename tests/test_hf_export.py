@@ -114,3 +114,23 @@ def test_export_errors_are_one_line(run, tmp_path):
         export_hf(run, tmp_path / "out", config=wider)
     assert "\n" not in str(caught.value)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_checkpoint_saved_under_expert_parallelism_exports(example, tmp_path):
+    """Two ranks, two experts each (ep_size 2): the checkpoint holds the experts by global index,
+    so export-hf in one process writes all four, equal to the checkpoint loaded in one process."""
+    out = tmp_path / "ep2"
+    words = ["moetrain", "launch", "--nproc-per-node", "2", "-m", "moetrain.cli", "train"]
+    words += ["--config", "scripts/examples/hf_moefy/config.yaml", "--set", "parallel.ep_size=2"]
+    words += ["--set", f"out_dir={out}", "--set", "steps=4", "--set", "checkpoint_every=4"]
+    run_moetrain(words, tmp_path, ("scripts/",))
+    manifest = json.loads((out / "checkpoints" / "step_00000004" / "manifest.json").read_text())
+    assert (manifest["world_size"], manifest["ep_size"]) == (2, 2)
+    result = export_hf(out, tmp_path / "hf")
+    assert result["step"] == 4
+    loaded = moetrain.moefy.from_pretrained(transformers.AutoModelForCausalLM, tmp_path / "hf")
+    w1 = loaded.transformer.h[0].mlp[0].experts.w1_EDF
+    assert w1.shape[0] == 4 and not torch.equal(w1[0], w1[3])  # each rank's experts trained apart
+    assert torch.equal(logits(loaded), logits(checkpoint_model(example, out, 4)))
