@@ -1,5 +1,6 @@
 """moetrain: Mixture-of-Experts training for PyTorch."""
 
+from moetrain import scope
 from moetrain._version import __version__
 from moetrain.config import MoEConfig, ParallelConfig
 from moetrain.layers import (
@@ -13,6 +14,7 @@ from moetrain.layers import (
 from moetrain.moefy import moefy
 from moetrain.parallel import ParallelContext
 from moetrain.parallelize import Parallelized, materialize, parallelize
+from moetrain.scope import strategy_from_scopes
 
 __all__ = [
     "MoEConfig",
@@ -27,6 +29,8 @@ __all__ = [
     "materialize",
     "moefy",
     "parallelize",
+    "scope",
     "set_aux_loss_scale",
     "shard_experts",
+    "strategy_from_scopes",
 ]

@@ -2,6 +2,10 @@
 
 Registered as ``moe_lm`` (:func:`register`), like any user model. Legend: B batch, S sequence, D model dim,
 V vocabulary. Pre-norm blocks: ``x + attn(norm(x))`` then ``x + moe(norm(x))``.
+
+The parallel strategy is written twice, in the two forms :func:`moetrain.parallelize` takes, and they
+agree (tested): Whale's annotations in the model code (:mod:`moetrain.scope`: ``parallelize(model,
+mesh)`` reads them) and the pattern table :func:`default_lm_strategy` (the registry's strategy hook).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from moetrain.config import MoEConfig, option
 from moetrain.layers import MoELayer
 from moetrain.layers.experts import derive_seed
 from moetrain.pipeline import keep_layers, stack_layers
+from moetrain.scope import pipeline, replica, split
 from moetrain.validation import require_int
 
 
@@ -51,10 +56,12 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = d_model // num_heads
-        self.q = nn.Linear(d_model, d_model, bias=False)
-        self.k = nn.Linear(d_model, d_model, bias=False)
-        self.v = nn.Linear(d_model, d_model, bias=False)
-        self.proj = nn.Linear(d_model, d_model, bias=False)
+        with split():  # by columns: whole heads per tensor-parallel rank
+            self.q = nn.Linear(d_model, d_model, bias=False)
+            self.k = nn.Linear(d_model, d_model, bias=False)
+            self.v = nn.Linear(d_model, d_model, bias=False)
+        with split("row"):  # by rows: its input arrives sharded, its output is all-reduced
+            self.proj = nn.Linear(d_model, d_model, bias=False)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x_BSD.shape
@@ -72,7 +79,7 @@ class TransformerBlock(nn.Module):
         self.attn_norm = nn.LayerNorm(config.d_model)
         self.attn = CausalSelfAttention(config.d_model, config.num_heads)
         self.ffn_norm = nn.LayerNorm(config.d_model)
-        self.ffn = MoELayer(config.moe, seed=expert_seed)
+        self.ffn = MoELayer(config.moe, seed=expert_seed)  # expert parallel (an MoE layer's default)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
@@ -89,13 +96,17 @@ class MoETransformerLM(nn.Module):
     def __init__(self, config: LMConfig, *, seed: int = 0):
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        with split():  # vocabulary-parallel
+            self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.pos = nn.Parameter(torch.empty(config.max_seq_len, config.d_model))
-        self.blocks = nn.ModuleList(
-            TransformerBlock(config, derive_seed(seed, f"blocks.{i}.ffn")) for i in range(config.num_layers)
-        )
+        with pipeline(), replica():  # the stack cut into stages; each block one FSDP unit
+            self.blocks = nn.ModuleList(
+                TransformerBlock(config, derive_seed(seed, f"blocks.{i}.ffn"))
+                for i in range(config.num_layers)
+            )
         self.norm = nn.LayerNorm(config.d_model)
-        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        with split("head"):  # logits sharded over the vocabulary, parallel cross-entropy
+            self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -130,7 +141,8 @@ def default_lm_strategy(config: LMConfig, tp_size: int = 1, pp_size: int = 1) ->
     attention's q / k / v ``split`` (by columns: whole heads per rank), its output projection
     ``split.row``, the head ``split.head`` (logits sharded over the vocabulary, parallel
     cross-entropy) and the embedding ``split`` (vocabulary-parallel); with ``pp_size > 1`` the
-    block stack ``pipeline``; everything else replicated."""
+    block stack ``pipeline``; everything else replicated. The same strategy as the model's
+    :mod:`moetrain.scope` marks for that mesh (``strategy_from_scopes(model, parallel)``)."""
     strategy = {"blocks.*.ffn": "expert"}
     if tp_size > 1:
         strategy.update(

@@ -23,6 +23,11 @@ order given; each module takes the kind of the FIRST pattern that matches its na
   ``pp`` dimension (:mod:`moetrain.pipeline`; nothing happens with ``pp_size`` 1): each rank keeps
   its stage's part of the model and :attr:`Parallelized.pipeline` runs the schedule.
 
+The strategy can also be written in the model, as Whale does: :mod:`moetrain.scope` marks the modules
+built under ``scope.split()``, ``scope.replica()``, ``scope.auto()``, ... and ``parallelize(model,
+mesh)`` with no strategy applies :func:`~moetrain.scope.strategy_from_scopes` (exact module names);
+a strategy given explicitly is applied as is (compose both with :func:`moetrain.scope.compose`).
+
 Gradients (``Parallelized.reduce_gradients``, after the last micro-step's backward): replicated
 parameters are averaged over the dense group (``dp * ep`` ranks) by DDP/FSDP; expert gradients are
 summed over the expert-data-parallel group and divided by ``dp * ep`` (the data streams: tp ranks
@@ -51,6 +56,7 @@ from moetrain.config import REPLICA_MODES, STRATEGY_KINDS, validate_strategy
 from moetrain.layers.experts import DenseFFN
 from moetrain.layers.moe_layer import MoELayer, shard_experts
 from moetrain.parallel import ParallelContext
+from moetrain.scope import has_marks, strategy_from_scopes
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +121,18 @@ def resolve_strategy(
 
 
 def default_strategy(model: nn.Module) -> dict[str, str]:
-    """Every MoELayer ``expert`` (by name), everything else replicated: the strategy of a
-    registered model without a ``strategy`` hook."""
+    """The strategy of a registered model without a ``strategy`` hook: the marks of a model built
+    under :mod:`moetrain.scope` (:func:`~moetrain.scope.strategy_from_scopes` without a mesh: split
+    marks stay, idle with ``tp_size`` 1); otherwise every MoELayer ``expert`` (by name), everything
+    else replicated."""
+    if has_marks(model):
+        marked = strategy_from_scopes(model)
+        if marked:
+            return marked
+    return _plain_default(model)
+
+
+def _plain_default(model: nn.Module) -> dict[str, str]:
     names = [name for name, module in model.named_modules() if isinstance(module, MoELayer)]
     return {name or "*": "expert" for name in names} or {"*": "replica"}
 
@@ -335,13 +351,19 @@ def parallelize(
     replica: str | None = None,
     cpu_offload: bool | None = None,
     comm_hook: str | None = None,
+    auto=None,
 ) -> Parallelized:
-    """Applies ``strategy`` (see the module docstring; None: :func:`default_strategy`) to ``model``
-    in place over ``target``: a :class:`~moetrain.parallel.ParallelContext`, or a ``DeviceMesh``
-    with dimensions ``("dp", "ep", "tp")`` (wrapped by :meth:`ParallelContext.from_mesh`).
+    """Applies ``strategy`` (see the module docstring) to ``model`` in place over ``target``: a
+    :class:`~moetrain.parallel.ParallelContext`, or a ``DeviceMesh`` with dimensions
+    ``("dp", "ep", "tp")`` (wrapped by :meth:`ParallelContext.from_mesh`). ``strategy`` None: the
+    model's :mod:`moetrain.scope` marks for this mesh (:func:`~moetrain.scope.strategy_from_scopes`)
+    when it has any, else :func:`default_strategy`.
     ``replica``: ``"ddp"`` or ``"fsdp"`` (default: the context's ``config.replica``);
     ``cpu_offload``: FSDP2's CPU offload policy (default: ``config.fsdp_cpu_offload``);
-    ``comm_hook``: DDP's gradient compression (None, ``"bf16"``, ``"fp16"``).
+    ``comm_hook``: DDP's gradient compression (None, ``"bf16"``, ``"fp16"``);
+    ``auto``: the decision for ``scope.auto()`` modules when ``tp_size > 1``
+    (``moetrain.planner.auto.AutoSplit(cluster, description)``: the planner's replica-or-split choice
+    per unit, logged).
 
     The model may be on ``meta``: experts are then sliced on ``meta`` too; materialise it
     afterwards with :func:`materialize`. Call it on every rank with the same arguments (it creates
@@ -353,7 +375,13 @@ def parallelize(
     cpu_offload = parallel.config.fsdp_cpu_offload if cpu_offload is None else cpu_offload
     if cpu_offload and replica != "fsdp":
         raise ValueError("cpu_offload is FSDP2's offload policy: it needs replica = 'fsdp'")
-    strategy = default_strategy(model) if strategy is None else strategy
+    if strategy is None:
+        marked = strategy_from_scopes(model, parallel, auto=auto) if has_marks(model) else {}
+        if marked:
+            log.debug("parallelize: the strategy of the model's scopes, %d module(s)", len(marked))
+        strategy = marked or _plain_default(model)
+    elif has_marks(model):
+        log.debug("parallelize: the strategy given is applied as is, not the model's scope marks")
     assignments = resolve_strategy(model, strategy)
     chunks = None
     stacks = [a.name for a in assignments if a.kind == "pipeline"]
@@ -459,4 +487,5 @@ __all__ = [
     "materialize",
     "parallelize",
     "resolve_strategy",
+    "strategy_from_scopes",
 ]

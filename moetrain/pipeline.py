@@ -3,7 +3,8 @@
 
 The strategy marks the layer stack (an ``nn.ModuleList``, e.g. ``{"blocks": "pipeline"}``); with
 ``parallel.pp_size = p`` and ``pp_virtual = v`` it is cut into ``S = p * v`` stages of
-consecutive layers (``pp_layers``: the first layer of each stage but the first; otherwise
+consecutive layers (``pp_layers``: the first layer of each stage but the first; else the cut points
+of the layers' ``scope.stage(i)`` marks, :func:`moetrain.scope.stage_boundaries`; otherwise
 :func:`balance_layers` over each layer's active parameters). Rank ``r`` of a pipeline holds stages
 ``r, r + p, ...`` (one unless interleaved). The model must define the stage hook::
 
@@ -35,6 +36,7 @@ import torch
 from torch import nn
 
 from moetrain.layers.moe_layer import MoELayer
+from moetrain.scope import stage_boundaries
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +146,19 @@ def split_stages(
         )
     layers = list(stack)
     boundaries = config.pp_layers
+    marked = stage_boundaries(stack)
+    if marked is not None and boundaries is None:
+        if len(marked) + 1 != stages:
+            raise ValueError(
+                f"the scope.stage marks of {stack_name!r} cut it into {len(marked) + 1} stages, "
+                f"pp_size * pp_virtual = {stages}: make them agree (or set parallel.pp_layers)"
+            )
+        boundaries = marked
+        log.info("pipeline: %r cut at layers %s by its scope.stage marks", stack_name, marked)
+    elif marked is not None and list(boundaries) != marked:
+        log.info(
+            "pipeline: parallel.pp_layers %s overrides the scope.stage cut points %s", boundaries, marked
+        )
     if boundaries is None:
         boundaries = balance_layers([active_parameters(layer) for layer in layers], stages)
     ranges = stage_layers(len(layers), stages, boundaries)

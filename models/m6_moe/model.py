@@ -16,6 +16,9 @@ T target length, S = P + L + T sequence length, D model dim, V vocabulary.
 - Pre-norm blocks ``x + attn(norm(x))``, ``x + ffn(norm(x))``; the FFN is a ``MoELayer`` where
   ``config.is_moe_layer(i)``, else dense. MoE layers route only the real (non-padding) tokens.
 - Output: logits ``[B, T, V]`` for the target positions only.
+- Parallel layout, written in the model as Whale does (:mod:`moetrain.scope`; ``parallelize(model,
+  mesh)`` reads it) and as the pattern table :func:`default_m6_strategy` (the registry's hook): the
+  two agree (tested).
 
 Decoding with a key/value cache (:meth:`M6Model.start_decoding`, :meth:`M6Model.decode_step`):
 image and prefix never attend to targets, so their keys and values are computed once; each new
@@ -28,6 +31,8 @@ and the cache is refused.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,6 +41,7 @@ from m6_moe.config import M6Config
 from moetrain.layers import MoELayer
 from moetrain.layers.experts import DenseFFN, derive_seed
 from moetrain.pipeline import keep_layers, stack_layers
+from moetrain.scope import pipeline, replica, split
 from moetrain.validation import require_int
 
 SEGMENT_IMAGE, SEGMENT_PREFIX, SEGMENT_TARGET = 0, 1, 2
@@ -152,10 +158,12 @@ class PrefixLMSelfAttention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = d_model // num_heads
         self.dropout = dropout
-        self.q = nn.Linear(d_model, d_model, bias=False)
-        self.k = nn.Linear(d_model, d_model, bias=False)
-        self.v = nn.Linear(d_model, d_model, bias=False)
-        self.proj = nn.Linear(d_model, d_model, bias=False)
+        with split():  # by columns: whole heads per tensor-parallel rank
+            self.q = nn.Linear(d_model, d_model, bias=False)
+            self.k = nn.Linear(d_model, d_model, bias=False)
+            self.v = nn.Linear(d_model, d_model, bias=False)
+        with split("row"):
+            self.proj = nn.Linear(d_model, d_model, bias=False)
 
     def forward(
         self, x_BSD: torch.Tensor, mask_B1SK: torch.Tensor, cache: KVCache | None = None, layer: int = 0
@@ -184,9 +192,11 @@ class M6Block(nn.Module):
         self.ffn_norm = nn.LayerNorm(config.d_model)
         self.is_moe = moe
         if moe:
-            self.ffn = MoELayer(config.moe, seed=expert_seed)
-        else:
-            self.ffn = DenseFFN(config.d_model, config.d_ff, config.moe.activation)
+            self.ffn = MoELayer(config.moe, seed=expert_seed)  # expert parallel (an MoE layer's default)
+        else:  # Megatron's MLP split; SwiGLU's side-by-side gate and up cannot be: replicated
+            swiglu = config.moe.activation == "swiglu"
+            with contextlib.nullcontext() if swiglu else split():
+                self.ffn = DenseFFN(config.d_model, config.d_ff, config.moe.activation)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(
@@ -234,20 +244,25 @@ class M6Model(nn.Module):
     def __init__(self, config: M6Config, *, seed: int = 0):
         super().__init__()
         self.config = config
-        self.stem = PatchStem(config)
-        self.text_embed = nn.Embedding(config.vocab_size, config.d_model)
+        stem = PatchStem(config)
+        with replica():  # the image stem, as one FSDP unit (registered here: its layers stay unmarked)
+            self.stem = stem
+        # tied embeddings: the head is this matrix, and splitting one without the other is not possible
+        tied = config.tie_embeddings
+        with contextlib.nullcontext() if tied else split():  # vocabulary-parallel
+            self.text_embed = nn.Embedding(config.vocab_size, config.d_model)
         self.patch_pos = nn.Parameter(torch.empty(config.num_patches, config.d_model))
         self.text_pos = nn.Parameter(torch.empty(config.max_text_len, config.d_model))
         self.segment_embed = nn.Embedding(3, config.d_model)
         self.embed_dropout = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(
-            M6Block(config, config.is_moe_layer(i), derive_seed(seed, f"blocks.{i}.ffn"))
-            for i in range(config.num_layers)
-        )
+        with pipeline(), replica():  # the stack cut into stages; each block one FSDP unit
+            self.blocks = nn.ModuleList(
+                M6Block(config, config.is_moe_layer(i), derive_seed(seed, f"blocks.{i}.ffn"))
+                for i in range(config.num_layers)
+            )
         self.norm = nn.LayerNorm(config.d_model)
-        self.head = (
-            None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
-        )
+        with split("head"):  # vocabulary-sharded logits, parallel cross-entropy
+            self.head = None if tied else nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -449,7 +464,8 @@ def default_m6_strategy(config: M6Config, tp_size: int = 1, pp_size: int = 1) ->
     cross-entropy) and the text embedding ``split`` (vocabulary-parallel); the image stem and
     everything else replicated. With ``tie_embeddings`` the head is the embedding matrix: both
     stay replicated (splitting one without the other is not possible). With ``pp_size > 1`` the
-    block stack ``pipeline`` (:meth:`M6Model.pipeline_stage`)."""
+    block stack ``pipeline`` (:meth:`M6Model.pipeline_stage`). The same strategy as the model's
+    :mod:`moetrain.scope` marks for that mesh (``strategy_from_scopes(model, parallel)``)."""
     moe = [i for i in range(config.num_layers) if config.is_moe_layer(i)]
     dense = [i for i in range(config.num_layers) if not config.is_moe_layer(i)]
     strategy = {f"blocks.{i}.ffn": "expert" for i in moe}
