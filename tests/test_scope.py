@@ -23,7 +23,7 @@ from moetrain.layers.experts import DenseFFN
 from moetrain.lm import LMConfig, MoETransformerLM, default_lm_strategy
 from moetrain.parallelize import default_strategy, resolve_strategy
 from moetrain.scope import compose, has_marks, marks, stage_boundaries
-from tests.scoped_lm import StagedLM
+from tests.scoped_lm import StagedLM, auto_lm
 
 MOE = MoEConfig(d_model=16, d_ff=16, num_experts=4, top_k=2)
 LM = LMConfig(vocab_size=64, d_model=16, num_layers=2, num_heads=4, max_seq_len=8, moe=MOE)
@@ -328,39 +328,6 @@ def test_stage_marks_give_the_cut_points_and_name_the_stack():
 
 
 # auto: the planner's choice
-
-
-class AutoAttention(nn.Module):
-    def __init__(self, d: int, heads: int):
-        super().__init__()
-        self.num_heads = heads
-        self.q, self.k, self.v, self.proj = (nn.Linear(d, d, bias=False) for _ in range(4))
-
-
-class AutoBlock(nn.Module):
-    def __init__(self, config: LMConfig):
-        super().__init__()
-        self.attn_norm = nn.LayerNorm(config.d_model)
-        self.attn = AutoAttention(config.d_model, config.num_heads)
-        self.ffn_norm = nn.LayerNorm(config.d_model)
-        self.ffn = MoELayer(config.moe)
-
-
-class AutoLM(nn.Module):
-    """The LM's module names and types with no scope inside: built under ``set_default("auto")``,
-    every unit is the planner's to decide."""
-
-    def __init__(self, config: LMConfig):
-        super().__init__()
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(AutoBlock(config) for _ in range(config.num_layers))
-        self.norm = nn.LayerNorm(config.d_model)
-        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-
-
-def auto_lm(config: LMConfig) -> AutoLM:
-    with scope.set_default("auto"):
-        return AutoLM(config)
 
 
 AUTO_LM = LMConfig(

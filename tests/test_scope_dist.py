@@ -244,3 +244,69 @@ def test_the_whale_moe_example_runs_on_two_ranks(tmp_path):
     losses = [float(line.split()[3]) for line in stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 3 and losses[-1] < losses[0]
     assert "parallelize: dp 1 x ep 2 x tp 1" in stdout and "expert 2" in stdout
+
+
+AUTO = LMConfig(
+    vocab_size=32768,
+    d_model=128,
+    num_layers=1,
+    num_heads=4,
+    max_seq_len=16,
+    moe=MoEConfig(d_model=128, d_ff=128, num_experts=4, top_k=2, capacity_factor=None),
+)
+
+
+def auto_worker(rank, world):
+    import dataclasses
+
+    from moetrain.lm import describe_lm
+    from moetrain.planner import PlanSettings, cluster_preset
+    from moetrain.planner.auto import AutoSplit
+    from moetrain.planner.split import recommend_split
+    from tests.scoped_lm import auto_lm
+
+    description = dataclasses.replace(describe_lm(AUTO), build=lambda: auto_lm(AUTO))
+    settings = PlanSettings(micro_batch=2, seq_len=16, precision="bf16", autocast=True)
+    cluster = cluster_preset("a100-80gb", 2, gpus_per_node=2)
+    recommended = recommend_split(description, cluster, settings, 1.0, 0, tp_sizes=[2]).strategy
+    runs = []
+    for strategy, auto in ((None, AutoSplit(cluster, description, settings)), (recommended, None)):
+        parallel = ParallelContext(ParallelConfig(tp_size=2, local_world_size=2))
+        torch.manual_seed(0)
+        model = auto_lm(AUTO, seed=3)
+        trained = parallelize(model, parallel, strategy, auto=auto)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(2):
+            g = torch.Generator().manual_seed(parallel.data_index * 10 + step)
+            ids = torch.randint(0, AUTO.vocab_size, (2, 9), generator=g)
+            out = trained(ids[:, :-1])
+            with trained.loss_context(out):
+                loss = lm_loss(out, ids[:, 1:])
+                loss.backward()
+            trained.reduce_gradients()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(float(_full(loss.detach())))
+        weights = {name: _full(p.detach()).clone() for name, p in model.named_parameters()}
+        kinds = {a.name: a.kind for a in trained.assignments if a.kind != "replica"}
+        runs.append((kinds, losses, weights))
+    (auto_kinds, auto_losses, aw), (rec_kinds, rec_losses, rw) = runs
+    return {
+        "kinds": (auto_kinds, rec_kinds),
+        "losses": (auto_losses, rec_losses),
+        "weights_equal": all(torch.equal(aw[n], rw[n]) for n in rw),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_auto_scopes_split_what_plan_recommend_splits_and_train_alike():
+    """The model built under set_default("auto") on 4 ranks (2 emulated nodes x 2, tp2 x dp2):
+    parallelize(..., auto=AutoSplit(cluster, description)) splits the units plan --recommend's
+    split search splits at tp 2 (the embedding and the head) and trains as that strategy does."""
+    for r in run_distributed(auto_worker, 4):
+        auto_kinds, rec_kinds = r["kinds"]
+        assert auto_kinds == rec_kinds and auto_kinds["embed"] == "split", r["kinds"]
+        assert auto_kinds["head"] == "split.head" and auto_kinds["blocks.0.ffn"] == "expert"
+        assert r["losses"][0] == r["losses"][1] and r["weights_equal"], r["losses"]
