@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from moetrain import MoEConfig, scope
-from moetrain.layers.experts import derive_seed
 from moetrain.layers import MoELayer
+from moetrain.layers.experts import derive_seed
 from moetrain.lm import (
     CausalSelfAttention,
     LMConfig,
