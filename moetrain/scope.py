@@ -408,8 +408,9 @@ def strategy_from_scopes(model: nn.Module, parallel=None, *, auto=None) -> dict[
             if stray:
                 raise ValueError(f"the auto decision named modules no scope.auto() marks: {stray[:4]}")
             kinds.update({name: chosen.get(name, "replica") for name in autos})
+    stacks = _stacks(model)  # checked on every mesh; an entry only where there are stages
     if parallel is None or parallel.pp_size > 1:
-        kinds.update(dict.fromkeys(_stacks(model), "pipeline"))
+        kinds.update(dict.fromkeys(stacks, "pipeline"))
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     return {name: kinds[name] for name in sorted(kinds, key=order.__getitem__)}
 

@@ -218,10 +218,9 @@ def test_split_around_a_module_with_no_weight_and_inside_a_split_block_are_error
             with scope.pipeline():
                 self.layer = nn.Linear(4, 4)
 
-    with pytest.raises(
-        ValueError, match=r"scope.pipeline\(\) around 'layer' \(a Linear\): 'pipeline' applies to a"
-    ):
-        strategy_from_scopes(Pipe())
+    for mesh in (None, sizes(pp=1)):  # checked with pp_size 1 too, where it would do nothing
+        with pytest.raises(ValueError, match=r"scope.pipeline\(\) around 'layer' \(a Linear\): 'pipeline'"):
+            strategy_from_scopes(Pipe(), mesh)
 
 
 def test_scopes_are_per_thread():
