@@ -17,10 +17,11 @@ so their batches must be equal: seed the data from ``shard.index``, not from the
 - ``loss_fn(output, targets) -> scalar`` (a mean), optionally with ``loss_units(targets)``.
 
 Optional hooks: ``strategy(train_config) -> {pattern: kind}`` (the model's default strategy, used
-when the config gives none; without it: every ``MoELayer`` ``expert``, everything else
-replicated), ``describe`` (the planner's model description, see ``moetrain.planner``),
-``evaluate`` and ``generate`` (the ``moetrain eval`` / ``moetrain generate`` commands: each gets
-the parsed command-line arguments and the training config and returns an exit code).
+when the config gives none; without it: the marks of a model built under :mod:`moetrain.scope`,
+else every ``MoELayer`` ``expert``, everything else replicated), ``describe`` (the planner's model
+description, see ``moetrain.planner``), ``evaluate`` and ``generate`` (the ``moetrain eval`` /
+``moetrain generate`` commands: each gets the parsed command-line arguments and the training config
+and returns an exit code).
 
 The core registers its own byte-level language model (``moe_lm``) like any user model. Installed
 packages register through the entry-point group ``moetrain.models`` (each entry point is a
