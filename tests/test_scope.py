@@ -372,3 +372,14 @@ def test_auto_chooses_what_plan_recommend_chooses_on_two_mesh_shapes():
         strategy_from_scopes(model, sizes(tp=2, world=2), auto=AutoSplit(cluster, description, settings))
     one = strategy_from_scopes(model, sizes(tp=1))  # nothing to decide with tp_size 1
     assert one["head"] == one["blocks.0.attn.q"] == "replica"
+
+
+def test_an_explicit_strategy_is_applied_as_is_and_none_applies_the_marks():
+    model = MoETransformerLM(LM)
+    given = parallelize(model, ParallelContext(), {"*": "replica"})
+    assert {a.kind for a in given.assignments} == {"replica"}
+    model = MoETransformerLM(LM)
+    marked = parallelize(model, ParallelContext())  # tp_size 1: the split marks are transparent
+    assert {(a.name, a.kind) for a in marked.assignments} == assigned(model, default_lm_strategy(LM))
+    assert default_strategy(model) == strategy_from_scopes(model)  # a registered model's, no mesh
+    assert default_strategy(model)["head"] == "split.head"
