@@ -44,15 +44,16 @@ Kinds, innermost scope wins (one dimension each: a module can be ``replica`` and
   replica or split for each splittable unit inside (attention, dense FFN, embedding, head), as
   ``moetrain plan --recommend`` does (``moetrain.planner.auto.AutoSplit``); the rest is ``replica``.
 - ``pipeline()``: the layer stack (``nn.ModuleList``) registered inside is cut into pipeline stages
-  when ``pp_size > 1``; ``stage(i)``: the layers registered inside are stage ``i`` (the cut points,
-  instead of ``parallel.pp_layers``); stage marks alone also name the stack.
+  when ``pp_size > 1``; ``stage(i)``: the layers registered inside are stage ``i``: the cut points
+  (``parallel.pp_layers``, when set, overrides them); stage marks alone also name the stack.
 - ``set_default(kind)``: the kind of modules registered outside every scope (``"replica"`` or
   ``"auto"``); as a plain call it lasts in this thread (context) until ``set_default(None)``, as a
   context manager until the block ends.
 
 MoE layers are ``expert`` by default: a scope written around an enclosing module (a block built
 under ``replica()``) or the default does not change them; a scope opened around the layer itself
-does (``with scope.replica(): self.ffn = MoELayer(...)`` replicates its experts). Inside an MoE
+does (``with scope.replica(): self.ffn = MoELayer(...)`` replicates its experts). Precisely: only
+the scopes the layer's parent module was not itself registered under count for the layer. Inside an MoE
 layer only ``replica`` marks count: the layer is parallelized as a whole.
 
 A scope around a module it cannot apply to (``split`` around a ``LayerNorm``, around a module with no
