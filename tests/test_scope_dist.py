@@ -157,25 +157,28 @@ def stage_worker(rank, world):
         return lm_loss(net(inputs), targets)
 
     report = pipeline_step_report(model, parallel, None, 2, _tokens, lm_loss, loss_of)
+    explicit = ParallelContext(ParallelConfig(pp_size=2, pp_layers=[2]))  # overrides the stage marks
+    ranges = parallelize(StagedLM(config, [0, 0, 0, 1]), explicit).pipeline.ranges
     errors = []
     try:  # three stages marked, two pipeline ranks
         parallelize(StagedLM(config, [0, 1, 2, 2]), ParallelContext(ParallelConfig(pp_size=2)))
     except ValueError as error:
         errors.append(str(error))
-    return {**report, "errors": errors}
+    return {**report, "errors": errors, "explicit_ranges": [list(r) for r in ranges]}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_stage_scopes_give_the_pipeline_cut_points():
     """Four layers staged 0, 0, 0, 1 on pp2: rank 0 holds blocks 0-2, rank 1 block 3 (balance would
-    cut at 2); the pipeline step's gradients equal one process. Three stage marks on two ranks are
-    one error naming the stack."""
+    cut at 2); the pipeline step's gradients equal one process. parallel.pp_layers, when set, cuts
+    instead. Three stage marks on two ranks are one error naming the stack."""
     for r in run_distributed(stage_worker, 2):
         blocks = {name.split(".")[1] for name in r["params"] if name.startswith("blocks.")}
         assert blocks == ({"0", "1", "2"} if r["stage"] == 0 else {"3"}), blocks
         worst = max(r["grads"].items(), key=lambda item: item[1])
         assert worst[1] < 1e-4, worst
+        assert r["explicit_ranges"] == [[0, 1], [2, 3]]
         assert r["errors"] == [
             "the scope.stage marks of 'blocks' cut it into 3 stages, pp_size * pp_virtual = 2: make them "
             "agree (or set parallel.pp_layers)"
