@@ -7,19 +7,31 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
-DEPS := setuptools>=64 wheel ninja pybind11 pytest pytest-timeout ruff numpy pyyaml pillow sacrebleu>=2.6 transformers>=5
+DEPS := setuptools>=77 wheel ninja pybind11 pytest pytest-timeout ruff numpy pyyaml pillow sacrebleu>=2.6 transformers>=5
 DEPS_STAMP := $(VENV)/.deps-$(shell printf '%s' '$(TORCH) $(DEPS)' | md5sum | cut -c1-12)
 BUILD_STAMP := $(VENV)/.moetrain-built
-SOURCES := setup.py pyproject.toml moetrain/_source_hash.py $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu csrc/*.cuh)
+SOURCES := setup.py pyproject.toml moetrain/_source_hash.py moetrain/_build_spec.py $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu csrc/*.cuh)
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint bench build clean
+.PHONY: demo test test-floor gpu-check lint bench build clean
 
 demo: build
 	$(PY) scripts/demo.py
 
 test: build lint
 	OMP_NUM_THREADS=2 $(PY) -m pytest $(PYTEST_ARGS)
+
+# CI's second leg: the floor of the supported torch range (a CUDA build of torch 2.11, as the CUDA
+# images ship it), the extension compiled and linked with nvcc, imported, and the kernel, layer,
+# optimizer, engine and just-in-time-build tests under it (scripts/ci_torch_floor.sh).
+TORCH_FLOOR ?= torch==2.11.0
+test-floor:
+	bash scripts/ci_torch_floor.sh '$(TORCH_FLOOR)'
+
+# On a machine with an NVIDIA GPU: build, GPU tests, GPU benchmarks and training smokes, one JSON
+# and one log under runs/gpu_check/ (docs/gpu.md).
+gpu-check:
+	bash scripts/gpu_check.sh
 
 lint: $(DEPS_STAMP)
 	$(PY) -m ruff check .

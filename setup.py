@@ -2,11 +2,16 @@
 
 CPU sources (``csrc/*.cpp``) are always compiled: C++17, -O3, OpenMP; SIMD code paths are chosen at
 run time inside the kernels, so no ``-march`` flag is used and the build runs on any x86-64 CPU.
-CUDA sources (``csrc/*.cu``) are added only when torch was built with CUDA and nvcc is found.
+CUDA sources (``csrc/*.cu``) are added only when torch was built with CUDA and nvcc is found; they
+are compiled for every GPU the planner's presets name that this nvcc can target (or for
+``TORCH_CUDA_ARCH_LIST``, torch's own setting, when it is set). Sources and flags come from
+``moetrain/_build_spec.py``, which the just-in-time build in ``moetrain/_ext.py`` shares.
 """
 
 import importlib.util
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,18 +22,32 @@ CSRC = ROOT / "csrc"
 GENERATED = ROOT / "build" / "generated"
 
 
-def _load_source_hash_module():
-    spec = importlib.util.spec_from_file_location(
-        "_moetrain_source_hash", ROOT / "moetrain" / "_source_hash.py"
-    )
+def _load_by_path(name: str):
+    """A module of moetrain/ that imports neither torch nor the package, loaded from its file."""
+    spec = importlib.util.spec_from_file_location(f"_moetrain_{name}", ROOT / "moetrain" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
+BUILD_SPEC = _load_by_path("_build_spec")
+SETUPTOOLS_FLOOR = (77, 0)  # the SPDX `license = "Apache-2.0"` string of pyproject.toml
+
+
+def _require_setuptools() -> None:
+    import setuptools
+
+    release = tuple(int(part) for part in setuptools.__version__.split(".")[:2] if part.isdigit())
+    if release < SETUPTOOLS_FLOOR:
+        sys.exit(
+            f"moetrain: building needs setuptools >= 77 (pyproject.toml's SPDX license string), found "
+            f"{setuptools.__version__}: pip install 'setuptools>=77'"
+        )
+
+
 def _require_torch():
     try:
-        import torch  # noqa: F401
+        import torch
         from torch.utils import cpp_extension
     except ImportError:
         sys.exit(
@@ -36,15 +55,10 @@ def _require_torch():
             "`pip install --no-build-isolation .` in the environment that holds your torch (pip's build "
             "isolation hides it), or `make build` for this repository's .venv."
         )
+    problem = BUILD_SPEC.torch_range_problem(torch.__version__)
+    if problem is not None:
+        sys.exit(problem)
     return cpp_extension
-
-
-def _torch_release() -> str:
-    """The running torch's release, without the local label (``2.13.0+cpu`` -> ``2.13.0``): the
-    requirement ``torch==2.13.0`` then accepts the CPU and every CUDA build of that release."""
-    import torch
-
-    return torch.__version__.split("+", 1)[0]
 
 
 def _refuse_isolated_build() -> None:
@@ -61,13 +75,27 @@ def _refuse_isolated_build() -> None:
         )
 
 
-def _nvcc_available(cpp_extension) -> bool:
+def _find_nvcc(cpp_extension) -> str | None:
     import torch
 
     if torch.version.cuda is None:
-        return False
+        return None
     cuda_home = cpp_extension.CUDA_HOME
-    return bool(cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists()) or shutil.which("nvcc") is not None
+    if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
+        return str(Path(cuda_home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def _nvcc_arch_flags(nvcc: str) -> list[str]:
+    """The presets' GPUs this nvcc can target (one line names those it cannot); none when the
+    user chose with ``TORCH_CUDA_ARCH_LIST``, which torch's build then applies."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return []
+    flags, skipped = BUILD_SPEC.cuda_arch_flags(BUILD_SPEC.nvcc_archs(nvcc))
+    if skipped:
+        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.split()[-1]
+        print(BUILD_SPEC.skipped_archs_message(skipped, version), file=sys.stderr)
+    return flags
 
 
 def _write_build_info_header(with_cuda: bool) -> None:
@@ -76,14 +104,10 @@ def _write_build_info_header(with_cuda: bool) -> None:
     it, so a source edit or a torch upgrade recompiles that file and the edited one."""
     import torch
 
-    fingerprint = _load_source_hash_module().csrc_fingerprint(CSRC, with_cuda)
+    fingerprint = _load_by_path("_source_hash").csrc_fingerprint(CSRC, with_cuda)
     GENERATED.mkdir(parents=True, exist_ok=True)
     header = GENERATED / "moetrain_build_info.h"
-    text = (
-        "#pragma once\n"
-        f'#define MOETRAIN_SOURCE_FINGERPRINT "{fingerprint}"\n'
-        f'#define MOETRAIN_TORCH_VERSION "{torch.__version__}"\n'
-    )
+    text = BUILD_SPEC.build_info_header(fingerprint, torch.__version__)
     if not header.exists() or header.read_text() != text:
         header.write_text(text)
 
@@ -91,17 +115,20 @@ def _write_build_info_header(with_cuda: bool) -> None:
 def _extensions():
     cpp_extension = _require_torch()
     _refuse_isolated_build()
-    with_cuda = _nvcc_available(cpp_extension)
+    nvcc = _find_nvcc(cpp_extension)
+    with_cuda = nvcc is not None
     _write_build_info_header(with_cuda)
-    sources = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cpp"))
-    cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
+    source_paths = BUILD_SPEC.sources(CSRC, with_cuda)
+    clashes = BUILD_SPEC.object_name_clashes(source_paths)
+    if clashes:
+        sys.exit(f"moetrain: several csrc/ sources are named {', '.join(clashes)}: give each its own stem")
+    sources = [str(p.relative_to(ROOT)) for p in source_paths]
     define_macros = []
     extension_class = cpp_extension.CppExtension
-    extra_compile_args = {"cxx": cxx_flags}
+    extra_compile_args = {"cxx": list(BUILD_SPEC.CXX_FLAGS)}
     if with_cuda:
-        sources += sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cu"))
         extension_class = cpp_extension.CUDAExtension
-        extra_compile_args["nvcc"] = ["-O3", "-std=c++17", "--expt-relaxed-constexpr"]
+        extra_compile_args["nvcc"] = BUILD_SPEC.NVCC_FLAGS + _nvcc_arch_flags(nvcc)
         define_macros.append(("MOETRAIN_WITH_CUDA", "1"))
     return [
         extension_class(
@@ -110,7 +137,7 @@ def _extensions():
             include_dirs=[str(CSRC), str(GENERATED)],
             define_macros=define_macros,
             extra_compile_args=extra_compile_args,
-            extra_link_args=["-fopenmp"],
+            extra_link_args=list(BUILD_SPEC.LINK_FLAGS),
         )
     ], cpp_extension
 
@@ -128,11 +155,13 @@ def _build_ext_class(cpp_extension):
 
 
 def main() -> None:
+    _require_setuptools()
     ext_modules, cpp_extension = _extensions()
-    # Metadata, packages and entry points: pyproject.toml. Here: the extension, and the dependencies,
-    # with torch pinned to the version the extension is compiled against (its ABI is that version's).
+    # Metadata, packages and entry points: pyproject.toml. Here: the extension, and the dependencies:
+    # the supported torch range (a torch other than the one this build compiled against makes
+    # moetrain._ext rebuild the extension for it on first import, so an upgrade never breaks it).
     setup(
-        install_requires=[f"torch=={_torch_release()}", "pyyaml", "numpy"],
+        install_requires=[BUILD_SPEC.TORCH_REQUIREMENT, "pyyaml", "numpy"],
         ext_modules=ext_modules,
         cmdclass={"build_ext": _build_ext_class(cpp_extension)},
     )

@@ -9,8 +9,9 @@ every round, the figure is the median of the per-round ratios ``compiled / eager
   then the MoE FFN), the same tokens as 4 sequences of 512.
 
 The compile time (first call: tracing, inductor code generation and the C++ build) is reported
-but not part of the ratio; a few calls are run after it as warm-up. Usage:
-``python benchmarks/compile.py [--json PATH] [--repeats N] [--threads N]``.
+but not part of the ratio; a few calls are run after it as warm-up. ``--device cuda`` runs the same
+modules in bf16 on a GPU (scripts/gpu_check.sh). Usage:
+``python benchmarks/compile.py [--device cpu|cuda] [--json PATH] [--repeats N] [--threads N]``.
 """
 
 from __future__ import annotations
@@ -38,9 +39,16 @@ def _step(module, x, grad_out):
     return run
 
 
+def _sync() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _timed(fn) -> float:
+    _sync()
     start = time.perf_counter()
     fn()
+    _sync()
     return time.perf_counter() - start
 
 
@@ -74,6 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: in bf16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
@@ -83,13 +92,16 @@ def main() -> None:
 
     torch.manual_seed(0)
     moe = MoEConfig(d_model=512, d_ff=2048, num_experts=8, top_k=2, capacity_factor=1.0, min_capacity=1)
-    layer = MoELayer(moe)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    layer = MoELayer(moe).to(args.device, dtype)
     block = TransformerBlock(LMConfig(d_model=512, num_heads=8, max_seq_len=512, moe=moe))
+    block = block.to(args.device, dtype)
     results = [
-        measure("moe_layer", layer, torch.randn(2048, 512), args),
-        measure("block", block, torch.randn(4, 512, 512), args),
+        measure("moe_layer", layer, torch.randn(2048, 512, device=args.device, dtype=dtype), args),
+        measure("block", block, torch.randn(4, 512, 512, device=args.device, dtype=dtype), args),
     ]
     machine = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "cpu": platform.processor() or platform.machine(),
         "threads": args.threads,
         "simd": ops.simd_level(),
@@ -97,7 +109,7 @@ def main() -> None:
     }
     print(
         f"torch.compile (inductor, fullgraph) vs eager, fwd+bwd, T=2048 d_model=512 d_ff=2048 E=8 top-2 "
-        f"capacity 1.0 fp32, {args.threads} threads, median of {args.repeats}"
+        f"capacity 1.0 {dtype}, {args.device}, {args.threads} threads, median of {args.repeats}"
     )
     columns = list(results[0])
     print(" | ".join(f"{c:>19}" for c in columns))

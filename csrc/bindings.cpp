@@ -2,8 +2,8 @@
 // module `moetrain._C`, which holds only the build facts and SIMD switches: the kernels are called
 // as torch operators, `torch.ops.moetrain.<name>`.
 //
-// Kernels: csrc/permute.cpp, csrc/a2a_layout.cpp, csrc/cpu_adam.cpp (CPU) and csrc/permute.cu,
-// csrc/a2a_layout.cu (CUDA; build_dispatch_plan's CUDA kernel is torch-native, registered from
+// Kernels: csrc/permute.cpp, csrc/a2a_layout.cpp, csrc/cpu_adam.cpp (CPU) and csrc/permute_cuda.cu,
+// csrc/a2a_layout_cuda.cu (CUDA; build_dispatch_plan's CUDA kernel is torch-native, registered from
 // Python). Fake (meta) implementations, autograd formulas and the torch-native twins are in
 // moetrain/kernels/. Legend of the names: T tokens, K choices, S = T*K slots, N kept rows,
 // E experts, D hidden size.
@@ -18,10 +18,13 @@
 #include "moetrain_build_info.h"  // written by setup.py into build/generated/
 
 namespace {
-// One literal, so moetrain/_ext.py can find the version in the binary without loading it (a build
-// against another torch may fail to load with an undefined symbol before torch_version() runs).
+// Literals moetrain/_ext.py finds in the binary without loading it: a build against another torch
+// may fail to load with an undefined symbol, and a loaded build has registered its operators, so a
+// stale one must be recognised before it is loaded (the just-in-time build then takes its place).
 constexpr char kTorchVersionRecord[] = "moetrain-built-against-torch=" MOETRAIN_TORCH_VERSION ";";
 constexpr size_t kTorchVersionPrefix = sizeof("moetrain-built-against-torch=") - 1;
+constexpr char kSourceRecord[] = "moetrain-source-fingerprint=" MOETRAIN_SOURCE_FINGERPRINT ";";
+constexpr size_t kSourcePrefix = sizeof("moetrain-source-fingerprint=") - 1;
 }  // namespace
 
 TORCH_LIBRARY(moetrain, m) {
@@ -61,7 +64,11 @@ TORCH_LIBRARY(moetrain, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "moetrain's build facts and SIMD switches; the kernels are torch.ops.moetrain.*";
-  m.def("source_fingerprint", [] { return std::string(MOETRAIN_SOURCE_FINGERPRINT); },
+  m.def("source_fingerprint",
+        [] {
+          const std::string record(kSourceRecord);
+          return record.substr(kSourcePrefix, record.size() - kSourcePrefix - 1);
+        },
         "Fingerprint of the csrc/ sources this extension was built from.");
   m.def("torch_version",
         [] {

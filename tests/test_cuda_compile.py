@@ -1,10 +1,12 @@
-"""Compiles each CUDA source (csrc/*.cu) with nvcc for Hopper (sm_90) when torch is CPU-only.
+"""Compiles each CUDA source (csrc/*.cu) with nvcc, when torch is CPU-only, for every GPU the
+planner's presets name that this nvcc can target (``moetrain._build_spec.CUDA_ARCHS``: sm_80 and
+sm_90 with CUDA 13, which dropped sm_60 and sm_70; a CUDA 12 nvcc covers those too).
 
 A CPU-only torch cannot link the CUDA kernels into moetrain._C (setup.py leaves csrc/*.cu out), so
 without this test a syntax or type error in them would go unnoticed until a GPU build. nvcc gets the
 flags setup.py's CUDAExtension would give it (torch's include paths and nvcc defines, C++17,
-``-DMOETRAIN_WITH_CUDA``) plus ``-gencode arch=compute_90,code=sm_90`` and ``-Xptxas=-v``, whose
-report proves that ptxas compiled device code for sm_90 for every ``__global__`` kernel of the file.
+``-DMOETRAIN_WITH_CUDA``) plus setup.py's ``-gencode`` flags and ``-Xptxas=-v``, whose report
+proves that ptxas compiled device code for each GPU for every ``__global__`` kernel of the file.
 Two defines stand in for what only a CUDA build of torch has: ``-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE``
 (the CPU wheel lacks the generated ``c10/cuda/impl/cuda_cmake_macros.h``, which only sets
 Windows export macros) and ``-DTORCH_EXTENSION_NAME`` (set by the extension build).
@@ -30,6 +32,8 @@ from pathlib import Path
 import pytest
 import torch
 from torch.utils import cpp_extension
+
+from moetrain._build_spec import CUDA_ARCHS, cuda_arch_flags, nvcc_archs
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
@@ -74,8 +78,7 @@ def _nvcc_command(source: Path, obj: Path) -> list[str]:
         "-std=c++17",
         "-O3",
         "--expt-relaxed-constexpr",
-        "-gencode",
-        "arch=compute_90,code=sm_90",
+        *ARCH_FLAGS,
         "-Xptxas=-v",
         "-DMOETRAIN_WITH_CUDA",
         "-DTORCH_EXTENSION_NAME=_C",
@@ -107,26 +110,48 @@ def _compile(source: Path) -> tuple[int, str, Path]:
     return result.returncode, output, obj
 
 
+SUPPORTED_ARCHS = nvcc_archs(NVCC) if NVCC is not None and torch.version.cuda is None else []
+ARCH_FLAGS = cuda_arch_flags(SUPPORTED_ARCHS)[0] if SUPPORTED_ARCHS else []
+TARGETED = [arch for arch in CUDA_ARCHS if arch in SUPPORTED_ARCHS]
+
+
 def test_cuda_sources_exist():
     assert {p.name for p in CUDA_SOURCES} >= {"permute_cuda.cu", "a2a_layout_cuda.cu"}
 
 
+def test_every_gpu_of_the_planner_presets_has_an_arch():
+    from moetrain.planner.hardware import GPU_PRESETS
+
+    assert {spec.name.split("-")[0] for spec in GPU_PRESETS.values()} == set(CUDA_ARCHS.values())
+
+
+@pytest.mark.parametrize("arch", list(CUDA_ARCHS))
+def test_this_nvcc_targets_the_gpu_or_says_why_not(arch):
+    if arch not in SUPPORTED_ARCHS:
+        pytest.skip(f"this nvcc cannot compile for sm_{arch.replace('.', '')} ({CUDA_ARCHS[arch]})")
+    assert arch in TARGETED
+
+
+@pytest.mark.timeout(1200)  # one nvcc run per file for every targeted GPU, uncached: minutes on 2 cores
 @pytest.mark.parametrize("source", CUDA_SOURCES, ids=lambda p: p.name)
-def test_nvcc_compiles_device_code_for_sm90(source):
+def test_nvcc_compiles_device_code_for_every_targeted_gpu(source):
     code, output, obj = _compile(source)
     assert code == 0, f"nvcc failed on {source.name}:\n{output[-6000:]}"
     assert obj.stat().st_size > 0
     # Warnings from our own files (torch's headers warn under C++17; those are not ours).
     own = [line for line in output.splitlines() if "warning" in line and str(CSRC) in line]
     assert not own, "\n".join(own)
-    # ptxas compiled every __global__ kernel of the file for sm_90.
-    compiled = set(re.findall(r"Compiling entry function '(\w+)' for 'sm_90'", output))
+    # ptxas compiled every __global__ kernel of the file for each targeted GPU.
     kernels = re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)", source.read_text())
     assert kernels, f"no __global__ kernels found in {source.name}"
-    for kernel in kernels:
-        assert any(kernel in mangled for mangled in compiled), (
-            f"{kernel} has no sm_90 code; ptxas said:\n{output}"
-        )
+    assert TARGETED
+    for arch in TARGETED:
+        sm = f"sm_{arch.replace('.', '')}"
+        compiled = set(re.findall(rf"Compiling entry function '(\w+)' for '{sm}'", output))
+        for kernel in kernels:
+            assert any(kernel in mangled for mangled in compiled), (
+                f"{kernel} has no {sm} code; ptxas said:\n{output}"
+            )
 
 
 if __name__ == "__main__":  # pragma: no cover - prints the command, for compiling by hand

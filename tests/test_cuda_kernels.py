@@ -371,7 +371,7 @@ def test_moe_layer_on_cuda_equals_moe_layer_on_cpu(dtype, capacity_factor):
     upstream = torch.randn(300, 128)
 
     def run(layer, device):
-        xd = x.to(device).requires_grad_(True)
+        xd = x.detach().to(device, copy=True).requires_grad_(True)  # a leaf of its own on every device
         autocast = dtype != torch.float32
         with torch.autocast(device, dtype=dtype, enabled=autocast):
             out = layer(xd)

@@ -27,15 +27,6 @@ def _split(rows: int, parts: int, rng: random.Random) -> list[int]:
     return [b - a for a, b in zip([0, *cuts], [*cuts, rows], strict=True)]
 
 
-def test_plain_cpu_matmul_is_not_row_stable_which_is_why_the_math_groups_rows():
-    """The premise: the rows of a call's last partial group of 4 differ from the same rows computed
-    in a bigger call (fp64). If this ever passes, torch became row-stable and the grouping could go."""
-    torch.manual_seed(0)
-    a, b = torch.randn(64, 16, dtype=torch.float64), torch.randn(16, 24, dtype=torch.float64)
-    full = a @ b
-    assert any(not torch.equal(a[:m] @ b, full[:m]) for m in (1, 2, 3, 5, 6, 7))
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("transpose_w", [False, True])
 def test_grouped_mm_rows_do_not_depend_on_the_call(dtype, transpose_w):

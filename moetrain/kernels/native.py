@@ -269,6 +269,37 @@ def adam_step_(
         param_copy_out.copy_(param.view_as(param_copy_out))
 
 
+def adam_step_multi_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    *,
+    steps: list[int],
+    param_copies_out: list[torch.Tensor],
+    copy_index: list[int],
+    **hyper,
+) -> None:
+    """``adam_step_`` over lists; ``params[i]``'s copy is ``param_copies_out[copy_index[i]]``
+    (-1 or an empty ``copy_index``: none), as the operator's schema says."""
+    tensors = zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)
+    for i, (param, grad, exp_avg, exp_avg_sq) in enumerate(tensors):
+        index = copy_index[i] if copy_index else -1
+        copy = param_copies_out[index] if index >= 0 else None
+        adam_step_(param, grad, exp_avg, exp_avg_sq, step=steps[i], param_copy_out=copy, **hyper)
+
+
+@torch.no_grad()
+def adam_memory_probe_(param, grad, exp_avg, exp_avg_sq, param_copy_out=None) -> None:
+    """The memory traffic of ``adam_step_`` without its math: p += g, m += g, v += g, copy = p."""
+    g = grad.to(torch.float32).view_as(param)
+    param.add_(g)
+    exp_avg.add_(g)
+    exp_avg_sq.add_(g)
+    if param_copy_out is not None:
+        param_copy_out.copy_(param.view_as(param_copy_out))
+
+
 NATIVE_OPS = {
     "build_dispatch_plan": build_dispatch_plan,
     "permute_rows": permute_rows,
@@ -278,4 +309,6 @@ NATIVE_OPS = {
     "pack_scaled_fp16": pack_scaled_fp16,
     "unpack_scaled_fp16": unpack_scaled_fp16,
     "adam_step_": adam_step_,
+    "adam_step_multi_": adam_step_multi_,
+    "adam_memory_probe_": adam_memory_probe_,
 }

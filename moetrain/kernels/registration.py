@@ -24,10 +24,47 @@ from __future__ import annotations
 
 import torch
 
-from moetrain import _ext  # noqa: F401  (loads moetrain._C, which defines the operators)
+from moetrain import _ext  # loads the compiled extension, which defines the operators
 from moetrain.kernels import native
 
+# The operators csrc/bindings.cpp defines, as torch prints their schemas (a test compares them with
+# the extension's); defined here only when no extension could be built (``_ext.EXTENSION``).
+SCHEMAS = {
+    "build_dispatch_plan": "build_dispatch_plan(Tensor expert_ids, Tensor? priority_order, int num_experts, "
+    "int capacity, int? num_rows=None) -> (Tensor row_of_slot, Tensor slot_of_row, Tensor kept_counts, "
+    "Tensor routed_counts)",
+    "permute_rows": "permute_rows(Tensor x, Tensor slot_of_row, int k, Tensor? weights) -> Tensor",
+    "unpermute_rows": "unpermute_rows(Tensor y, Tensor row_of_slot, Tensor? weights) -> Tensor",
+    "unpermute_weight_grad": "unpermute_weight_grad(Tensor grad, Tensor y, Tensor row_of_slot) -> Tensor",
+    "transpose_chunks": "transpose_chunks(Tensor x, Tensor sizes) -> Tensor",
+    "pack_scaled_fp16": "pack_scaled_fp16(Tensor x) -> Tensor",
+    "unpack_scaled_fp16": "unpack_scaled_fp16(Tensor packed, ScalarType dtype) -> Tensor",
+    "adam_step_": "adam_step_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, *, "
+    "int step, float lr, float beta1, float beta2, float eps, float weight_decay, bool adamw, "
+    "float grad_scale=1., Tensor(d!)? param_copy_out=None) -> ()",
+    "adam_step_multi_": "adam_step_multi_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+    "Tensor(c!)[] exp_avg_sqs, *, int[] steps, float lr, float beta1, float beta2, float eps, "
+    "float weight_decay, bool adamw, float grad_scale, Tensor(d!)[] param_copies_out, "
+    "int[] copy_index) -> ()",
+    "adam_memory_probe_": "adam_memory_probe_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, "
+    "Tensor(c!) exp_avg_sq, Tensor(d!)? param_copy_out=None) -> ()",
+}
+
+
+def _define_torch_native_operators() -> torch.library.Library:
+    """The operators with the twins as their kernels on every device (``CompositeExplicitAutograd``;
+    the Meta, CUDA and autograd registrations below apply on top, as with the extension)."""
+    library = torch.library.Library("moetrain", "DEF")
+    for name, schema in SCHEMAS.items():
+        library.define(schema)
+        library.impl(name, native.NATIVE_OPS[name], "CompositeExplicitAutograd")
+    return library
+
+
+_NATIVE_DEFINITIONS = _define_torch_native_operators() if _ext.EXTENSION == "torch-native" else None
 _LIBRARY = torch.library.Library("moetrain", "FRAGMENT")  # kept alive: holds the Python kernels
+# ``register_fake`` also serves the Meta key on torch 2.11 (not on 2.13); the Meta kernels below
+# replace it there, so ``allow_override=True`` (the default on 2.13) is spelled out.
 
 
 def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -77,7 +114,7 @@ def _plan_meta(expert_ids_TK, priority_order_S, num_experts, capacity, num_rows=
 
 
 torch.library.register_fake("moetrain::build_dispatch_plan", _plan_fake)
-_LIBRARY.impl("build_dispatch_plan", _plan_meta, "Meta")
+_LIBRARY.impl("build_dispatch_plan", _plan_meta, "Meta", allow_override=True)
 # csrc/ has no CUDA counting sort: on CUDA the op is the torch-native stable-sort plan.
 _LIBRARY.impl("build_dispatch_plan", native.build_dispatch_plan, "CUDA")
 
@@ -96,7 +133,7 @@ def sort_dispatch_plan(
 
 
 sort_dispatch_plan.register_fake(_plan_fake)
-_LIBRARY.impl("sort_dispatch_plan", _plan_meta, "Meta")
+_LIBRARY.impl("sort_dispatch_plan", _plan_meta, "Meta", allow_override=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -291,4 +328,4 @@ for _op, _meta in (
     ("adam_memory_probe_", _adam_memory_probe_meta),
 ):
     torch.library.register_fake(f"moetrain::{_op}", lambda *args, **kwargs: None)
-    _LIBRARY.impl(_op, _meta, "Meta")
+    _LIBRARY.impl(_op, _meta, "Meta", allow_override=True)

@@ -7,9 +7,18 @@ import contextlib
 
 import torch
 
+from moetrain._torch_compat import assume_constant_result
+
+
+@assume_constant_result
+def autocast_available(device_type: str) -> bool:
+    """``torch.amp.is_autocast_available``, a constant while tracing: torch 2.11's dynamo cannot
+    trace the call itself (``fullgraph=True`` fails), and the answer depends only on the device type."""
+    return torch.amp.is_autocast_available(device_type)
+
 
 def autocast_enabled(device_type: str) -> bool:
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    return autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -21,6 +30,6 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def autocast_off(device_type: str):
     """``torch.autocast(device_type, enabled=False)``, or nothing where autocast does not exist."""
-    if torch.amp.is_autocast_available(device_type):
+    if autocast_available(device_type):
         return torch.autocast(device_type=device_type, enabled=False)
     return contextlib.nullcontext()

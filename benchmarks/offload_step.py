@@ -1,0 +1,105 @@
+"""``OffloadOptimizer.step()`` against its host-memory roofline, on the device given (CUDA or CPU).
+
+One step reads and writes, per parameter, the fp32 master, ``exp_avg`` and ``exp_avg_sq`` (3 x 4 B
+read, 3 x 4 B written) and reads the gradient and writes the weight copy in the model's dtype
+(2 x 2 B for bf16): 28 B of host-memory traffic per parameter for a bf16 model (36 B for fp32).
+The roofline is that traffic at the host copy bandwidth measured in the same run (a large
+``torch.Tensor.copy_`` between two host buffers, which moves 2 B per byte copied). The figure is
+``step time / roofline``: 1.0 means the step runs at host-memory speed.
+
+Usage: ``python benchmarks/offload_step.py [--device cuda] [--params 1.2e9] [--dtype bf16] [--json PATH]``
+(defaults: cuda when available, else cpu; 1.2e9 parameters on cuda, 2e7 on cpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from moetrain.offload import OffloadOptimizer
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SHARDS = 8  # parameters: equal slices of the total, as a model's layers would be
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host_copy_bandwidth(numel: int, repeats: int) -> float:
+    """Bytes moved per second by ``dst.copy_(src)`` over two host fp32 buffers (read + write)."""
+    src, dst = torch.randn(numel), torch.empty(numel)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * 4 * numel / statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"])
+    parser.add_argument("--params", type=float, help="parameters stepped (default 1.2e9 on cuda, 2e7 on cpu)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    parser.add_argument("--threads", type=int, help="torch / OpenMP threads on the host (default: all)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    total = int(args.params or (1.2e9 if device.type == "cuda" else 2e7))
+    dtype = DTYPES[args.dtype]
+    params = [
+        torch.nn.Parameter(torch.randn(total // SHARDS, device=device, dtype=dtype)) for _ in range(SHARDS)
+    ]
+    for param in params:
+        param.grad = torch.randn_like(param) * 1e-3
+    optimizer = OffloadOptimizer(params, lr=1e-4, weight_decay=0.1)
+    times = []
+    for round_ in range(args.warmup + args.repeats):
+        _sync(device)
+        start = time.perf_counter()
+        optimizer.step()
+        _sync(device)
+        if round_ >= args.warmup:
+            times.append(time.perf_counter() - start)
+    stepped = sum(p.numel() for p in params)
+    bytes_per_param = 3 * 4 * 2 + 2 * params[0].element_size()
+    bandwidth = host_copy_bandwidth(min(stepped, 250_000_000), args.repeats)
+    step_s = statistics.median(times)
+    roofline_s = stepped * bytes_per_param / bandwidth
+    result = {
+        "benchmark": "offload_step",
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "params": stepped,
+        "dtype": args.dtype,
+        "step_s": step_s,
+        "host_copy_GBps": bandwidth / 1e9,
+        "bytes_per_param": bytes_per_param,
+        "roofline_s": roofline_s,
+        "step_over_roofline": step_s / roofline_s,
+    }
+    print(json.dumps(result, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

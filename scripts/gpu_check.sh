@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# One command that proves a GPU machine (`make gpu-check`): builds moetrain against the machine's own
+# torch, runs the GPU tests, the GPU benchmarks and `moetrain train` smokes, and writes one JSON and
+# one log. About 5 minutes on one H100. Needs torch with CUDA, nvcc (CUDA_HOME or PATH), setuptools
+# >= 77, ninja and pybind11 in the Python it runs; pytest, pyyaml and numpy for the tests; pillow and
+# sacrebleu for the M6 smokes. Nothing is downloaded.
+#
+#   scripts/gpu_check.sh [OUT_DIR]        (default runs/gpu_check/<UTC time>)
+#   PYTHON=python3.12 scripts/gpu_check.sh
+#
+# Steps (each timed; a failed step is recorded and the next one runs):
+#   build            pip install --no-build-isolation --no-deps -e . (CUDA kernels for the presets' GPUs)
+#   import           the pre-built extension loads with its CUDA kernels
+#   tests            tests/test_cuda_kernels.py (every kernel, the layer on CUDA vs the CPU and fp64),
+#                    tests/test_compile.py
+#   bench_layer_e8   benchmarks/moe_layer.py --device cuda --dtype bf16 (T=16384, d 4096, d_ff 14336,
+#                    8 experts, top-2: ours over the dense floor, the plain PyTorch MoE, kernel bandwidth)
+#   bench_layer_e64  the same at 64 fine-grained experts (d 2048, d_ff 1408, top-6)
+#   bench_compile    benchmarks/compile.py --device cuda (torch.compile fullgraph vs eager)
+#   bench_offload    benchmarks/offload_step.py --device cuda (OffloadOptimizer.step vs host roofline)
+#   train_lm         moetrain train configs/tiny_lm.yaml on cuda
+#   train_m6_bf16    moetrain train models/m6_moe/tiny.yaml on cuda, bf16 autocast
+#   train_m6_fp16    the same under fp16 autocast with loss scaling
+#   train_m6_offload bf16 weights with optim.name offload (fp32 masters and Adam on the host)
+# OUT_DIR/gpu_check.json: the machine, every step's status and seconds, every benchmark's JSON.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+if ! "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    echo "gpu_check: $python has no torch with a usable CUDA GPU; nothing to check" >&2
+    exit 2
+fi
+out=${1:-runs/gpu_check/$(date -u +%Y%m%dT%H%M%SZ)}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+log=$out/gpu_check.log
+steps=$out/steps.tsv
+: >"$steps"
+exec > >(tee -a "$log") 2>&1
+if [[ -z ${CUDA_HOME:-} ]] && command -v nvcc >/dev/null; then
+    CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+    export CUDA_HOME
+fi
+
+run_step() {  # run_step NAME COMMAND...: times it, records "NAME<TAB>rc<TAB>seconds" in steps.tsv
+    local name=$1
+    shift
+    printf '\n== %s: %s\n' "$name" "$*"
+    local start=$SECONDS
+    "$@"
+    local rc=$?
+    printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start))" >>"$steps"
+    printf '== %s: exit %s in %s s\n' "$name" "$rc" "$((SECONDS - start))"
+}
+
+moetrain_train() {  # moetrain_train NAME CONFIG OVERRIDES...
+    local name=$1 config=$2
+    shift 2
+    local args=()
+    for override in "device=cuda" "out_dir=$out/$name" "$@"; do args+=(--set "$override"); done
+    run_step "$name" "$python" -m moetrain.cli train --config "$config" "${args[@]}"
+}
+
+run_step build env MAX_JOBS="${MAX_JOBS:-16}" "$python" -m pip install --disable-pip-version-check --quiet \
+    --no-build-isolation --no-deps -e .
+run_step import "$python" -c "
+import torch, moetrain._ext as ext
+print(torch.__version__, torch.cuda.get_device_name(), 'extension', ext.EXTENSION, 'CUDA kernels', ext.HAS_CUDA_KERNELS)
+assert ext.EXTENSION == 'prebuilt' and ext.HAS_CUDA_KERNELS
+"
+run_step tests "$python" -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py tests/test_compile.py
+run_step bench_layer_e8 "$python" benchmarks/moe_layer.py --device cuda --dtype bf16 --json "$out/moe_layer_e8.json"
+run_step bench_layer_e64 "$python" benchmarks/moe_layer.py --device cuda --dtype bf16 --tokens 16384 \
+    --d-model 2048 --d-ff 1408 --experts 64 --top-k 6 --json "$out/moe_layer_e64.json"
+run_step bench_compile "$python" benchmarks/compile.py --device cuda --json "$out/compile.json"
+run_step bench_offload "$python" benchmarks/offload_step.py --device cuda --json "$out/offload_step.json"
+moetrain_train train_lm configs/tiny_lm.yaml steps=30 checkpoint_every=30
+moetrain_train train_m6_bf16 models/m6_moe/tiny.yaml precision=bf16 steps=30
+moetrain_train train_m6_fp16 models/m6_moe/tiny.yaml precision=fp16 steps=30
+moetrain_train train_m6_offload models/m6_moe/tiny.yaml precision=bf16 param_dtype=bf16 optim.name=offload steps=30
+
+"$python" - "$out" <<'EOF'
+import json, pathlib, platform, subprocess, sys
+import torch
+out = pathlib.Path(sys.argv[1])
+steps = []
+for line in (out / "steps.tsv").read_text().splitlines():
+    name, rc, seconds = line.split("\t")
+    steps.append({"step": name, "ok": rc == "0", "exit": int(rc), "seconds": int(seconds)})
+benchmarks = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json")) if p.name != "gpu_check.json"}
+commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+report = {
+    "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                "python": platform.python_version(), "commit": commit or None},
+    "ok": all(step["ok"] for step in steps),
+    "steps": steps,
+    "benchmarks": benchmarks,
+}
+(out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+for step in steps:
+    print(f"{'ok  ' if step['ok'] else 'FAIL'} {step['step']:<18} {step['seconds']:>5} s")
+print(f"gpu_check: {out / 'gpu_check.json'}, log {out / 'gpu_check.log'}")
+sys.exit(0 if report["ok"] else 1)
+EOF
