@@ -339,7 +339,7 @@ AUTO_LM = LMConfig(
 )
 
 
-def test_auto_chooses_what_plan_recommend_chooses_on_two_mesh_shapes():
+def test_auto_chooses_what_plan_recommend_chooses_on_two_mesh_shapes(caplog):
     from moetrain.lm import describe_lm
     from moetrain.planner import PlanSettings, cluster_preset
     from moetrain.planner.auto import AutoSplit
@@ -353,7 +353,10 @@ def test_auto_chooses_what_plan_recommend_chooses_on_two_mesh_shapes():
     for nodes, per_node, tp in ((1, 2, 2), (2, 2, 2)):
         cluster = cluster_preset("a100-80gb", nodes, gpus_per_node=per_node)
         auto = AutoSplit(cluster, description, settings)
-        kinds = strategy_from_scopes(model, sizes(tp=tp, world=cluster.world_size), auto=auto)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="moetrain.planner.auto"):
+            kinds = strategy_from_scopes(model, sizes(tp=tp, world=cluster.world_size), auto=auto)
+        assert any(r.getMessage().startswith("scope.auto(): head split at tp_size 2") for r in caplog.records)
         rec = recommend_split(description, cluster, settings, 1.0, 0, tp_sizes=[tp])
         expected = {}
         for cost in rec.units:
