@@ -13,10 +13,18 @@ Hierarchical (Tutel's 2-D algorithm): rows for destination (m', l') go first to 
 l' (intra-node all-to-all, L - 1 messages), are regrouped by destination node (a C++ chunk
 transpose), then travel to node m' among the ranks with local index l' (inter-node all-to-all,
 M - 1 messages): L + M - 2 messages instead of P - 1, each inter-node message L times larger.
+
+Rows of several tensors that travel together (node_dedup's rows and slot ids) are packed into one
+byte message by :func:`pack_rows`: a fresh, standard-strided byte tensor whose fields sit at
+offsets aligned to their element size, so the dtype views that fill and read it are valid for any
+row count (0 and 1 included) and any dtype. Everything else moves tensors in their own dtype and
+takes no dtype view of a caller's tensor (the chunked exchange's pool buffers are fresh 1-D byte
+tensors viewed from offset 0: :mod:`moetrain.comm.buffers`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -30,6 +38,71 @@ def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> tor
     out = x.new_empty((sum(recv), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
     return out
+
+
+def packed_row_layout(fields: Sequence[tuple[torch.dtype, int]]) -> tuple[list[int], int]:
+    """Where the fields ``(dtype, width)`` of one packed row lie: ``(byte offset of each field, bytes
+    per row)``. Field i starts at the first multiple of its element size at or after the end of field
+    i - 1, and the row is rounded up to the largest element size, so in a ``[N, row bytes]`` byte
+    tensor with the standard strides every field of every row starts at a multiple of its element
+    size (the padding bytes are zeros)."""
+    offsets, end, align = [], 0, 1
+    for dtype, width in fields:
+        size = dtype.itemsize
+        offsets.append(-(-end // size) * size)
+        end = offsets[-1] + width * size
+        align = max(align, size)
+    return offsets, -(-end // align) * align
+
+
+def _field(packed_NB: torch.Tensor, offset: int, dtype: torch.dtype, width: int) -> torch.Tensor:
+    """``[N, width]`` ``dtype`` view of the bytes ``[offset, offset + width * size)`` of every row of a
+    standard-strided, aligned ``packed_NB`` (what :func:`pack_rows` builds and :func:`unpack_rows`
+    reads): its row stride, offset and length are multiples of the element size by construction."""
+    return packed_NB[:, offset : offset + width * dtype.itemsize].view(dtype)
+
+
+def pack_rows(fields_N: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Rows of several tensors ``[N, W_i]`` (any dtypes, any strides, N >= 0) -> one message
+    ``[N, B]`` of bytes whose row n holds row n of every field (:func:`packed_row_layout`), so that
+    one all-to-all moves them together. The message is a fresh byte tensor with the standard strides
+    and each field is copied into its aligned slice of it: no dtype view is ever taken of a caller's
+    tensor, whose strides (a 0- or 1-row tensor counts as contiguous whatever its strides, so
+    ``.contiguous()`` keeps them) or storage offset could forbid one."""
+    rows, device = fields_N[0].shape[0], fields_N[0].device
+    offsets, row_bytes = packed_row_layout([(f.dtype, f.shape[1]) for f in fields_N])
+    used = sum(f.shape[1] * f.dtype.itemsize for f in fields_N)
+    make = torch.empty if used == row_bytes else torch.zeros  # padding bytes travel as zeros
+    packed_NB = make((rows, row_bytes), dtype=torch.uint8, device=device)
+    for field, offset in zip(fields_N, offsets, strict=True):
+        if field.shape[0] != rows:
+            raise ValueError(f"pack_rows: fields of {rows} and {field.shape[0]} rows")
+        _field(packed_NB, offset, field.dtype, field.shape[1]).copy_(field)
+    return packed_NB
+
+
+def unpack_rows(packed_NB: torch.Tensor, fields: Sequence[tuple[torch.dtype, int]]) -> list[torch.Tensor]:
+    """Inverse of :func:`pack_rows`: the fields ``(dtype, width)`` of a message ``[N, B]`` (as
+    received: any strides or storage offset), each a fresh contiguous ``[N, width]`` tensor,
+    bit-exact."""
+    offsets, row_bytes = packed_row_layout(fields)
+    rows = packed_NB.shape[0]
+    if packed_NB.dtype != torch.uint8 or packed_NB.dim() != 2 or packed_NB.shape[1] != row_bytes:
+        raise ValueError(
+            f"unpack_rows: expected a uint8 message [N, {row_bytes}], got {packed_NB.dtype} "
+            f"{tuple(packed_NB.shape)}"
+        )
+    align = max((dtype.itemsize for dtype, _ in fields), default=1)
+    if packed_NB.is_contiguous() and packed_NB.storage_offset() % align == 0:
+        # the same bytes with the standard strides (a 0- or 1-row tensor may carry others)
+        packed_NB = packed_NB.as_strided((rows, row_bytes), (row_bytes, 1))
+    else:
+        fresh_NB = torch.empty((rows, row_bytes), dtype=torch.uint8, device=packed_NB.device)
+        packed_NB = fresh_NB.copy_(packed_NB)
+    return [
+        _field(packed_NB, offset, dtype, width).clone(memory_format=torch.contiguous_format)
+        for (dtype, width), offset in zip(fields, offsets, strict=True)
+    ]
 
 
 def transpose_chunks(x: torch.Tensor, sizes_AB: torch.Tensor, kernels: str = "auto") -> torch.Tensor:

@@ -21,8 +21,9 @@ One round at rank (m, l):
    kept by the usual (source-side) capacity cut on node m', ordered [m'][t]; with each copy, the
    node-local expert id of each of its K slots (-1: a slot on another node, or cut).
 2. inter-node exchange in ``inter_node_group`` (to rank (m', l)): counts, then the rows (in
-   ``comm_dtype``) and their ids (int32) in one message per node. The own node's copies stay on the
-   rank (``all_to_all_single`` to itself: no network).
+   ``comm_dtype``) and their ids (int32) in one message per node
+   (:func:`~moetrain.comm.all_to_all.pack_rows`: correct for any row count and row dtype). The own
+   node's copies stay on the rank (``all_to_all_single`` to itself: no network).
 3. at (m', l): a dropless plan of the received copies' slots over the node's En experts
    (``node_plan``: rows ordered by destination local rank, then expert) expands each copy into one
    row per slot of this node.
@@ -42,9 +43,10 @@ the input, the gates (to the source's router) and the experts along the same pat
 
 **Exactness.** The output sums the same terms ``gate * expert output`` as the flat algorithm, but
 in another order (per node, then over nodes), and each node's partial sum is rounded to the row
-dtype (and to ``comm_dtype`` on the wire) before the sum over nodes: outputs and gradients equal
-the flat algorithm within floating-point tolerance (fp32: ~1e-7 relative; fp64: ~1e-15), not bit
-for bit.
+dtype (and with ``comm_dtype`` to the wire, as are the expert rows on their intra-node hop back:
+two roundings on the way back, docs/expert_parallel.md states the bound) before the sum over
+nodes: outputs and gradients equal the flat algorithm within floating-point tolerance (fp32: ~1e-7
+relative; fp64: ~1e-15), not bit for bit.
 
 **Recompute replay** is supported: a recorded round keeps its plans (``DispatchRecord.a2a_plan``,
 a :class:`NodeDedupRound`) and the rows each of its four forward exchanges delivered
@@ -52,8 +54,9 @@ a :class:`NodeDedupRound`) and the rows each of its four forward exchanges deliv
 communicates the gradients as usual.
 
 **Cost per round**, beside the flat algorithm's one row per kept slot: C copies (one per token
-and node reached) cross, plus 8K bytes of ids and gates per copy, and every slot row takes one
-intra-node hop ((L-1)/L of them leave the rank), as in the hierarchical all-to-all. Messages: one
+and node reached) cross, plus 8K bytes of ids and gates per copy (fp32 gates; and at most 4 bytes
+that align the ids and the next row), and every slot row takes one intra-node hop ((L-1)/L of them
+leave the rank), as in the hierarchical all-to-all. Messages: one
 inter-node count exchange and three inter-node row exchanges (rows+ids, gates, partial rows) of
 M - 1 messages, one intra-node count exchange and two row exchanges of L - 1 messages, per forward;
 the backward sends the same rows again (no count exchange).
@@ -70,8 +73,10 @@ from moetrain.comm.all_to_all import (
     FlatAllToAllPlan,
     all_to_all,
     all_to_all_reverse,
+    pack_rows,
     regroup_chunks,
     replay_all_to_all,
+    unpack_rows,
 )
 from moetrain.comm.compression import decode_rows, encode_rows
 from moetrain.kernels import kernel
@@ -165,24 +170,20 @@ def exchange_counts_in(send_AE: torch.Tensor, group, kernels: str = "auto"):
     return recv_AE, FlatAllToAllPlan(send_AE, recv_AE, group, kernels)
 
 
-def _as_bytes(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.uint8)  # [N, W] of s-byte elements -> [N, W*s]
-
-
 class _CopiesExchange(torch.autograd.Function):
     """The inter-node exchange of step 2: rows (in ``comm_dtype``) and their int32 slot ids in one
-    message per peer; differentiable in the rows (the gradient takes the reverse trip, as
-    :func:`moetrain.comm.all_to_all.all_to_all`'s)."""
+    message per peer (:func:`~moetrain.comm.all_to_all.pack_rows`: each row's bytes, its ids at the
+    next multiple of 4 bytes, the row padded to the larger element size); differentiable in the rows
+    (the gradient takes the reverse trip, as :func:`moetrain.comm.all_to_all.all_to_all`'s)."""
 
     @staticmethod
     def forward(ctx, x_CD: torch.Tensor, ids_CK: torch.Tensor, plan: FlatAllToAllPlan, comm_dtype):
         ctx.plan, ctx.comm_dtype = plan, comm_dtype
         wire_CW = encode_rows(x_CD, comm_dtype, plan.kernels)
-        packed = torch.cat([_as_bytes(wire_CW), _as_bytes(ids_CK.to(torch.int32))], dim=1)
-        split = packed.shape[1] - 4 * ids_CK.shape[1]
-        got = plan.exchange(packed)
-        wire_RW = got[:, :split].contiguous().view(wire_CW.dtype)
-        ids_RK = got[:, split:].contiguous().view(torch.int32).to(torch.int64)
+        fields = [(wire_CW.dtype, wire_CW.shape[1]), (torch.int32, ids_CK.shape[1])]
+        packed_CB = pack_rows([wire_CW, ids_CK.to(torch.int32)])  # any row count, any row dtype
+        wire_RW, ids_RK = unpack_rows(plan.exchange(packed_CB), fields)
+        ids_RK = ids_RK.to(torch.int64)
         ctx.mark_non_differentiable(ids_RK)
         return decode_rows(wire_RW, comm_dtype, x_CD.dtype, plan.kernels), ids_RK
 
