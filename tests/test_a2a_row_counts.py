@@ -263,7 +263,7 @@ def layer_worker(rank, world, cases):
             on_wire, scale = _on_wire(cfg, dtype, comm_dtype, x)
         case = {"case": cases[index], "tokens": tokens}
         routers = []  # each rank's router gradient is its own tokens': summed over the ranks below
-        unchunked = None
+        unchunked, runs = None, {}
         for algorithm, (all_to_all, chunks) in ALGORITHMS.items():
             key = (local_world, algorithm, comm_dtype)
             if key not in contexts:
@@ -289,6 +289,7 @@ def layer_worker(rank, world, cases):
             got = {"out": out.detach(), "grad_x": xi.grad, "router": layer.router.weight.grad,
                    "w1": layer.experts.w1_EDF.grad, "w2": layer.experts.w2_EFD.grad}  # fmt: skip
             case[algorithm] = {name: _rel(got[name], ref[name]) for name in ref if name != "router"}
+            runs[algorithm] = got
             routers.append(got["router"])
             if chunks > 1:
                 assert layer.dispatcher.last_chunks == chunks
@@ -312,6 +313,8 @@ def layer_worker(rank, world, cases):
         dist.all_reduce(routers)  # one all-reduce for every algorithm
         for algorithm, router in zip(ALGORITHMS, routers, strict=True):
             case[algorithm]["router"] = _rel(router, ref["router"])
+        for name in ("out", "grad_x", "w1", "w2"):  # node_dedup against the flat all-to-all directly
+            case["node_dedup"]["vs_flat_" + name] = _rel(runs["node_dedup"][name], runs["flat"][name])
         results.append(case)
     return results
 
@@ -335,11 +338,15 @@ def _check(results) -> int:
         for case in rank_results:
             _, _, _, _, dtype_name, comm_dtype = case["case"]
             tol = TOLERANCE[(dtype_name, comm_dtype)]
+            assert len([n for n in case["node_dedup"] if n[:8] == "vs_flat_"]) == 4
             for algorithm in ALGORITHMS:
                 assert case[algorithm + "_layout"], (rank, case["case"], algorithm)
                 assert case[algorithm].get("bits", True), (rank, case["case"], algorithm, "not bit for bit")
                 errors = case[algorithm]
-                for name in ("out", "grad_x", "router", "w1", "w2"):
+                compared = ["out", "grad_x", "router", "w1", "w2"] + [
+                    n for n in errors if n[:8] == "vs_flat_"
+                ]
+                for name in compared:
                     assert errors[name] <= tol, (rank, case["case"], case["tokens"], algorithm, name, errors)
                 if "bound" in errors:
                     assert errors["bound"] <= 1.0, (rank, case["case"], algorithm, errors)
