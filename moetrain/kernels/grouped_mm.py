@@ -4,8 +4,10 @@ Legend: N rows in expert order, I/O the GEMM's input/output width, E experts; ex
 ``[sum(counts[:e]), sum(counts[:e+1]))``; rows after ``sum(counts)`` (a padded plan's) belong to
 no expert and come out as zeros.
 
-- ``moetrain::grouped_mm(x, w, counts, transpose_w)``: ``out[rows_e] = x[rows_e] @ w[e]``
+- ``moetrain::grouped_mm(x, w, counts, transpose_w, padded)``: ``out[rows_e] = x[rows_e] @ w[e]``
   (``w[e]^T`` when ``transpose_w``), ``w`` is ``[E, I, O]`` (``[E, O, I]`` transposed);
+  ``padded=False`` promises that ``x`` has exactly ``sum(counts)`` rows (an eager call's plan), so
+  torch's grouped GEMM result needs no pass over the whole output to zero rows no expert owns;
 - ``moetrain::grouped_mm_weight_grad(a, b, counts)``: ``out[e] = a[rows_e]^T @ b[rows_e]``, zeros
   for experts without rows.
 
@@ -58,19 +60,29 @@ def loop_grouped_mm(x_NI, w_EIO, counts_E, transpose_w: bool) -> torch.Tensor:
     return out_NO
 
 
+def torch_grouped_mm(x_NI, w_EIO, counts_E, transpose_w: bool, padded: bool) -> torch.Tensor:
+    """torch's grouped GEMM (one kernel for every expert); rows after ``sum(counts)`` are zeroed
+    only for a ``padded`` plan (torch leaves them unwritten)."""
+    weights = w_EIO.transpose(1, 2) if transpose_w else w_EIO
+    offsets_E = torch.cumsum(counts_E.to(device=x_NI.device), 0).to(torch.int32)
+    out_NO = _torch_compat.grouped_mm(x_NI, weights, offsets_E)
+    if padded:
+        beyond_N1 = torch.arange(x_NI.shape[0], device=x_NI.device).unsqueeze(1) >= offsets_E[-1:]
+        out_NO.masked_fill_(beyond_N1, 0)
+    return out_NO
+
+
 @torch.library.custom_op("moetrain::grouped_mm", mutates_args=())
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, transpose_w: bool) -> torch.Tensor:
+def grouped_mm(
+    x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, transpose_w: bool, padded: bool = True
+) -> torch.Tensor:
     if uses_torch_grouped_mm(x, w, transpose_w):
-        weights = w.transpose(1, 2) if transpose_w else w
-        offsets = torch.cumsum(counts.to(device=x.device), 0).to(torch.int32)
-        out = _torch_compat.grouped_mm(x, weights, offsets)
-        beyond_N1 = torch.arange(x.shape[0], device=x.device).unsqueeze(1) >= offsets[-1:]
-        return out.masked_fill_(beyond_N1, 0)
+        return torch_grouped_mm(x, w, counts, transpose_w, padded)
     return loop_grouped_mm(x, w, counts, transpose_w)
 
 
 @grouped_mm.register_fake
-def _(x, w, counts, transpose_w):
+def _(x, w, counts, transpose_w, padded=True):
     torch._check(x.dim() == 2 and w.dim() == 3, lambda: "grouped_mm takes x [N, I] and w [E, I, O]")
     return x.new_empty((x.shape[0], w.shape[1] if transpose_w else w.shape[2]))
 
@@ -94,8 +106,8 @@ def _(a, b, counts):
 
 
 def _grouped_mm_setup(ctx, inputs, output):
-    x, w, counts, transpose_w = inputs
-    ctx.transpose_w = transpose_w
+    x, w, counts, transpose_w, padded = inputs
+    ctx.transpose_w, ctx.padded = transpose_w, padded
     ctx.save_for_backward(x, w, counts)
 
 
@@ -104,13 +116,13 @@ def _grouped_mm_backward(ctx, grad_NO):
     grad_NO = grad_NO.contiguous()
     grad_x = grad_w = None
     if ctx.needs_input_grad[0]:
-        grad_x = torch.ops.moetrain.grouped_mm(grad_NO, w, counts, not ctx.transpose_w)
+        grad_x = torch.ops.moetrain.grouped_mm(grad_NO, w, counts, not ctx.transpose_w, ctx.padded)
     if ctx.needs_input_grad[1]:
         if ctx.transpose_w:  # out = x @ w^T: d w[e] = grad^T @ x
             grad_w = torch.ops.moetrain.grouped_mm_weight_grad(grad_NO, x, counts)
         else:
             grad_w = torch.ops.moetrain.grouped_mm_weight_grad(x, grad_NO, counts)
-    return grad_x, grad_w, None, None
+    return grad_x, grad_w, None, None, None
 
 
 grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)

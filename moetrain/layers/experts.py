@@ -5,13 +5,13 @@ Legend: N routed rows in expert order, D model dim, F ffn hidden dim, E local ex
 ``[E, F, D]``. Expert e owns rows ``[offsets[e], offsets[e+1])`` of ``x_ND``; only those rows are
 multiplied, so skewed routing never pays for padding.
 
-Two paths, same math. Eager runs on CPU (and CUDA outside torch's grouped GEMM) read the row
-counts once and use the autograd function here over the row-stable phases of
-:mod:`moetrain.layers.expert_math` (in-place activation backward, reused gradient buffers: the speed
-of ``benchmarks/moe_layer.py``; each row's result independent of the other rows in the call, which
-the chunked all-to-all relies on). Compiled graphs, the ``meta`` device and CUDA calls that torch's
-grouped GEMM takes use the operators of :mod:`moetrain.kernels.grouped_mm`, whose row counts stay
-a tensor.
+Two paths, same math. Eager runs read the row counts once and use the autograd function here over
+the row-stable phases of :mod:`moetrain.layers.expert_math` (one GEMM per expert, in-place
+activation backward, reused gradient buffers: the speed of ``benchmarks/moe_layer.py``; each row's
+result independent of the other rows in the call, which the chunked all-to-all relies on).
+Compiled graphs and the ``meta`` device use the operators of :mod:`moetrain.kernels.grouped_mm`,
+whose row counts stay a tensor. Eager CUDA calls that torch's grouped GEMM can take run whichever of
+the two measured faster on that GPU for that shape class (:mod:`moetrain.layers.expert_path`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch import nn
 
 from moetrain._torch_compat import storage_use_count
 from moetrain.kernels.grouped_mm import uses_torch_grouped_mm
+from moetrain.layers import expert_path
 from moetrain.layers.expert_math import (
     ExpertActivations,
     expert_forward,
@@ -195,16 +196,46 @@ class GroupedExperts(nn.Module):
         ``y_ND``."""
         dtype = x_ND.dtype
         w1, w2, b1, b2, buffers = self.weights_for(dtype)
-        if (
-            torch.compiler.is_compiling()
-            or x_ND.device.type == "meta"
-            or uses_torch_grouped_mm(x_ND, w1, transpose_w=False)
+        x_ND = x_ND.contiguous()
+        if torch.compiler.is_compiling() or x_ND.device.type == "meta":  # a padded plan's rows
+            return self._forward_by_operators(x_ND, w1, w2, b1, b2, rows_per_expert_E, padded=True)
+        if uses_torch_grouped_mm(x_ND, w1, transpose_w=False) and self._grouped_is_faster(
+            x_ND, w1, w2, b1, b2, rows_per_expert_E
         ):
-            if b1 is not None:
-                return self._forward_with_biases(x_ND.contiguous(), w1, w2, rows_per_expert_E)
-            return self._forward_by_operators(x_ND.contiguous(), w1, w2, rows_per_expert_E)
+            return self._forward_by_operators(x_ND, w1, w2, b1, b2, rows_per_expert_E, padded=False)
+        return self._forward_per_expert(x_ND, w1, w2, b1, b2, rows_per_expert_E, buffers)
+
+    def _forward_per_expert(self, x_ND, w1, w2, b1, b2, rows_per_expert_E, buffers) -> torch.Tensor:
         offsets = row_offsets(rows_per_expert_E.tolist())
-        return _ExpertMLP.apply(x_ND.contiguous(), w1, w2, b1, b2, offsets, self.activation, buffers)
+        return _ExpertMLP.apply(x_ND, w1, w2, b1, b2, offsets, self.activation, buffers)
+
+    def _forward_by_operators(self, x_ND, w1, w2, b1, b2, rows_per_expert_E, padded: bool) -> torch.Tensor:
+        if b1 is not None:
+            return self._forward_with_biases(x_ND, w1, w2, b1, b2, rows_per_expert_E, padded)
+        grouped_mm = torch.ops.moetrain.grouped_mm
+        h_NF = grouped_mm(x_ND, w1, rows_per_expert_E, False, padded)
+        return grouped_mm(apply_activation(h_NF, self.activation), w2, rows_per_expert_E, False, padded)
+
+    def _grouped_is_faster(self, x_ND, w1, w2, b1, b2, rows_per_expert_E) -> bool:
+        """Whether torch's grouped GEMM beat the per-expert GEMMs for this shape class on this
+        device (measured on the first call of the class, on detached copies)."""
+
+        def candidate(grouped: bool):
+            def run() -> None:
+                x, a, b = (t.detach().requires_grad_() for t in (x_ND, w1, w2))
+                biases = (None, None) if b1 is None else (b1.detach(), b2.detach())
+                if grouped:
+                    y = self._forward_by_operators(x, a, b, *biases, rows_per_expert_E, padded=False)
+                else:
+                    buffers = (ReusableGradBuffer(), ReusableGradBuffer())
+                    y = self._forward_per_expert(x, a, b, *biases, rows_per_expert_E, buffers)
+                y.backward(torch.ones_like(y))
+
+            return run
+
+        key = expert_path.shape_class(x_ND, w1, w2, self.activation, b1 is not None)
+        candidates = {"grouped": candidate(True), "per_expert": candidate(False)}
+        return expert_path.CHOOSER.choose(key, x_ND.device, candidates) == "grouped"
 
     def weights_for(self, dtype: torch.dtype):
         """``(w1, w2, b1, b2, grad_buffers)`` for rows of ``dtype``: the weights cast to it (biases
@@ -217,20 +248,16 @@ class GroupedExperts(nn.Module):
         buffers = self._grad_buffers if w1 is self.w1_EDF else (ReusableGradBuffer(), ReusableGradBuffer())
         return w1, w2, b1, b2, buffers
 
-    def _forward_with_biases(self, x_ND, w1_EDF, w2_EFD, rows_per_expert_E) -> torch.Tensor:
+    def _forward_with_biases(self, x_ND, w1_EDF, w2_EFD, b1_EF, b2_ED, rows_per_expert_E, padded: bool):
         """The operator path plus each row's expert bias, gathered by the row's expert index."""
         grouped_mm = torch.ops.moetrain.grouped_mm
         expert_N = torch.repeat_interleave(
             torch.arange(self.num_experts, device=x_ND.device), rows_per_expert_E, output_size=x_ND.shape[0]
         )
-        b1_NF, b2_ND = self.b1_EF.to(x_ND.dtype)[expert_N], self.b2_ED.to(x_ND.dtype)[expert_N]
-        h_NF = grouped_mm(x_ND, w1_EDF, rows_per_expert_E, False) + b1_NF
-        return grouped_mm(apply_activation(h_NF, self.activation), w2_EFD, rows_per_expert_E, False) + b2_ND
-
-    def _forward_by_operators(self, x_ND, w1_EDF, w2_EFD, rows_per_expert_E) -> torch.Tensor:
-        grouped_mm = torch.ops.moetrain.grouped_mm
-        h_NF = grouped_mm(x_ND, w1_EDF, rows_per_expert_E, False)
-        return grouped_mm(apply_activation(h_NF, self.activation), w2_EFD, rows_per_expert_E, False)
+        b1_NF, b2_ND = b1_EF[expert_N], b2_ED[expert_N]
+        h_NF = grouped_mm(x_ND, w1_EDF, rows_per_expert_E, False, padded) + b1_NF
+        a_NF = apply_activation(h_NF, self.activation)
+        return grouped_mm(a_NF, w2_EFD, rows_per_expert_E, False, padded) + b2_ND
 
 
 def derive_seed(seed: int, name: str) -> int:
