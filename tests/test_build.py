@@ -119,8 +119,8 @@ def test_without_a_compiler_the_torch_native_twins_serve_with_one_warning(tmp_pa
     )
     assert twins.returncode == 0, twins.stderr
     assert "EXTENSION torch-native" in twins.stdout
-    warnings = [line for line in twins.stderr.splitlines() if line.strip()]
-    assert len(warnings) == 1, twins.stderr
+    warnings = [line for line in twins.stderr.splitlines() if line.startswith("moetrain")]
+    assert len(warnings) == 1, twins.stderr  # (a CUDA torch without a GPU adds lines of its own)
     assert "no pre-built extension was found" in warnings[0]
     assert f"no C++ compiler ('{NO_COMPILER}' is not on PATH)" in warnings[0]
     assert "torch-native implementations of its kernels serve instead" in warnings[0]
