@@ -197,3 +197,24 @@ def test_simd_levels_are_reported_and_capped():
         ops.set_max_simd_level("avx512")
     with pytest.raises(ValueError, match="'avx512', 'avx2', 'scalar'"):
         ops.set_max_simd_level("sse")
+
+
+def test_an_old_setuptools_is_refused_with_one_line(monkeypatch):
+    """pyproject.toml's SPDX ``license = "Apache-2.0"`` needs setuptools >= 77; older ones fail deep in
+    their own validation, so setup.py says it first."""
+    import importlib.util
+
+    import setuptools
+
+    spec = importlib.util.spec_from_file_location("moetrain_setup_under_test", ROOT / "setup.py")
+    setup_py = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup_py)  # defines functions only: main() runs under __main__
+    monkeypatch.setattr(setuptools, "__version__", "65.5.0")
+    with pytest.raises(SystemExit) as stop:
+        setup_py._require_setuptools()
+    assert str(stop.value) == (
+        "moetrain: building needs setuptools >= 77 (pyproject.toml's SPDX license string), found 65.5.0: "
+        "pip install 'setuptools>=77'"
+    )
+    monkeypatch.setattr(setuptools, "__version__", "77.0.1")
+    setup_py._require_setuptools()
