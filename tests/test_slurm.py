@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import re
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -127,7 +129,21 @@ def torchrun_env(fake_gpu_count: Path, **extra: str) -> dict[str, str]:
 
 def rendezvous_port() -> dict[str, str]:
     """A free rendezvous port: the templates' default (20000 + job id) would collide with a test
-    cluster of another run on this machine, whose job ids count from 1 too."""
+    cluster of another run on this machine, whose job ids count from 1 too. It is drawn below the
+    kernel's ephemeral range (``ip_local_port_range``): a port the OS hands out (``free_port``) can be
+    taken again as the source port of any outgoing connection before torchrun binds it (a job step
+    then ends a second after it started, rank 0 unable to listen: the likely cause of such a step
+    seen once under load)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, min(low, 20000))
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return {"PORT": str(port)}
     return {"PORT": str(free_port())}
 
 
