@@ -369,6 +369,7 @@ RESUME_CHOICES = ("latest", "latest-valid")
 
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("adamw", "groupwise", "offload")
+OPTIM_OVERLAPS = ("none", "delayed")
 
 
 @dataclass(frozen=True)
@@ -449,6 +450,14 @@ class OptimConfig:
     num_apply_groups: int = option(
         4, ("parameter groups stepped one at a time by 'groupwise' and 'offload' (bounds temporary memory)")
     )
+    overlap: str = option(
+        "none",
+        (
+            "'none' or 'delayed' (name 'offload' only: the host Adam of step t runs during step t+1's "
+            "forward and backward, which use weights one update old; ZeRO-Offload's delayed update)"
+        ),
+    )
+    overlap_after_steps: int = option(0, "with overlap 'delayed': the first updates, run exactly")
 
     def __post_init__(self) -> None:
         require_choice("optim.name", self.name, OPTIMIZERS)
@@ -463,6 +472,10 @@ class OptimConfig:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         require_nonneg_float("optim.grad_clip", self.grad_clip)
         require_int("optim.num_apply_groups", self.num_apply_groups, 1)
+        require_choice("optim.overlap", self.overlap, OPTIM_OVERLAPS)
+        if self.overlap == "delayed" and self.name != "offload":
+            raise ValueError(f"optim.overlap 'delayed' needs optim.name 'offload', got {self.name!r}")
+        require_int("optim.overlap_after_steps", self.overlap_after_steps, 0)
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,22 @@ model, per group ``N * (grad bytes + weight bytes)`` in each of two slots, so th
 group (on two side streams, one per direction) overlap the CPU step of the next. Only the staging
 is pinned: masters and moments never cross PCIe during a step, so they stay in pageable memory
 (page-locked memory is scarce and slow to allocate).
+
+Overlap (``overlap="delayed"``, ZeRO-Offload's one-step delayed parameter update, Ren et al. 2021):
+after ``overlap_after_steps`` exact updates, ``step()`` of step t writes the update of step t - 1
+into the parameters, copies step t's gradients to a host snapshot and returns; the C++ Adam of step t
+runs on a worker thread while the device runs step t + 1's forward and backward, and its weights are
+written at step t + 1's ``step()`` (before step t + 2's forward). Host memory: one more gradient
+copy and one weight copy of every parameter (``P * (grad bytes + weight bytes)``, pinned for CUDA)
+instead of the two groups of staging.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -36,11 +46,23 @@ import torch
 from moetrain.offload.apply_groups import MASTER_BYTES_PER_ELEMENT, check_apply_groups, plan_apply_groups
 from moetrain.offload.cpu_adam import GRAD_DTYPES, adam_step_multi_, group_hyperparameters
 from moetrain.offload.transfers import Segment, Transfers
-from moetrain.validation import require_bool, require_nonneg_float, require_numbers
+from moetrain.validation import (
+    require_bool,
+    require_choice,
+    require_int,
+    require_nonneg_float,
+    require_numbers,
+)
+
+log = logging.getLogger("moetrain.offload.optimizer")
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PARAM_DEVICE_TYPES = ("cpu", "cuda")
 STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "master")
+# ``overlap="delayed"`` adds to each param's state dict entry (never to ``optimizer.state``):
+# ``pending``, a 0-dim fp32 tensor, 1.0 when ``master`` is one update ahead of the model's weight.
+PENDING_KEY = "pending"
+OVERLAP_MODES = ("none", "delayed")
 # Keys a param group given to OffloadOptimizer may have (``initial_lr``: added by LR schedulers;
 # ``amsgrad`` / ``maximize``: accepted only as False, for state dicts of torch's Adam).
 PARAM_GROUP_KEYS = (
@@ -109,6 +131,29 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     Gradients may be fp32, bf16 or fp16 on the parameter's device; a non-contiguous gradient is
     copied to a contiguous one first. Sparse gradients, AMSGrad and ``maximize`` are not supported.
+
+    ``overlap="delayed"`` (ZeRO-Offload's delayed parameter update): the first
+    ``overlap_after_steps`` updates are exact; from then on ``step()`` of step t (1) waits for the
+    update of step t - 1 and writes its weights into the parameters, (2) copies step t's gradients
+    into a host snapshot and snapshots the hyper-parameters (so an LR scheduler stepping afterwards
+    changes the next update only), (3) starts the C++ Adam of step t on a worker thread and returns.
+    The forward and backward of step t + 1 thus run on weights without step t's update::
+
+        weights seen by step t + 1 = W_0 - U(g_1) - ... - U(g_{t-1})     (exact: ... - U(g_t))
+
+    i.e. the weights after step t equal an exact optimizer's fed the gradients shifted by one step
+    (``g_{t-1}`` at step t, nothing at the first delayed step). The worker reads only the snapshot
+    and writes only the host state and a host weight copy; the parameters are written on the
+    calling thread. A step skipped by the ``GradScaler`` (``found_inf``) still writes the pending
+    update and starts none of its own; so does :meth:`apply_pending`, which a trainer calls when
+    it skips a step itself (non-finite gradient norm) and at the end of training.
+
+    ``state_dict()`` waits for the worker (masters and moments then hold every issued update) and
+    records the update still to be written: each param's entry gets ``pending`` (0-dim tensor, 1.0
+    when its weight lacks the last update). Saved with the model's (stale) weights, that is exactly
+    the running state: ``load_state_dict()`` of a dict with ``pending`` 1.0 leaves those params as
+    they are and writes their cast ``master`` at the next ``step()`` / ``apply_pending()`` (an
+    optimizer with ``overlap="none"`` writes it at once), so resuming equals never stopping.
     """
 
     _step_supports_amp_scaling = True
@@ -124,8 +169,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         *,
         num_apply_groups: int | None = None,
         group_bytes: int | None = None,
+        overlap: str = "none",
+        overlap_after_steps: int = 0,
     ) -> None:
         check_apply_groups(num_apply_groups, group_bytes)
+        require_choice("OffloadOptimizer: overlap", overlap, OVERLAP_MODES)
+        require_int("OffloadOptimizer: overlap_after_steps", overlap_after_steps, 0)
+        self.overlap = overlap
+        self.overlap_after_steps = overlap_after_steps
+        self._reset_overlap()
         require_bool("OffloadOptimizer: adamw_mode", adamw_mode)
         defaults = {
             "lr": lr,
@@ -143,14 +195,36 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # model. (Tests set it on a CPU model, before the first step, to run that code path.)
         self._staged = self.device.type != "cpu"
 
+    def _reset_overlap(self) -> None:
+        self._executor: ThreadPoolExecutor | None = None  # one worker thread, made at first use
+        self._future: Future | None = None  # the update in flight on the worker
+        # param -> its host weight copy (flat, the param's dtype) to write, or None: cast ``master``
+        self._pending: dict[torch.Tensor, torch.Tensor | None] = {}
+        self._host_grads: dict[torch.Tensor, torch.Tensor] = {}  # param -> flat gradient snapshot
+        self._host_weights: dict[torch.Tensor, torch.Tensor] = {}  # param -> flat weight copy
+        self._weights_written: Any = None  # CUDA event: the last H2D copy from ``_host_weights``
+        self._d2h_stream: Any = None  # CUDA: the side stream of the gradient snapshot
+
     def __getstate__(self) -> dict[str, Any]:
+        self.wait_pending()
         return {
             **super().__getstate__(),
             "num_apply_groups": self.num_apply_groups,
             "group_bytes": self.group_bytes,
             "device": self.device,
             "_staged": self._staged,
+            "overlap": self.overlap,
+            "overlap_after_steps": self.overlap_after_steps,
+            "_pending": self._pending,
         }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        pending = state.pop("_pending", {})
+        state.setdefault("overlap", "none")
+        state.setdefault("overlap_after_steps", 0)
+        super().__setstate__(state)
+        self._reset_overlap()
+        self._pending = pending
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a param group after checking its options and that its params are contiguous fp32 /
@@ -200,15 +274,21 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 loss = closure()
         found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step for this call only
         if found_inf is not None and float(found_inf) != 0.0:
+            self.apply_pending()  # the skipped step skips its own update only
             return loss
         grad_scale = getattr(self, "grad_scale", None)
         grad_scale = 1.0 if grad_scale is None else float(grad_scale)
 
         for index, group in enumerate(self.param_groups):
             _check_group_options(f"OffloadOptimizer param group {index}", group)
+        self.apply_pending()
         flat_grads = self._flat_grads()
         if not flat_grads:
             return loss
+        issued = max((int(state["step"].item()) for state in self.state.values() if state), default=0)
+        delayed = self.overlap == "delayed" and issued >= self.overlap_after_steps
+        if delayed and issued == self.overlap_after_steps:
+            log.info("offload optimizer: update %d and later are delayed by one step", issued + 1)
         steps = {}
         for param in flat_grads:
             state = self.state[param]
@@ -217,6 +297,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             state["step"] += 1
             steps[param] = int(state["step"].item())
 
+        if delayed:
+            self._start_delayed(flat_grads, steps, grad_scale)
+            return loss
         work = self._segments(flat_grads)
         if not work:  # only empty params have gradients
             return loss
@@ -233,6 +316,93 @@ class OffloadOptimizer(torch.optim.Optimizer):
         finally:
             transfers.finish()
         return loss
+
+    # -- overlap="delayed" ---------------------------------------------------------------------
+
+    def _start_delayed(
+        self, flat_grads: dict[torch.Tensor, torch.Tensor], steps: dict[torch.Tensor, int], grad_scale: float
+    ) -> None:
+        """Copies the gradients into the host snapshot and starts their update on the worker."""
+        cuda = self.device.type == "cuda"
+        host_grads = {}
+        for param, grad in flat_grads.items():
+            buffer = self._host_grads.get(param)
+            if buffer is None or buffer.dtype != grad.dtype:
+                buffer = torch.empty(grad.numel(), dtype=grad.dtype, pin_memory=cuda)
+                self._host_grads[param] = buffer
+                self._host_weights.setdefault(
+                    param, torch.empty(param.numel(), dtype=param.dtype, pin_memory=cuda)
+                )
+            host_grads[param] = buffer
+        copied, weights_written = None, self._weights_written
+        if cuda:  # on a side stream after the backward; the worker waits for the event
+            if self._d2h_stream is None:
+                self._d2h_stream = torch.cuda.Stream(self.device)
+            stream = self._d2h_stream
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for param, grad in flat_grads.items():
+                    host_grads[param].copy_(grad, non_blocking=True)
+                copied = stream.record_event()
+            keep_alive = list(flat_grads.values())  # the device gradients live until the copy ends
+        else:
+            for param, grad in flat_grads.items():
+                host_grads[param].copy_(grad)
+            keep_alive = []
+        work = self._segments(host_grads)
+        hyper = [group_hyperparameters(group) for group in self.param_groups]  # as of this step()
+
+        def update() -> None:
+            if copied is not None:
+                copied.synchronize()
+            keep_alive.clear()
+            if weights_written is not None:  # the last H2D copy out of the weight buffers is done
+                weights_written.synchronize()
+            for segments in work:
+                copies = [self._host_weights[seg.param][seg.start : seg.end] for seg in segments]
+                grads = [seg.grad_N for seg in segments]
+                self._adam(segments, grads, copies, steps, grad_scale, hyper)
+
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-adam")
+        self._future = self._executor.submit(update)
+        self._pending = {param: self._host_weights[param] for param in flat_grads}
+
+    def wait_pending(self) -> None:
+        """Blocks until the update in flight (if any) has updated masters and moments; the
+        parameters are not written (see :meth:`apply_pending`). Re-raises the worker's error."""
+        future, self._future = self._future, None
+        if future is not None:
+            future.result()
+
+    def apply_pending(self) -> None:
+        """Waits for the update in flight and writes its weights (the cast masters) into the
+        parameters; nothing to do without one. ``step()`` calls it first; a trainer calls it when it
+        skips a step without calling ``step()`` and before using the final weights (evaluation,
+        export, the last checkpoint)."""
+        self.wait_pending()
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        cuda = self.device is not None and self.device.type == "cuda"
+        with torch.no_grad():
+            for param, weights in pending.items():
+                source = self.state[param]["master"] if weights is None else weights.view(param.shape)
+                param.detach().copy_(source, non_blocking=cuda and weights is not None)
+        if cuda:  # the next update may overwrite the weight buffers once these copies are done
+            self._weights_written = torch.cuda.current_stream(self.device).record_event()
+
+    @property
+    def has_pending(self) -> bool:
+        """Whether an update is in flight or its weights are not yet in the parameters."""
+        return self._future is not None or bool(self._pending)
+
+    def close(self) -> None:
+        """Applies the pending update and stops the worker thread (a later step starts a new one)."""
+        self.apply_pending()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
 
     def _flat_grads(self) -> dict[torch.Tensor, torch.Tensor]:
         """``{param: flat contiguous gradient}`` for the params that have one, in param-group order."""
@@ -256,8 +426,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return flat_grads
 
     def _new_master(self, param: torch.Tensor) -> torch.Tensor:
-        """The param itself for an fp32 CPU model, else a new (uninitialised) fp32 host tensor."""
-        if not self._staged and param.dtype == torch.float32:
+        """The param itself for an fp32 CPU model (``overlap="none"``), else a new (uninitialised)
+        fp32 host tensor (a delayed update must not write the weights the device is reading)."""
+        if not self._staged and param.dtype == torch.float32 and self.overlap == "none":
             return param.detach()
         return torch.empty(param.shape, dtype=torch.float32)
 
@@ -306,8 +477,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         copies: list[torch.Tensor | None],
         steps: dict[torch.Tensor, int],
         grad_scale: float,
+        hyper: list[dict] | None = None,
     ) -> None:
-        """One fused C++ pass per param group over this apply group's segments (host tensors)."""
+        """One fused C++ pass per param group over this apply group's segments (host tensors);
+        ``hyper``: each param group's hyper-parameters (default: the groups' current ones)."""
         lists: dict[int, tuple[list, ...]] = defaultdict(lambda: ([], [], [], [], [], []))
         for seg, grad_N, copy_N in zip(segments, grads, copies, strict=True):
             state = self.state[seg.param]
@@ -328,10 +501,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 steps=seg_steps,
                 grad_scale=grad_scale,
                 param_copies_out=seg_copies,
-                **group_hyperparameters(self.param_groups[index]),
+                **(hyper[index] if hyper is not None else group_hyperparameters(self.param_groups[index])),
             )
 
     # -- state dict ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's Adam layout plus ``master`` per param; waits for the update in flight first.
+        ``overlap="delayed"``: every param's entry also has ``pending`` (1.0: its weight in the
+        model lacks the last update, which ``master`` holds; see the class docstring)."""
+        self.wait_pending()
+        state_dict = super().state_dict()
+        if self.overlap == "delayed":
+            params = [param for group in self.param_groups for param in group["params"]]
+            for index, values in list(state_dict["state"].items()):
+                pending = float(params[index] in self._pending)
+                state_dict["state"][index] = {**values, PENDING_KEY: torch.tensor(pending)}
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict of this class, or of ``torch.optim.Adam`` / ``AdamW`` / ``CPUAdam``.
@@ -341,7 +527,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         also written, cast, into the model's parameter, so that weights equal the cast master.
         Params without an entry in ``state_dict["state"]`` lose their state (fresh moments).
         Everything is checked before anything changes. Load-state-dict hooks run as in torch.
+        A param whose entry has ``pending`` 1.0 (a checkpoint of ``overlap="delayed"``) keeps its
+        weight until the next ``step()`` / ``apply_pending()`` writes the cast master (at once with
+        ``overlap="none"``); an update in flight here is waited for and dropped.
         """
+        self.wait_pending()
+        self._pending = {}
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             hook_result = pre_hook(self, state_dict)
             if hook_result is not None:
@@ -372,11 +563,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if param_id not in id_to_param:
                 raise ValueError(f"{where}: the id must be one of the param groups' params")
             param = id_to_param[param_id]
-            unknown = sorted(set(values) - set(STATE_KEYS))
+            unknown = sorted(set(values) - {*STATE_KEYS, PENDING_KEY})
             missing = [key for key in ("step", "exp_avg", "exp_avg_sq") if key not in values]
             if unknown or missing:
                 raise ValueError(
-                    f"{where}: keys must be {STATE_KEYS} ('master' optional), got {sorted(values)}"
+                    f"{where}: keys must be {STATE_KEYS} ('master' and {PENDING_KEY!r} optional), "
+                    f"got {sorted(values)}"
                 )
             for key in ("exp_avg", "exp_avg_sq", "master"):
                 if key in values and tuple(values[key].shape) != tuple(param.shape):
@@ -387,6 +579,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             loaded[param] = values
 
         new_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        deferred = []
         for param, values in loaded.items():
             state = self.state.get(param) or {}
             if not state:
@@ -404,10 +597,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     master.copy_(values["master"])  # writes the param
             else:
                 master.copy_(values["master"] if "master" in values else param.detach())
-                param.detach().copy_(master)
+                if float(values.get(PENDING_KEY, 0.0)) != 0.0 and "master" in values:
+                    deferred.append(param)  # written by the next step(), as the saved run would have
+                else:
+                    param.detach().copy_(master)
             new_state[param] = state
         self.state = new_state
         self.param_groups[:] = new_groups
+        self._pending = dict.fromkeys(deferred)
+        if self.overlap == "none":
+            self.apply_pending()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
