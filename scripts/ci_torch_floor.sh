@@ -44,8 +44,11 @@ git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' 
 done
 
 cuda_home=${CUDA_HOME:-}
-if [[ -z $cuda_home ]] && command -v nvcc >/dev/null; then
-    cuda_home=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+if [[ -z $cuda_home && -x /usr/local/cuda/bin/nvcc ]]; then
+    cuda_home=/usr/local/cuda
+elif [[ -z $cuda_home ]] && command -v nvcc >/dev/null; then  # nvcc may be a wrapper script: ask it
+    cuda_home=$(nvcc -v --dryrun -c -x cu /dev/null 2>&1 | sed -n 's/^#\$ TOP=//p' | head -n 1)
+    cuda_home=$(readlink -f "${cuda_home:-$(dirname "$(command -v nvcc)")/..}")
 fi
 step "build (CUDA_HOME=${cuda_home:-none})"
 (cd "$copy" && CUDA_HOME=$cuda_home MAX_JOBS=${MAX_JOBS:-2} \

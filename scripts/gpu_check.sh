@@ -37,8 +37,11 @@ log=$out/gpu_check.log
 steps=$out/steps.tsv
 : >"$steps"
 exec > >(tee -a "$log") 2>&1
-if [[ -z ${CUDA_HOME:-} ]] && command -v nvcc >/dev/null; then
-    CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+if [[ -z ${CUDA_HOME:-} && -x /usr/local/cuda/bin/nvcc ]]; then
+    export CUDA_HOME=/usr/local/cuda
+elif [[ -z ${CUDA_HOME:-} ]] && command -v nvcc >/dev/null; then  # nvcc may be a wrapper script: ask it
+    CUDA_HOME=$(nvcc -v --dryrun -c -x cu /dev/null 2>&1 | sed -n 's/^#\$ TOP=//p' | head -n 1)
+    CUDA_HOME=$(readlink -f "${CUDA_HOME:-$(dirname "$(command -v nvcc)")/..}")
     export CUDA_HOME
 fi
 
