@@ -334,34 +334,37 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     param, torch.empty(param.numel(), dtype=param.dtype, pin_memory=cuda)
                 )
             host_grads[param] = buffer
-        copied, weights_written = None, self._weights_written
-        if cuda:  # on a side stream after the backward; the worker waits for the event
+        work = self._segments(host_grads)
+        copied, weights_written = [], self._weights_written
+        if cuda:  # on a side stream after the backward, one event per apply group for the worker
             if self._d2h_stream is None:
                 self._d2h_stream = torch.cuda.Stream(self.device)
             stream = self._d2h_stream
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                for param, grad in flat_grads.items():
-                    host_grads[param].copy_(grad, non_blocking=True)
-                copied = stream.record_event()
-            keep_alive = list(flat_grads.values())  # the device gradients live until the copy ends
+                for segments in work:
+                    for seg in segments:
+                        seg.grad_N.copy_(flat_grads[seg.param][seg.start : seg.end], non_blocking=True)
+                    copied.append(stream.record_event())
+            keep_alive = list(flat_grads.values())  # the device gradients live until the copies end
         else:
             for param, grad in flat_grads.items():
                 host_grads[param].copy_(grad)
             keep_alive = []
-        work = self._segments(host_grads)
         hyper = [group_hyperparameters(group) for group in self.param_groups]  # as of this step()
 
         def update() -> None:
-            if copied is not None:
-                copied.synchronize()
-            keep_alive.clear()
             if weights_written is not None:  # the last H2D copy out of the weight buffers is done
                 weights_written.synchronize()
-            for segments in work:
+            for i, segments in enumerate(work):
+                if copied:
+                    copied[i].synchronize()
+                    if i == len(work) - 1:
+                        keep_alive.clear()  # every gradient is on the host
                 copies = [self._host_weights[seg.param][seg.start : seg.end] for seg in segments]
                 grads = [seg.grad_N for seg in segments]
                 self._adam(segments, grads, copies, steps, grad_scale, hyper)
+            keep_alive.clear()
 
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-adam")
