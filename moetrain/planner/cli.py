@@ -127,6 +127,12 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--autocast", action="store_true", help="fp32 weights with autocast compute")
     plan.add_argument("--offload", action="store_true", help="optimizer states in host memory")
     plan.add_argument(
+        "--optim-overlap",
+        choices=("none", "delayed"),
+        help="with --offload: 'delayed' runs the host optimizer of step t during step t+1 (one-step "
+        "stale weights; default: the config's optim.overlap, else none; --recommend tries both)",
+    )
+    plan.add_argument(
         "--sync-checkpoint",
         action="store_true",
         help="checkpoints written synchronously: no host staging copy (default: a config's async_checkpoint)",
@@ -190,6 +196,10 @@ def settings_from_args(args, defaults: dict) -> PlanSettings:
         values["autocast"] = True
     if args.offload:
         values["offload"] = True
+    if args.optim_overlap is not None and (values.get("offload") or not args.recommend):
+        values["optim_overlap"] = args.optim_overlap  # --recommend: applied to its offloaded candidates
+    if not values.get("offload") and args.recommend:
+        values["optim_overlap"] = "none"
     if args.sync_checkpoint:
         values["async_checkpoint"] = False
     if args.capacity_factor is not None:
@@ -323,6 +333,7 @@ def run_plan(args) -> int:
             settings,
             ep_sizes=None if args.ep_size is None else [args.ep_size],
             offload=(True,) if args.offload else (False, True),
+            optim_overlaps=("none", "delayed") if args.optim_overlap is None else (args.optim_overlap,),
             micro_batches=None if args.micro_batch is None else [args.micro_batch],
             recompute=(settings.recompute,),
             global_batch=args.global_batch,

@@ -158,7 +158,7 @@ def plan_mixed_cluster(
         overheads += [expert_s] * ranks
         limits += [limit] * ranks
         plan = make_plan(model, cluster, settings.replace(micro_batch=min(uniform, limit), grad_accum=1))
-        waiting = plan.time["all_to_all_s"] + plan.time["grad_sync_s"] + plan.time["optimizer_s"]
+        waiting = plan.time["all_to_all_s"] + plan.time["grad_sync_s"] + plan.time["optimizer_exposed_s"]
         common = max(common, waiting)
     assignment = balance_batch(global_batch, speeds, limits, overheads)
     return MixedClusterPlan(

@@ -299,6 +299,7 @@ def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
             "a2a_chunks": train.parallel.a2a_chunks,
             "offload": train.optim.name == "offload",
             "offload_apply_groups": train.optim.num_apply_groups,
+            "optim_overlap": train.optim.overlap,
             "async_checkpoint": train.async_checkpoint,
             "pp_size": train.parallel.pp_size,
             "pp_schedule": train.parallel.pp_schedule,

@@ -22,6 +22,14 @@
   optimizer on the GPU ``= params * 28 B / memory bandwidth``, offloaded
   ``= max(params * max(grad, weight bytes) / PCIe, gpus_per_node * params * (24 + grad + weight
   bytes) / host memory bandwidth)`` (CPU Adam is bound by host memory; copies overlap it).
+  ``settings.optim_overlap = "delayed"`` (offload only; ZeRO-Offload's one-step delayed update):
+  the host step of step t runs during step t+1's device work, so ``optimizer_exposed_s = max(0,
+  host_s - device_s) + h2d_s`` replaces ``optimizer_s`` in the step, where ``device_s`` is every
+  other term of the step, ``host_s = d2h_s / G + max(d2h_s * (G - 1) / G, cpu)`` (the first apply
+  group's gradients reach the host before its Adam starts; the rest overlap it), ``d2h_s = params *
+  grad bytes / PCIe``, and ``h2d_s = params * weight bytes / PCIe`` (the new weights are written
+  between the backward of t+1 and the forward of t+2: nothing overlaps it). Host staging becomes
+  one gradient and one weight copy of every parameter (pinned).
 
 Terms that are estimates, not validated by a test: the reserve and every time (the step peak and
 the all-to-all buffers are checked against measured peaks on the CPU, tests/test_planner_validation.py).
@@ -514,6 +522,8 @@ def make_plan(
         group_elements = math.ceil(per_rank / settings.offload_apply_groups)
         host["offloaded_states"] = cluster.gpus_per_node * per_rank * ADAM_STATE_BYTES
         host["pinned_staging"] = cluster.gpus_per_node * 2 * group_elements * (weight_b + weight_b)
+        if settings.optim_overlap == "delayed":  # the gradient snapshot and the new weights, whole
+            host["pinned_staging"] = cluster.gpus_per_node * per_rank * (weight_b + weight_b)
     # ---- checkpoints: every rank saves its weights and optimizer states (experts once each)
     state_b = ADAM_STATE_BYTES if settings.offload else optimizer_b
     checkpoint = {
@@ -613,6 +623,7 @@ def make_plan(
         hidden_s = layers_here * accum * hidden_seconds(cost, expert_s, expert_s, expert_s, chunks)
     sync_s = sum(t.seconds for t in traffic if t.name.endswith("all_reduce") and t.name != "tp_all_reduce")
     tp_s = sum(t.seconds for t in traffic if t.name == "tp_all_reduce")
+    h2d_s = 0.0
     if settings.offload:
         pcie = per_rank * weight_b / cluster.gpu.pcie_bandwidth
         cpu = (
@@ -622,6 +633,10 @@ def make_plan(
             / cluster.host_memory_bandwidth
         )
         optimizer_s = max(pcie, cpu)
+        if settings.optim_overlap == "delayed":  # grad bytes = weight bytes (gradients in the weights' dtype)
+            groups_n = settings.offload_apply_groups
+            optimizer_s = pcie / groups_n + max(pcie * (groups_n - 1) / groups_n, cpu)
+            h2d_s = pcie
     else:
         optimizer_s = per_rank * GPU_ADAM_TRAFFIC / cluster.gpu.memory_bandwidth
     useful = accum * 3 * forward  # the model's FLOPs per data stream
@@ -629,7 +644,12 @@ def make_plan(
     if pipeline is not None:  # v*m + p - 1 slots of the slowest stage, its share idle
         compute, bubble_s, p2p_s = pipeline.compute_s, pipeline.bubble_s, pipeline.p2p_s
         useful /= pp
-    step = compute + recompute_s + a2a_s - hidden_s + sync_s + tp_s + optimizer_s + p2p_s
+    device_s = compute + recompute_s + a2a_s - hidden_s + sync_s + tp_s + p2p_s
+    if settings.offload and settings.optim_overlap == "delayed":
+        exposed_s = max(0.0, optimizer_s - device_s) + h2d_s
+    else:
+        exposed_s = optimizer_s
+    step = device_s + exposed_s
     streams = world // (tp * pp)  # a tensor-parallel group (a pipeline) reads one data stream
     tokens = streams * settings.micro_batch * (arch.image_tokens + settings.seq_len) * accum
     time = {
@@ -641,6 +661,7 @@ def make_plan(
         "grad_sync_s": sync_s,
         "tp_all_reduce_s": tp_s,
         "optimizer_s": optimizer_s,
+        "optimizer_exposed_s": exposed_s,
         "pipeline_bubble_s": bubble_s,
         "pipeline_p2p_s": p2p_s,
         "step_s": step,

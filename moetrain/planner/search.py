@@ -1,6 +1,6 @@
 """``recommend``: the fastest configuration that fits, and why every other one lost.
 
-The search is exhaustive over (ep_size, offload, micro_batch), each with the recompute mode(s)
+The search is exhaustive over (ep_size, offload and its overlap, micro_batch), each with the recompute mode(s)
 given (default ``"auto"``: the cheapest recompute plan that fits the memory left on the GPU,
 which is the best recompute budget for that configuration). "Fits" is against the usable memory,
 the GPU's capacity less ``PlanSettings.memory_headroom`` (default 10%). With ``global_batch`` (sequences per
@@ -95,12 +95,14 @@ def recommend(
     *,
     ep_sizes: list[int] | None = None,
     offload: tuple[bool, ...] = (False, True),
+    optim_overlaps: tuple[str, ...] = ("none",),
     micro_batches: list[int] | None = None,
     recompute: tuple[str, ...] = ("auto",),
     global_batch: int | None = None,
     top: int = 3,
 ) -> Recommendation:
-    """Plans every combination of ``ep_sizes`` (default :func:`valid_ep_sizes`), ``offload``,
+    """Plans every combination of ``ep_sizes`` (default :func:`valid_ep_sizes`), ``offload`` (with
+    offload, each of ``optim_overlaps``: ``"none"``, ``"delayed"``; without, ``"none"``),
     ``micro_batches`` (default 1, 2, 4, ... 64) and ``recompute`` modes on top of ``base``; returns
     the fastest that fit and the reason for each rejection. ``global_batch``: sequences per
     optimizer step, fixed (``grad_accum`` derived; micro-batches that do not divide it are
@@ -113,11 +115,15 @@ def recommend(
     micro_batches = [2**i for i in range(7)] if micro_batches is None else list(micro_batches)
     world = cluster.world_size
     candidates: list[Candidate] = []
+    layouts = [(off, overlap) for off in offload for overlap in (optim_overlaps if off else ("none",))]
     for ep in ep_sizes:
-        for off in offload:
+        for off, overlap in layouts:
             for micro in micro_batches:
                 for mode in recompute:
-                    changes = {"ep_size": ep, "offload": off, "micro_batch": micro, "recompute": mode}
+                    changes = {
+                        "ep_size": ep, "offload": off, "optim_overlap": overlap, "micro_batch": micro,
+                        "recompute": mode,
+                    }  # fmt: skip
                     if mode != "fraction":
                         changes["recompute_fraction"] = None
                     if mode != "budget":
@@ -165,6 +171,7 @@ def recommend(
             c.status != "does not fit",
             c.settings.ep_size,
             c.settings.offload,
+            c.settings.optim_overlap,
             c.settings.micro_batch,
         )
     )

@@ -9,6 +9,7 @@ from moetrain.config import (
     ALL_TO_ALL_ALGORITHMS,
     COMM_DTYPES,
     EP_LAYOUTS,
+    OPTIM_OVERLAPS,
     PP_SCHEDULES,
     check_pipeline_microbatches,
     check_pipeline_virtual,
@@ -43,6 +44,9 @@ class PlanSettings:
       (2 bytes/parameter) for the backward.
     - ``offload``: optimizer states in host memory (``OffloadOptimizer``), stepped by the CPU in
       ``offload_apply_groups`` groups (pinned staging: two groups' gradients + weights).
+      ``optim_overlap``: ``"none"`` (the host step between two GPU steps) or ``"delayed"`` (with
+      ``offload`` only: the host step of step t runs during step t+1's forward and backward, which
+      use weights one update old; host staging: every gradient and weight copy once, pinned).
     - ``recompute``: ``"none"``; ``"full"`` (every layer recomputed whole); ``"fraction"`` (the
       first ``ceil(recompute_fraction * layers)`` layers whole); ``"budget"`` (the cheapest
       per-layer choice of none / attn / ffn / attn+ffn / layer whose activations fit
@@ -87,6 +91,7 @@ class PlanSettings:
     autocast: bool = False
     offload: bool = False
     offload_apply_groups: int = 4
+    optim_overlap: str = "none"
     recompute: str = "auto"
     recompute_fraction: float | None = None
     recompute_budget_bytes: int | None = None
@@ -139,6 +144,9 @@ class PlanSettings:
             raise ValueError("autocast must be False with precision 'fp32' (nothing to cast to)")
         require_bool("offload", self.offload)
         require_int("offload_apply_groups", self.offload_apply_groups, 1)
+        require_choice("optim_overlap", self.optim_overlap, OPTIM_OVERLAPS)
+        if self.optim_overlap == "delayed" and not self.offload:
+            raise ValueError("optim_overlap 'delayed' needs offload (the host optimizer is what it overlaps)")
         require_choice("recompute", self.recompute, RECOMPUTE_MODES)
         if self.recompute == "fraction":
             fraction = self.recompute_fraction
