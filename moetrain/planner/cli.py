@@ -25,6 +25,11 @@ within each GPU's memory, :func:`moetrain.planner.mixed.plan_mixed_cluster`) wit
 against equal micro-batches; ``--global-batch`` is the sequences per micro-step over all GPUs
 (default ``--micro-batch`` times the GPU count).
 
+``--calibrate RUN_DIR`` plans a finished run's config (``--model`` optional) on the cluster given
+(the one it ran on; its world size) and compares the plan with what the run measured
+(:mod:`moetrain.planner.calibrate`): step time, phases and peak memory when logged, and the
+``compute_efficiency`` and link bandwidths that make them agree.
+
 ``--recommend`` then also decides, for the best settings, which layers ``split`` (tensor
 parallelism) pays off for and over how many ranks (:mod:`moetrain.planner.split`): with ``--json``
 the output carries top-level ``parallel`` (``ep_size``, ``tp_size``) and ``strategy`` keys, so the
@@ -70,8 +75,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--model",
-        required=True,
-        help="a registered model's preset (<model>-<preset>: m6-1T, ...) or a YAML/JSON config file",
+        help="a registered model's preset (<model>-<preset>: m6-1T, ...) or a YAML/JSON config file "
+        "(required, except with --calibrate: the run's config)",
     )
     plan.add_argument(
         "--cluster", required=True, choices=sorted(GPU_PRESETS), type=str.lower, help="GPU type"
@@ -165,6 +170,13 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
         "--mixed",
         metavar="GPU:NODES[,GPU:NODES]",
         help="more nodes of other GPU types: print the balanced micro-batches and the speed-up",
+    )
+    plan.add_argument(
+        "--calibrate",
+        metavar="RUN_DIR",
+        help="a moetrain train out_dir: its measured step time (and phases, peak memory when logged) "
+        "against the plan of its config on this cluster, and the compute_efficiency / link constants "
+        "that make them agree",
     )
     plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
     plan.set_defaults(run=run_plan)
@@ -316,8 +328,30 @@ def run_mixed(args, model, settings: PlanSettings) -> int:
     return 0
 
 
+def run_calibrate(args) -> int:
+    """``--calibrate RUN_DIR`` (:mod:`moetrain.planner.calibrate`): prints the comparison; 0."""
+    from moetrain.planner.calibrate import calibrate, read_run, run_model
+
+    if args.recommend or args.mixed is not None:
+        raise ValueError(
+            "--calibrate compares one plan with a run: it cannot be combined with --recommend or --mixed"
+        )
+    run = read_run(args.calibrate)
+    model, defaults = resolve_model(args.model) if args.model is not None else run_model(run)
+    precision = args.precision or defaults.get("precision") or default_precision(GPU_PRESETS[args.cluster])
+    cluster = cluster_from_args(args, precision)
+    settings = settings_from_args(args, {**defaults, "precision": precision})
+    result = calibrate(model, cluster, settings, run)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.format_table())
+    return 0
+
+
 def run_plan(args) -> int:
     """Runs ``moetrain plan``; prints a table (or JSON) and returns 0 if it fits, else 1."""
+    if args.calibrate is not None:
+        return run_calibrate(args)
+    if args.model is None:
+        raise ValueError("--model is required (a preset or a config file), except with --calibrate RUN_DIR")
     model, defaults = resolve_model(args.model)
     precision = args.precision or defaults.get("precision") or default_precision(GPU_PRESETS[args.cluster])
     cluster = cluster_from_args(args, precision)
