@@ -153,6 +153,7 @@ def test_delayed_equals_exact_with_gradients_shifted_by_one_step(dtype, warmup):
     assert not torch.equal(after[warmup + 1][0], exact_after[warmup + 1][0])
     optimizer.apply_pending()  # the last update reaches the weights
     assert not optimizer.has_pending
+    assert optimizer.last_update_s > 0  # the worker's host time of the last update
     assert not torch.equal(weights(model)[0], after[-1][0])
 
 

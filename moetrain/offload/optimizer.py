@@ -36,6 +36,7 @@ instead of the two groups of staging.
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -204,6 +205,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._host_weights: dict[torch.Tensor, torch.Tensor] = {}  # param -> flat weight copy
         self._weights_written: Any = None  # CUDA event: the last H2D copy from ``_host_weights``
         self._d2h_stream: Any = None  # CUDA: the side stream of the gradient snapshot
+        # Seconds of the last update's host work: the whole step() (overlap "none"), or the worker's
+        # Adam passes with their waits for the gradients' copies (delayed); None before the first.
+        self.last_update_s: float | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         self.wait_pending()
@@ -300,6 +304,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if delayed:
             self._start_delayed(flat_grads, steps, grad_scale)
             return loss
+        start = time.perf_counter()
         work = self._segments(flat_grads)
         if not work:  # only empty params have gradients
             return loss
@@ -315,6 +320,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 transfers.write_back(i, copies)
         finally:
             transfers.finish()
+        self.last_update_s = time.perf_counter() - start
         return loss
 
     # -- overlap="delayed" ---------------------------------------------------------------------
@@ -356,6 +362,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         def update() -> None:
             if weights_written is not None:  # the last H2D copy out of the weight buffers is done
                 weights_written.synchronize()
+            start = time.perf_counter()
             for i, segments in enumerate(work):
                 if copied:
                     copied[i].synchronize()
@@ -365,6 +372,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 grads = [seg.grad_N for seg in segments]
                 self._adam(segments, grads, copies, steps, grad_scale, hyper)
             keep_alive.clear()
+            self.last_update_s = time.perf_counter() - start
 
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-adam")
