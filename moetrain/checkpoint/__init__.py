@@ -29,6 +29,7 @@ from moetrain.checkpoint.directory import (
     latest_checkpoint,
     list_checkpoints,
     remove_debris,
+    set_aside_newer,
 )
 from moetrain.checkpoint.load import load_checkpoint, verify_checkpoint
 from moetrain.checkpoint.ranks import CheckpointError
@@ -46,5 +47,6 @@ __all__ = [
     "load_checkpoint",
     "remove_debris",
     "save_checkpoint",
+    "set_aside_newer",
     "verify_checkpoint",
 ]

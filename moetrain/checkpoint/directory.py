@@ -6,15 +6,22 @@
       step_00000100/            complete: DCP files + manifest.json
       step_00000200.tmp/        a save in progress, or debris of a crashed one: never loaded
       step_00000050.deleting/   a checkpoint being pruned (renamed first): never loaded
+      step_00000300.rejected-20261126T101500Z/
+                                newer than the step a run rolled back to: set aside, kept, never
+                                loaded, pruned or counted
 
 A checkpoint is complete iff its directory is named ``step_XXXXXXXX`` (no suffix) and holds
 ``manifest.json``. Publishing renames a finished ``.tmp`` directory (the commit point); pruning
 renames a checkpoint to ``.deleting`` before removing its files, so a kill at any moment leaves
 either a complete checkpoint or debris, and :func:`remove_debris` finishes the job at the next start.
+A run that resumes from an older step than the newest (``resume_from: latest-valid`` past a damaged
+one, or a step chosen by hand) sets the newer ones aside (:func:`set_aside_newer`): the run then
+saves those steps again itself, and neither "latest" nor ``keep_last`` sees the old ones.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import shutil
@@ -23,6 +30,7 @@ from pathlib import Path
 MANIFEST = "manifest.json"
 TMP_SUFFIX = ".tmp"
 DELETING_SUFFIX = ".deleting"
+REJECTED_SUFFIX = ".rejected-"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _DEBRIS_DIR = re.compile(r"^step_(\d{8,})(\.tmp|\.deleting)$")
 
@@ -113,3 +121,32 @@ def remove_debris(directory: str | os.PathLike) -> list[Path]:
     for path in found:
         _remove(path)
     return found
+
+
+def set_aside_newer(directory: str | os.PathLike, step: int) -> list[Path]:
+    """Renames every step directory of ``directory`` newer than ``step`` (complete or not) to
+    ``step_XXXXXXXX.rejected-<UTC time>`` (never deleted: an operator may still want one); returns
+    the new paths, oldest step first. Call it on one process only (rank 0), with no save in
+    progress; the rename is the whole change, so a kill leaves each directory either in place or
+    set aside."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    newer = sorted(
+        (int(match.group(1)), entry)
+        for entry in root.iterdir()
+        if (match := _STEP_DIR.match(entry.name)) and entry.is_dir() and int(match.group(1)) > step
+    )
+    moved = []
+    for _, path in newer:
+        target = path.with_name(f"{path.name}{REJECTED_SUFFIX}{stamp}")
+        count = 1
+        while target.exists():  # set aside twice within a second
+            count += 1
+            target = path.with_name(f"{path.name}{REJECTED_SUFFIX}{stamp}-{count}")
+        os.replace(path, target)
+        moved.append(target)
+    if moved:
+        fsync_dir(root)
+    return moved
