@@ -131,16 +131,28 @@ def build_train_config(
     return config_from_dict(TrainConfig, data)
 
 
-# Exceptions that mean bad input (a config, a file, a checkpoint, a missing optional package): the
-# command exits with 2; anything else raised while training is a failure of the run: exit code 1.
+# Exceptions that mean bad input (a config, a file, a checkpoint, a missing optional package) when
+# raised before training starts: the command exits with 2; anything else, and these same errors once
+# steps run (a full disk), is a failure of the run: exit code 1 (moetrain.failures lists the codes).
 INPUT_ERRORS = (ValueError, CheckpointError, OSError, ImportError)
 
 
 def _train(args) -> int:
+    import signal
+
     import torch.distributed as dist
 
     from moetrain.engine import Trainer, check_fits
-    from moetrain.failures import RunPosition, describe_failure
+    from moetrain.failures import (
+        EXIT_FINISHED,
+        EXIT_PREEMPTED,
+        Interrupted,
+        RunPosition,
+        describe_failure,
+        exit_code,
+        is_lost_connection,
+    )
+    from moetrain.launch import report_to_launcher
     from moetrain.parallel import read_launch_environment
 
     overrides = list(args.set) + ([f"resume_from={args.resume_from}"] if args.resume_from else [])
@@ -155,24 +167,42 @@ def _train(args) -> int:
         nonlocal log_path
         log_path = attach_rank_log(config.out_dir, rank, args.log_level)
 
-    trainer = None
+    def interrupt(signum, frame) -> None:  # outside the training loop, which checkpoints on SIGTERM
+        raise Interrupted(f"{signal.Signals(signum).name} before training started: nothing new to checkpoint")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    trainer = watchdog = None
     try:
         trainer = Trainer(config, position=position, on_out_dir_locked=start_log_file)
         trainer.train()
         trainer.close()
-        return 0
-    except Exception as error:  # noqa: BLE001 - every failure becomes one line + the log file
-        if position.watchdog is not None:
-            position.watchdog.look_now()  # a collective's timeout may beat the periodic look
+        code = EXIT_PREEMPTED if trainer.preempted else EXIT_FINISHED
+        if code == EXIT_PREEMPTED:
+            report_to_launcher(f"SIGTERM: checkpoint saved at step {trainer.step}", code)
+        return code
+    except (Exception, Interrupted) as error:  # noqa: BLE001 - every failure becomes one line + the log file
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun SIGTERMs the others once one rank failed
+        watchdog = position.watchdog
+        if watchdog is not None:
+            watchdog.look_now(error)  # a crashed rank; a stall the timeout found before the look
+        code = exit_code(error, position, INPUT_ERRORS)
         line = describe_failure(error, position, position.model, log_path)
-        log.error("moetrain: error: %s", line, exc_info=error if log_path is not None else None)
-        return 2 if isinstance(error, INPUT_ERRORS) else 1
+        if isinstance(error, Interrupted):
+            log.warning("moetrain: stopped: %s", line)
+        else:
+            log.error("moetrain: error: %s", line, exc_info=error if log_path is not None else None)
+        caused_by_others = is_lost_connection(error) or position.stall is not None
+        report_to_launcher(line, code, log_path, caused_by_others=caused_by_others)
+        return code
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if trainer is not None:
             trainer.release()
         trainer = position.model = None  # the model and its groups go before the groups are destroyed
         if dist.is_initialized():
             dist.destroy_process_group()
+        if watchdog is not None:  # after a failure, rank 0 serving the store waits for the others' look
+            watchdog.keep_store_for_the_others()
 
 
 MODEL_COMMANDS = {

@@ -26,7 +26,10 @@ Rank 0 shows a progress bar and writes ``out_dir/metrics.jsonl`` (and TensorBoar
 ``tensorboard`` package is installed): loss, aux loss, learning rate, grad norm, tokens/s, and per
 MoE layer the expert-load coefficient of variation and the dropped-token fraction. Checkpoints go
 to ``out_dir/checkpoints`` every ``checkpoint_every`` steps, at the end, and when SIGTERM arrives
-(SLURM pre-emption or time limit); a run resumes from the latest one.
+(SLURM pre-emption or time limit); a run resumes from the latest one (or the one ``resume_from``
+names: resuming from an older step than the newest sets the newer ones aside, see
+:meth:`Trainer.maybe_resume`). Set-up releases what it took (the ``out_dir`` lock first) on any
+exception, and ``release()`` does after a failed run.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from moetrain.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     remove_debris,
+    set_aside_newer,
     verify_checkpoint,
 )
 from moetrain.config import TrainConfig
@@ -127,9 +131,20 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, position: RunPosition | None = None, on_out_dir_locked=None):
         """``on_out_dir_locked(rank)``: called once this run owns ``out_dir`` (the command line
-        then starts the rank's log file there)."""
+        then starts the rank's log file there). When set-up fails at any stage (or is interrupted:
+        any exception, ``KeyboardInterrupt`` included) what it had started is released before the
+        exception propagates: the ``out_dir`` lock, the watchdog, the data loader, the checkpoint
+        writer."""
         self.config = config
         self.position = position if position is not None else RunPosition()
+        self.lock = self.watchdog = self.writer = self.batches = None
+        try:
+            self._set_up(config, on_out_dir_locked)
+        except BaseException:
+            self.release()
+            raise
+
+    def _set_up(self, config: TrainConfig, on_out_dir_locked) -> None:
         check_out_dir(config.out_dir, config.resume)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
@@ -153,12 +168,12 @@ class Trainer:
         self.lock = self._lock_out_dir()
         if on_out_dir_locked is not None:
             on_out_dir_locked(self.rank)
-        self.watchdog = None
         if self.launch.store is not None:
             stall_s = max(2.0, config.dist_timeout_s / 2)
             self.watchdog = Watchdog(
                 self.launch.store, self.rank, self.parallel.world_size, self.position,
                 interval_s=min(10.0, stall_s / 4), stall_s=stall_s,
+                store_served_by=None if self.launch.agent_store else 0,
             ).start()  # fmt: skip
             self.position.watchdog = self.watchdog
         self.position.phase = "model set-up"
@@ -192,6 +207,8 @@ class Trainer:
             timeout_s=config.dist_timeout_s,
         )
         self.step = 0
+        self.saved_step: int | None = None  # the step of the newest checkpoint this run loaded or saved
+        self.preempted = False  # stopped by SIGTERM after checkpointing
         self.skipped_steps = 0  # optimizer steps skipped for non-finite gradients, this run
         self.consecutive_skips = 0
         self.stop_requested = False
@@ -370,20 +387,26 @@ class Trainer:
             scheduler=self.scheduler,
             extra_state=self._extra_state(),
         )
+        self.saved_step = self.step
         self._last_checkpoint_time = time.monotonic()
 
     def maybe_resume(self) -> dict | None:
         """Loads the checkpoint ``resume_from`` names (``latest``, ``latest-valid`` or a step) when
         ``resume`` is on and one exists; returns the config changes since that checkpoint (None
-        for a fresh start). The config given now takes effect: optimizer hyperparameters and the
-        LR schedule follow it, not the checkpoint's (``config_history.jsonl`` keeps both)."""
+        for a fresh start). Checkpoints newer than the one loaded are set aside (renamed, kept:
+        :meth:`_set_aside_newer`) so that the run saves those steps again itself. The config given
+        now takes effect: optimizer hyperparameters and the LR schedule follow it, not the
+        checkpoint's (``config_history.jsonl`` keeps both)."""
         if not self.config.resume:
             return None
         self.position.phase = "resume"
         if self.is_main:
             for path in remove_debris(self.checkpoint_dir):
                 log.info("checkpoint: removed %s (left by an interrupted save or prune)", path)
-        step = self._resume_step()
+        # rank 0's listing decides for every rank (a shared filesystem may show ranks different views)
+        listed = [s for s, _ in list_checkpoints(self.checkpoint_dir)] if self.is_main else None
+        steps = self._from_rank_0(listed)
+        step = self._resume_step(steps)
         if step is None:
             return None
         try:
@@ -397,8 +420,9 @@ class Trainer:
                 extra_state_rank=self.parallel.data_leader,  # a tensor-parallel group reads one stream
             )
         except CheckpointError as error:
-            raise CheckpointError(f"{error}{self._intact_hint(step)}") from None
-        self.step = loaded["step"]
+            raise CheckpointError(f"{error}{self._intact_hint(step, steps)}") from None
+        self.step = self.saved_step = loaded["step"]
+        self._set_aside_newer(steps)
         extra = loaded["extra_state"]
         if loaded["extra_state_rank"] == self.parallel.data_leader:
             self.batches.load_state_dict(extra["data"])
@@ -417,10 +441,45 @@ class Trainer:
                 log.info("config changed since step %d, the new values apply: %s", self.step, listed)
         return changes
 
-    def _resume_step(self) -> int | None:
-        """The step to resume from (None: start fresh), by ``resume_from``."""
+    def _from_rank_0(self, value):
+        """Rank 0's ``value`` on every rank (one broadcast; rank 0 has decided when it returns)."""
+        if self.parallel.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _set_aside_newer(self, steps: list[int]) -> None:
+        """After resuming from step S: rank 0 renames the checkpoints newer than S to
+        ``step_XXXXXXXX.rejected-<UTC time>`` (:func:`moetrain.checkpoint.set_aside_newer`: kept,
+        never loaded, out of "latest" and of ``keep_last``'s count), so that this run saves steps
+        S+1... itself; every rank waits for rank 0's outcome (one broadcast), one log line."""
+        if not any(s > self.step for s in steps):
+            return
+        outcome = None
+        if self.is_main:
+            try:
+                outcome = [path.name for path in set_aside_newer(self.checkpoint_dir, self.step)]
+            except OSError as error:
+                outcome = (
+                    f"checkpoints newer than the resumed step {self.step} in {self.checkpoint_dir} could not "
+                    f"be set aside: {error.strerror or error} ({error.filename}); move them away by hand"
+                )
+        outcome = self._from_rank_0(outcome)
+        if isinstance(outcome, str):
+            raise CheckpointError(outcome)
+        if self.is_main and outcome:
+            newer = ", ".join(str(s) for s in steps if s > self.step)
+            log.warning(
+                "resumed from step %d: the newer checkpoints (steps %s) are set aside as %s.%s in %s (kept, "
+                "never loaded); this run saves those steps again", self.step, newer,
+                "step_XXXXXXXX", outcome[0].split(".", 1)[1], self.checkpoint_dir,
+            )  # fmt: skip
+
+    def _resume_step(self, steps: list[int]) -> int | None:
+        """The step to resume from (None: start fresh), by ``resume_from``, among the complete
+        checkpoints ``steps`` (oldest first)."""
         choice = self.config.resume_from
-        steps = [s for s, _ in list_checkpoints(self.checkpoint_dir)]
         if choice == "latest":
             return steps[-1] if steps else None
         if choice == "latest-valid":
@@ -443,9 +502,9 @@ class Trainer:
             )
         return choice
 
-    def _intact_hint(self, failed_step: int) -> str:
-        """``"; step S is intact: ..."`` naming the newest older checkpoint that verifies."""
-        for step in reversed([s for s, _ in list_checkpoints(self.checkpoint_dir) if s < failed_step]):
+    def _intact_hint(self, failed_step: int, steps: list[int]) -> str:
+        """``"; step S is intact: ..."`` naming the newest older checkpoint of ``steps`` that verifies."""
+        for step in reversed([s for s in steps if s < failed_step]):
             try:
                 verify_checkpoint(checkpoint_path(self.checkpoint_dir, step), parallel=self.parallel)
             except CheckpointError:
@@ -797,12 +856,13 @@ class Trainer:
                     self.save()
                 if stop:
                     self.writer.wait()
+                    self.preempted = True
                     if self.is_main:
                         log.info("SIGTERM: checkpoint saved at step %d, stopping", self.step)
                     break
             else:
                 self.writer.wait()
-                if not checkpoint_path(self.checkpoint_dir, self.step).exists():
+                if self.saved_step != self.step:
                     self.save()
                 self.writer.wait()
         finally:
@@ -843,9 +903,10 @@ class Trainer:
         """After a failure: lets a checkpoint still being written finish (it holds a good state; its
         collectives end within ``dist_timeout_s`` if another rank is gone), stops the data loader's
         workers (batches with a ``close()``) and the watchdog and releases ``out_dir``. The process
-        groups can then be destroyed safely."""
+        groups can then be destroyed safely. Safe on a trainer whose set-up stopped part-way."""
         try:
-            self.writer.close()
+            if self.writer is not None:
+                self.writer.close()
         except Exception as error:  # noqa: BLE001 - the run has already failed; this is secondary
             log.error("checkpoint in flight when the run failed: %s", error)
         close_batches = getattr(self.batches, "close", None)

@@ -1,8 +1,20 @@
-"""Saying where a run failed, in one line: rank, step, phase and the module that raised.
+"""Saying where a run failed, in one line: rank, step, phase and the module that raised; and the
+exit code a run ends with.
 
 The module is found from the exception's traceback, not from hooks: the innermost frame whose
 ``self`` is a module of the model names it (``blocks.2.ffn (MoELayer)``), so nothing runs on the
 hot path. Errors raised inside autograd's backward have no such frame; the phase says "backward".
+
+Exit codes (``moetrain train``, and ``moetrain launch`` passing on its ranks'):
+
+- ``EXIT_FINISHED`` 0: the run reached ``steps``;
+- ``EXIT_RUN_FAILED`` 1: the run failed once it had started training (a full disk, a refused
+  non-finite checkpoint, a lost rank, ``max_consecutive_skips``), or anything unexpected;
+- ``EXIT_BAD_INPUT`` 2: bad input found before training started: the config, a data file, a
+  manifest, a checkpoint to resume from, a taken ``out_dir``;
+- ``EXIT_PREEMPTED`` 75 (``EX_TEMPFAIL``: "try again later"): stopped by SIGTERM, after
+  checkpointing the step reached (or during set-up, before there was anything new to save);
+  resubmitting resumes.
 """
 
 from __future__ import annotations
@@ -11,6 +23,51 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from torch import nn
+
+EXIT_FINISHED = 0
+EXIT_RUN_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_PREEMPTED = 75
+
+# What a collective says when a peer's process is gone (its sockets closed): gloo, NCCL, TCPStore.
+LOST_CONNECTION_TEXT = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "remote process exited",
+    "ncclremoteerror",
+)
+
+
+class Interrupted(BaseException):
+    """SIGTERM (or SIGINT) arrived outside the training loop (set-up, resuming), where there is
+    nothing to checkpoint: raised by the command line's handler so that every ``finally`` runs
+    (the ``out_dir`` lock is released). A ``BaseException``, like ``KeyboardInterrupt``, so that no
+    ``except Exception`` on the way swallows it."""
+
+
+def is_lost_connection(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) says that a peer process went away."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = str(error).lower()
+        if any(marker in text for marker in LOST_CONNECTION_TEXT):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def exit_code(error: BaseException, position: RunPosition, input_errors: tuple[type, ...]) -> int:
+    """The exit code of a run that raised ``error``: ``EXIT_PREEMPTED`` for :class:`Interrupted`;
+    ``EXIT_BAD_INPUT`` for one of ``input_errors`` raised before training started (no step begun:
+    ``position.step`` is None); ``EXIT_RUN_FAILED`` otherwise (the same kinds of error once steps
+    run are failures of the run: a full disk, a refused save)."""
+    if isinstance(error, Interrupted):
+        return EXIT_PREEMPTED
+    if position.step is None and isinstance(error, input_errors):
+        return EXIT_BAD_INPUT
+    return EXIT_RUN_FAILED
 
 
 @dataclass

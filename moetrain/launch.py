@@ -1,12 +1,23 @@
-"""``python -m moetrain.launch ARGS`` (or ``moetrain launch ARGS``): torchrun, with a quiet end on a
-signal.
+"""``python -m moetrain.launch ARGS`` (or ``moetrain launch ARGS``): torchrun, ending with one line.
 
-torchrun forwards SIGTERM (a SLURM time limit or pre-emption) to its ranks, waits up to
-``--shutdown-timeout`` seconds for them (moetrain's ranks checkpoint and stop) and then raises
-``SignalException``, which Python prints as a ~30-line traceback after the ranks' "checkpoint saved"
-line. Here the same launch ends with one line and exit code ``128 + signal``; torchrun's own
-shutdown warnings are kept to errors. A rendezvous that cannot start (its port in use, the store
-unreachable) is one line too, exit code 1. ARGS are torchrun's, unchanged.
+ARGS are torchrun's. Plain torchrun ends a failed run with its own traceback and a failure summary
+(60-70 lines of stderr after the ranks' own lines) and a signal with a ~30-line ``SignalException``
+traceback. Here the ranks' output is unchanged and the launcher adds one line at the end, nothing
+else; torchrun's own records and the detail of a failure (its summary, the traceback) go to
+``launcher.log`` in torchrun's log directory (``--log-dir``; when not given, a new temporary
+directory, named in that line).
+
+- A rank of ``moetrain train`` that fails, or stops after checkpointing on SIGTERM, writes its one
+  line and exit code to the reply file torchrun gives it (torchelastic's error-file protocol,
+  :func:`report_to_launcher`). A failed run ends with the line of the rank that failed first on its
+  own (not one that only lost its connection to it), naming that rank's log file, or with the rank
+  that died of a signal (``kill -9``, the OOM killer) and what a survivor said about it; the exit
+  code is that rank's (see :mod:`moetrain.failures`: 2 bad input, 1 run failure).
+- SIGTERM (a SLURM time limit or pre-emption): torchrun forwards it to its ranks, which checkpoint
+  and stop; the launch exits with ``EXIT_PREEMPTED`` (75), as one ``moetrain train`` process does,
+  when a rank reported the checkpoint, else with ``128 + signal``.
+- A rendezvous that cannot start (its port in use, the store unreachable) is one line too, exit
+  code 1.
 
 The c10d rendezvous (``--rdzv-backend=c10d --rdzv-endpoint=HOST:PORT``, the SLURM templates' choice)
 needs a check of its own: when HOST's port is taken, torchrun falls back to joining whatever listens
@@ -20,10 +31,19 @@ nodes' launchers then end with the job (srun ``--kill-on-bad-exit``).
 from __future__ import annotations
 
 import errno
+import json
 import logging
+import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 PORT_IN_USE = (
     "the rendezvous port is already in use (another job?): choose a free --master-port / --rdzv-endpoint port"
@@ -118,29 +138,172 @@ def c10d_port_problem(argv: list[str]) -> str | None:
     return None if not must_host and _a_store_answers(host, port) else PORT_IN_USE
 
 
+def report_to_launcher(line: str, code: int, log_path=None, caused_by_others: bool = False) -> None:
+    """Under torchrun: writes this rank's one line and exit code into the reply file its agent
+    named (``TORCHELASTIC_ERROR_FILE``, torchelastic's error-file protocol), where :func:`main`
+    reads it; nothing under any other launcher. ``caused_by_others``: this rank failed because
+    another one went away or stopped (a lost connection, a timeout with the watchdog's finding):
+    its line is not the root cause."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    from moetrain.failures import EXIT_PREEMPTED
+
+    record = {
+        "message": line,
+        "timestamp": int(time.time()),
+        "moetrain": {
+            "exit_code": code,
+            "log": None if log_path is None else str(log_path),
+            "time": time.time(),
+            "caused_by_others": caused_by_others and code != EXIT_PREEMPTED,
+        },
+    }
+    temporary = f"{path}.moetrain.tmp"
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(temporary).write_text(json.dumps(record), encoding="utf-8")
+        os.replace(temporary, path)
+    except OSError as error:
+        log.debug("could not write the launcher's reply file %s: %s", path, error)
+
+
+def _rank_reports(failures: dict) -> list[tuple[int, dict, str]]:
+    """``(rank, moetrain record, line)`` of the failures whose rank wrote a reply file."""
+    found = []
+    for rank, failure in sorted(failures.items()):
+        data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+        record = data.get("moetrain")
+        if isinstance(record, dict) and isinstance(data.get("message"), str):
+            found.append((rank, record, data["message"]))
+    return found
+
+
+def failure_line(failures: dict) -> tuple[str, int]:
+    """The launcher's last line and exit code for the failed ranks of torchrun's
+    ``ChildFailedError.failures`` (global rank -> ``ProcessFailure``)."""
+    from moetrain.failures import EXIT_PREEMPTED, EXIT_RUN_FAILED
+
+    reports = _rank_reports(failures)
+    if reports and all(record["exit_code"] == EXIT_PREEMPTED for _, record, _ in reports):
+        return f"moetrain: pre-empted: {reports[0][2]}, stopping", EXIT_PREEMPTED
+    reports = [r for r in reports if r[1]["exit_code"] != EXIT_PREEMPTED]
+    reported = {rank for rank, _, _ in reports}
+    killed = sorted(
+        (failure.timestamp, rank, failure)
+        for rank, failure in failures.items()
+        if rank not in reported and failure.exitcode < 0
+    )
+    own = sorted((r for r in reports if not r[1].get("caused_by_others")), key=lambda r: (r[1]["time"], r[0]))
+    lost = sorted((r for r in reports if r[1].get("caused_by_others")), key=lambda r: (r[1]["time"], r[0]))
+    if own:
+        rank, record, line = own[0]
+        return f"moetrain: error: {line}", int(record["exit_code"])
+    if killed:
+        _, rank, failure = killed[0]
+        number = -failure.exitcode
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = f"signal {number}"
+        text = f"moetrain: error: rank {rank} (pid {failure.pid}) was killed by signal {number} ({name})"
+        if lost:
+            text += f"; rank {lost[0][0]} said: {lost[0][2]}"
+        return text, EXIT_RUN_FAILED
+    if lost:
+        rank, record, line = lost[0]
+        return f"moetrain: error: {line}", int(record["exit_code"])
+    rank, failure = min(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    return (
+        f"moetrain: error: rank {rank} (pid {failure.pid}) ended with exit code {failure.exitcode} and "
+        "no error line of moetrain's",
+        EXIT_RUN_FAILED,
+    )
+
+
+def _preempted_line(log_dir: Path, since: float) -> str | None:
+    """A rank's "checkpoint saved" report among the reply files written under ``log_dir`` since
+    ``since`` (after torchrun forwarded a signal), or None."""
+    from moetrain.failures import EXIT_PREEMPTED
+
+    for path in sorted(log_dir.rglob("error.json")):
+        try:
+            if path.stat().st_mtime < since - 1:
+                continue
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        record = data.get("moetrain") if isinstance(data, dict) else None
+        if isinstance(record, dict) and record.get("exit_code") == EXIT_PREEMPTED:
+            return str(data.get("message"))
+    return None
+
+
+def _log_dir(argv: list[str]) -> tuple[list[str], Path]:
+    """torchrun's ``--log-dir`` of ``argv``; when not given, a new temporary directory, added to
+    the arguments."""
+    from torch.distributed.run import parse_args
+
+    given = parse_args(argv).log_dir
+    if given:
+        return argv, Path(given)
+    directory = tempfile.mkdtemp(prefix="moetrain-launch-")
+    return ["--log-dir", directory, *argv], Path(directory)
+
+
+def _send_torch_records_to(path: Path) -> logging.Handler:
+    """torchrun's loggers (``torch.distributed.*``) write to ``path`` only, not to stderr."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    names = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher", __name__)
+    for name in names:
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.propagate = False
+    return handler
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import main as torchrun_main
 
+    from moetrain.failures import EXIT_PREEMPTED
+
     argv = sys.argv[1:] if argv is None else argv
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    argv, log_dir = _log_dir(argv)
+    detail = log_dir / "launcher.log"
+    handler = _send_torch_records_to(detail)
+    started = time.time()
     problem = None
     try:
         problem = c10d_port_problem(argv)
         if problem is None:
             torchrun_main(argv)
+    except ChildFailedError as error:
+        log.error("%s\n%s", error.format_msg(), traceback.format_exc())
+        line, code = failure_line(error.failures)
+        print(f"{line} (launcher detail: {detail})", file=sys.stderr)
+        return code
     except (DistError, RendezvousError) as error:
         problem = PORT_IN_USE if _says_in_use(error) else _first_line(error)
     except SignalException as error:
         signal_number = int(error.sigval)
+        saved = _preempted_line(log_dir, started)
+        if saved is not None:
+            print(f"moetrain: pre-empted: the launcher got signal {signal_number}; {saved}", file=sys.stderr)
+            return EXIT_PREEMPTED
         print(
-            f"moetrain: the launcher got signal {signal_number} and stopped after its ranks (they checkpoint "
-            "on SIGTERM)",
+            f"moetrain: the launcher got signal {signal_number} and stopped after its ranks; no rank "
+            f"reported a checkpoint (launcher detail: {detail})",
             file=sys.stderr,
         )
         return 128 + signal_number
+    finally:
+        handler.flush()
     if problem is not None:
         print(f"moetrain: the launcher could not start the rendezvous: {problem}", file=sys.stderr)
         return 1

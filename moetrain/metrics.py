@@ -3,6 +3,10 @@ the optional ``tensorboard`` package is installed, TensorBoard events under ``ou
 
 A run resumed at ``resumed_step`` first drops the records of later steps (written before a crash,
 then redone), so every step appears once.
+
+Every line is standard JSON: a value that is not finite (the gradient norm of a skipped step, a
+loss gone inf or NaN) is written as ``null`` (Python's ``json`` would write ``Infinity`` / ``NaN``,
+which other JSON readers refuse); TensorBoard gets the value as it is.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ class MetricsWriter:
             log.info("tensorboard is not installed: metrics go to metrics.jsonl only")
 
     def write(self, metrics: dict) -> None:
-        self.file.write(json.dumps(metrics) + "\n")
+        self.file.write(json.dumps(finite_or_null(metrics), allow_nan=False) + "\n")
         self.file.flush()
         if self.tensorboard is not None:
             step = metrics["step"]
@@ -49,6 +53,17 @@ class MetricsWriter:
         self.file.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+
+
+def finite_or_null(value):
+    """``value`` with every float that is inf or NaN replaced by None (in dicts and lists too)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(item) for item in value]
+    return value
 
 
 def drop_records_after(path: Path, step: int) -> None:

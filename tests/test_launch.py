@@ -77,3 +77,44 @@ def test_real_torchrun_launch(tmp_path):
     assert all(
         r["launcher"] == "torchrun" and r["world"] == 2 and r["local_world_size"] == 2 for r in reports
     )
+
+
+def _failure(exitcode, record=None, message=None, pid=100, timestamp=0):
+    from types import SimpleNamespace
+
+    data = {} if record is None else {"message": message, "timestamp": timestamp, "moetrain": record}
+    return SimpleNamespace(exitcode=exitcode, error_file_data=data, pid=pid, timestamp=timestamp)
+
+
+def test_the_launchers_last_line_prefers_a_ranks_own_failure_then_a_killed_rank():
+    from moetrain.launch import failure_line
+
+    own = {"exit_code": 2, "time": 5.0, "caused_by_others": False}
+    lost = {"exit_code": 1, "time": 1.0, "caused_by_others": True}
+    failures = {
+        0: _failure(1, lost, "rank 0, step 3, forward: no rank stopped making progress; RuntimeError: ..."),
+        1: _failure(2, own, "rank 1, model set-up: ValueError: bad; full traceback in r/logs/rank_1.log"),
+    }
+    assert failure_line(failures) == (
+        "moetrain: error: rank 1, model set-up: ValueError: bad; full traceback in r/logs/rank_1.log",
+        2,
+    )
+    failures = {0: _failure(1, lost, "rank 0, step 3, forward: rank 1 stopped ..."), 1: _failure(-9, pid=42)}
+    assert failure_line(failures) == (
+        "moetrain: error: rank 1 (pid 42) was killed by signal 9 (SIGKILL); rank 0 said: rank 0, step 3, "
+        "forward: rank 1 stopped ...",
+        1,
+    )
+    assert failure_line({0: _failure(3, pid=7)}) == (
+        "moetrain: error: rank 0 (pid 7) ended with exit code 3 and no error line of moetrain's",
+        1,
+    )
+    saved = {"exit_code": 75, "time": 1.0, "caused_by_others": False}
+    failures = {
+        0: _failure(75, saved, "SIGTERM: checkpoint saved at step 8"),
+        1: _failure(75, saved, "SIGTERM: ..."),
+    }
+    assert failure_line(failures) == (
+        "moetrain: pre-empted: SIGTERM: checkpoint saved at step 8, stopping",
+        75,
+    )

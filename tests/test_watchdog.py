@@ -1,6 +1,7 @@
 """The watchdog's finding on demand: a failing rank asks once more before writing its error line."""
 
 import json
+import threading
 import time
 
 from moetrain.failures import RunPosition
@@ -54,5 +55,122 @@ def test_look_now_finds_nothing_while_every_rank_is_alive_at_the_same_place():
         watchdog.look_now()
         assert position.stall is None
         assert watchdog.reports and "a long phase" in watchdog.reports[-1]
+    finally:
+        watchdog.stop()
+
+
+def test_a_finding_names_the_step_the_run_reached_not_the_stale_heartbeats():
+    """Steps are faster than heartbeats: rank 1's last heartbeat says step 3 while the run (this
+    rank) is at step 7; the finding says step 7, with the heartbeat's place beside it."""
+    store, position = DictStore(), RunPosition(rank=0, step=7, phase="gradient sync")
+    watchdog = _watchdog(store, position, stall_s=0.1)
+    try:
+        _beat(store, 1, 3, "forward", age_s=5.0)
+        time.sleep(0.15)
+        watchdog.look_now()
+        assert position.stall.startswith(
+            "rank 1 stopped making progress at step 7 (last heard 5 s ago, at step 3, forward)"
+        ), position.stall
+    finally:
+        watchdog.stop()
+
+
+LOST = RuntimeError(
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:4711"
+)
+
+
+def test_a_lost_connection_names_the_rank_that_stopped_beating_not_one_that_ended(monkeypatch):
+    """Rank 1 was killed (its heartbeat stopped), rank 2 failed on its own and said so; this rank
+    looks once, right away, however short its wait: no stall_s needed."""
+    store, position = DictStore(), RunPosition(rank=0, step=4, phase="forward")
+    monkeypatch.setattr(Watchdog, "lost_margin_s", 0.6)
+    watchdog = Watchdog(store, 0, 3, position, interval_s=0.2, stall_s=3600.0).start()
+    try:
+        _beat(store, 1, 4, "forward", age_s=0.0)
+        store.set(
+            "heartbeat/2",
+            json.dumps({"step": 4, "phase": "backward", "time": time.time(), "ended": "failed"}),
+        )
+        watchdog.look_now(LOST)
+        assert (
+            position.stall
+            == "rank 1 stopped making progress at step 4, forward (last heard 1 s ago): killed or crashed?"
+        )
+        assert json.loads(store.values["heartbeat/0"])["ended"] == "failed"  # the others will not name rank 0
+    finally:
+        watchdog.stop()
+
+
+def test_a_lost_connection_with_every_rank_beating_names_none(monkeypatch):
+    store, position = DictStore(), RunPosition(rank=1, step=4, phase="forward")
+    monkeypatch.setattr(Watchdog, "lost_margin_s", 0.6)
+    watchdog = Watchdog(store, 1, 3, position, interval_s=0.2, stall_s=3600.0).start()
+    store.set(
+        "heartbeat/2", json.dumps({"step": 4, "phase": "forward", "time": time.time(), "ended": "stopped"})
+    )
+    try:
+        stop = threading.Event()
+        beating = threading.Thread(
+            target=lambda: [_beat(store, 0, 4, "forward", 0.0) for _ in iter(lambda: stop.wait(0.05), True)]
+        )
+        beating.start()
+        watchdog.look_now(LOST)
+        stop.set()
+        beating.join()
+        assert position.stall == "no rank stopped making progress (ended on their own: ranks 2)"
+    finally:
+        watchdog.stop()
+
+
+def test_a_lost_connection_with_the_store_gone_names_the_rank_that_served_it():
+    class GoneStore(DictStore):
+        def multi_get(self, keys):
+            raise RuntimeError("Connection reset by peer")
+
+    position = RunPosition(rank=1, step=4, phase="forward")
+    watchdog = Watchdog(
+        GoneStore(), 1, 2, position, interval_s=0.01, stall_s=3600.0, store_served_by=0
+    ).start()
+    try:
+        watchdog.look_now(LOST)
+        assert position.stall == "rank 0 is gone (it served the rendezvous store, which no longer answers)"
+    finally:
+        watchdog.stop()
+
+
+def test_a_stopped_watchdog_says_its_rank_ended():
+    store = DictStore()
+    Watchdog(store, 0, 1, RunPosition(), interval_s=3600.0, stall_s=3600.0).start().stop()
+    assert json.loads(store.values["heartbeat/0"])["ended"] == "stopped"
+
+
+def test_the_rank_serving_the_store_stays_until_the_others_have_looked(monkeypatch):
+    """Rank 0 serves the store (per-task launch): after its own look and line it stays until rank 1,
+    still beating (it noticed the loss later), has looked too, so the store outlives every look."""
+    store, position = DictStore(), RunPosition(rank=0, step=4, phase="forward")
+    monkeypatch.setattr(Watchdog, "lost_margin_s", 0.6)
+    watchdog = Watchdog(store, 0, 2, position, interval_s=0.2, stall_s=3600.0, store_served_by=0).start()
+    looked = {}
+
+    def rank_1():
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            _beat(store, 1, 4, "forward", 0.0)
+            time.sleep(0.05)
+        beat = {"step": 4, "phase": "forward", "time": time.time(), "ended": "failed", "looked": True}
+        store.set("heartbeat/1", json.dumps(beat))
+        looked["at"] = time.monotonic()
+
+    other = threading.Thread(target=rank_1)
+    other.start()
+    try:
+        watchdog.look_now(LOST)
+        assert position.stall == "no rank stopped making progress"
+        watchdog.stop()
+        watchdog.keep_store_for_the_others()
+        returned = time.monotonic()
+        other.join()
+        assert returned >= looked["at"]
     finally:
         watchdog.stop()

@@ -4,7 +4,10 @@ FAULT: ``none``; ``inf-loss@S`` (the loss of optimizer step S is inf); ``nan-los
 loss from step S on is NaN); ``overflow-grad@S`` (the loss of step S is finite, its gradient
 inf: an fp16 overflow in the backward); ``stop-in-moe@S`` (the first MoE layer's forward of step S, before
 its all-to-all, waits 2 s, long enough for the watchdog to publish where the rank is, then stops
-the process with SIGSTOP). Only this process is affected (the tests pass it to one rank)."""
+the process with SIGSTOP); ``kill9-rank@R:S`` (the process of RANK R kills itself with SIGKILL at the
+loss of step S: for launches where every rank runs the same command); ``slow-build@N`` (the model
+builder sleeps N seconds first: set-up in progress, the out_dir lock held). Otherwise only this
+process is affected (the tests pass the fault to one rank)."""
 
 import math
 import os
@@ -32,6 +35,10 @@ class _InfGradient(torch.autograd.Function):
 fault, args = sys.argv[1], sys.argv[2:]
 if fault != "none":
     kind, _, step_text = fault.partition("@")
+    if kind == "kill9-rank":
+        victim, _, step_text = step_text.partition(":")
+        if int(os.environ.get("RANK", "0")) != int(victim):
+            kind = "none"
     start = int(step_text)
     spec = get_model("moe_lm")
     original_builder = spec.builder
@@ -52,7 +59,11 @@ if fault != "none":
         layer.forward = forward
 
     def faulty_builder(config, shard):
+        if kind == "slow-build":
+            time.sleep(start)
         model, batches, loss_fn = original_builder(config, shard)
+        if kind in ("slow-build", "none"):
+            return model, batches, loss_fn
         if kind == "stop-in-moe":
             stop_in_moe(model, config)
             return model, batches, loss_fn
@@ -63,6 +74,8 @@ if fault != "none":
             step = (calls["n"] - 1) // config.grad_accum + 1
             loss = loss_fn(logits, targets)
             hit = step >= start if kind == "nan-loss-from" else step == start
+            if hit and kind == "kill9-rank":
+                os.kill(os.getpid(), signal.SIGKILL)
             if hit and kind == "overflow-grad":
                 return _InfGradient.apply(loss)
             return loss * (math.inf if kind == "inf-loss" else math.nan) if hit else loss

@@ -41,7 +41,8 @@ def test_a_stopped_rank_is_named_and_the_others_end_within_the_timeout(tmp_path)
     lines = error_lines(err)
     assert code == 1 and len(lines) == 1, err
     assert lines[0].startswith("moetrain: error: rank 0, step "), lines
-    assert re.search(r": rank 1 stopped making progress at step \d+, ", lines[0]), lines  # the cause
+    # the cause, at the step the run reached (the heartbeat's own step, often older, beside it)
+    assert re.search(r": rank 1 stopped making progress at step \d+[, ]", lines[0]), lines
     assert "stopped or gone: rank 1 (last heard" in err, err  # the watchdog's line
     assert elapsed < 6 + 10, elapsed  # the timeout, plus start-up slack
 

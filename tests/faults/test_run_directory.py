@@ -11,7 +11,6 @@ import errno
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import time
@@ -67,7 +66,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_earlier_checkpoints_survive(t
     free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
     (small_disk / "ballast").write_bytes(b"\0" * (free - 200_000))  # less room than one checkpoint
     capsys.readouterr()
-    assert train(tmp_path, out_dir, steps=4, checkpoint_every=1, keep_last=5) == 2
+    assert train(tmp_path, out_dir, steps=4, checkpoint_every=1, keep_last=5) == 1  # a run failure
     line = one_error(capsys)
     assert "checkpoint step 3 could not be written to" in line and "no space left on device" in line, line
     assert [step for step, _ in list_checkpoints(out_dir / "checkpoints")] == before == [1, 2]
@@ -117,7 +116,7 @@ def test_a_full_disk_during_a_save_without_root(tmp_path, capsys, monkeypatch):
     disk = FullDisk(FileSystem.create_stream, room=4096)  # less than one checkpoint
     monkeypatch.setattr(FileSystem, "create_stream", contextlib.contextmanager(disk.create_stream))
     capsys.readouterr()
-    assert train(tmp_path, out_dir, steps=4, checkpoint_every=1, keep_last=5) == 2
+    assert train(tmp_path, out_dir, steps=4, checkpoint_every=1, keep_last=5) == 1  # a run failure
     line = one_error(capsys)
     tmp_dir = out_dir / "checkpoints" / "step_00000003.tmp"
     assert f"checkpoint step 3 could not be written to {tmp_dir}: no space left on device ({tmp_dir}/" in line
@@ -206,7 +205,6 @@ def test_a_corrupt_newest_checkpoint_names_the_intact_one_and_resume_from_picks_
     assert train(tmp_path, out_dir, "--resume-from", "latest-valid", steps=4, keep_last=5) == 0
     metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]  # step 3 redone from step 2
-    shutil.rmtree(newest)
     assert train(tmp_path, out_dir, "--resume-from", "1", steps=2, keep_last=5) == 0
     assert train(tmp_path, out_dir, "--resume-from", "7", steps=9, keep_last=5) == 2
     assert "resume_from = 7: no complete checkpoint of that step" in one_error(capsys)
