@@ -34,7 +34,8 @@ STAGES = [
      EXIT_RUN_FAILED),
     ("checkpoint writer", lambda mp: mp.setattr(moetrain.engine, "CheckpointWriter", _raise), {},
      EXIT_RUN_FAILED),
-    ("batch balancing", None, {"balance.enabled": True, "balance.speeds": [1.0, 2.0]}, EXIT_BAD_INPUT),
+    ("batch balancing", lambda mp: mp.setattr(moetrain.engine.Trainer, "_balance_batches", _raise),
+     {"balance.speeds": [1.0]}, EXIT_RUN_FAILED),
     ("recompute planning", lambda mp: mp.setattr(moetrain.engine.Trainer, "_plan_recompute", _raise),
      {"recompute_budget_mb": 0}, EXIT_RUN_FAILED),
 ]  # fmt: skip
