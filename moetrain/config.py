@@ -516,6 +516,35 @@ class BalanceConfig:
         return self.calibrate or self.speeds is not None
 
 
+METRIC_SINKS = ("jsonl", "tensorboard", "wandb", "mlflow")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Where the metrics of logging steps go (:mod:`moetrain.metrics`): ``sinks``, any of
+    ``METRIC_SINKS`` in any order: ``jsonl`` (``out_dir/metrics.jsonl``), ``tensorboard``
+    (``out_dir/tensorboard``; skipped with one log line when the package is not installed),
+    ``wandb`` and ``mlflow`` (their packages imported only when chosen; a missing one stops the
+    run before training with one line). ``project``: the Weights & Biases project / MLflow
+    experiment (None: the name of ``out_dir``'s directory)."""
+
+    sinks: tuple[str, ...] = option(
+        ("jsonl", "tensorboard"), "where metrics go: any of jsonl, tensorboard, wandb, mlflow"
+    )
+    project: str | None = option(None, "Weights & Biases project / MLflow experiment; None: out_dir's name")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sinks, str) or not isinstance(self.sinks, (list, tuple)):
+            raise ValueError(f"metrics.sinks must be a list of sink names, got {self.sinks!r}")
+        object.__setattr__(self, "sinks", tuple(self.sinks))
+        for sink in self.sinks:
+            require_choice("metrics.sinks", sink, METRIC_SINKS)
+        if len(set(self.sinks)) != len(self.sinks):
+            raise ValueError(f"metrics.sinks names a sink twice: {list(self.sinks)}")
+        if self.project is not None and (not isinstance(self.project, str) or not self.project):
+            raise ValueError(f"metrics.project must be a name or null, got {self.project!r}")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run (``moetrain train --config FILE``). ``model`` is the config of the model
@@ -557,6 +586,7 @@ class TrainConfig:
         BalanceConfig(),
         ("hardware-aware batch balancing for mixed clusters (off unless speeds or calibrate)"),
     )
+    metrics: MetricsConfig = option(MetricsConfig(), "where the metrics of logging steps go")
     steps: int = option(100, "optimizer steps of the run")
     grad_accum: int = option(1, "micro-steps per optimizer step")
     precision: str = option(

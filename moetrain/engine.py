@@ -72,7 +72,7 @@ from moetrain.layers import (
     update_score_biases,
 )
 from moetrain.layers.experts import local_tensor
-from moetrain.metrics import MetricsWriter
+from moetrain.metrics import MetricsLog, RunInfo, check_sinks
 from moetrain.offload import GroupwiseApply, OffloadOptimizer
 from moetrain.parallel import ParallelContext, check_sizes, init_distributed, read_launch_environment
 from moetrain.parallelize import default_strategy, parallelize
@@ -146,6 +146,7 @@ class Trainer:
 
     def _set_up(self, config: TrainConfig, on_out_dir_locked) -> None:
         check_out_dir(config.out_dir, config.resume)
+        check_sinks(config.metrics.sinks)  # a tracker's missing package: one line on every rank, now
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         launch = read_launch_environment()
@@ -823,8 +824,12 @@ class Trainer:
         if self.is_main:
             record_config(self.out_dir, json.loads(json.dumps(asdict(config))), self.step, changes)
         self._report_skipped_records("start")
+        run = RunInfo(
+            self.out_dir, self.step, json.loads(json.dumps(asdict(config))), self.rank,
+            config.metrics.project or self.out_dir.resolve().name,
+        )  # fmt: skip
+        metrics_log = MetricsLog(config.metrics.sinks, run)
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        metrics_file = MetricsWriter(self.out_dir, self.step) if self.is_main else None
         bar = ProgressBar(config.steps, "train", log_every=1, initial=self.step) if self.is_main else None
         history = []
         self._last_checkpoint_time = time.monotonic()
@@ -834,8 +839,8 @@ class Trainer:
                 metrics = self.train_step()
                 if metrics is not None:
                     history.append(metrics)
-                    if metrics_file is not None:
-                        metrics_file.write(metrics)
+                    metrics_log.log(self.step, metrics)
+                    if bar is not None:
                         load = (
                             {"load cv": max(metrics["expert_load_cv"])} if "expert_load_cv" in metrics else {}
                         )
@@ -865,12 +870,13 @@ class Trainer:
                 if self.saved_step != self.step:
                     self.save()
                 self.writer.wait()
+            last = {k: v for k, v in history[-1].items() if k != "step"} if history else {}
+            metrics_log.summary({**last, "last_step": self.step, "preempted": self.preempted})
         finally:
             signal.signal(signal.SIGTERM, previous)
             if bar is not None:
                 bar.close()
-            if metrics_file is not None:
-                metrics_file.close()
+            metrics_log.finish()
         self.position.phase = "shutdown"
         self._report_skipped_records("end")
         return history

@@ -1,58 +1,91 @@
-"""The metrics file of a run: ``out_dir/metrics.jsonl`` (one JSON object per logged step) and, when
-the optional ``tensorboard`` package is installed, TensorBoard events under ``out_dir/tensorboard``.
+"""Where a run's metrics go: sinks behind one small protocol, chosen by ``metrics.sinks``.
 
-A run resumed at ``resumed_step`` first drops the records of later steps (written before a crash,
-then redone), so every step appears once.
+A sink (:class:`MetricsSink`) is started once per run, gets the metrics of every logging step, one
+summary at the end, and is finished:
 
-Every line is standard JSON: a value that is not finite (the gradient norm of a skipped step, a
-loss gone inf or NaN) is written as ``null`` (Python's ``json`` would write ``Infinity`` / ``NaN``,
-which other JSON readers refuse); TensorBoard gets the value as it is.
+- ``start(run)``: ``run`` is a :class:`RunInfo` (``out_dir``, the step the run starts at, the
+  config as a dict, the rank, the project name);
+- ``log(step, metrics)``: the step's metrics, as the engine makes them: numbers, plus per MoE
+  layer a list (``expert_load_cv``, ...); :func:`scalars` flattens them to ``name -> float`` with
+  ``name/layer<i>`` names, which is what the trackers get;
+- ``summary(values)``: once, at the end of a run that finished or stopped after a checkpoint
+  (the last logged values and the step reached);
+- ``finish()``: always, failed runs included.
+
+Only rank 0 has sinks, unless a sink class says ``all_ranks = True`` (then every rank starts one;
+``RunInfo.rank`` tells them apart). The built-in sinks (``METRIC_SINKS`` in :mod:`moetrain.config`):
+
+- ``jsonl``: ``out_dir/metrics.jsonl``, one JSON object per logging step, and ``out_dir/summary.json``.
+  Every line is standard JSON: a value that is not finite (the gradient norm of a skipped step, a
+  loss gone inf or NaN) is written as ``null`` (Python's ``json`` would write ``Infinity`` /
+  ``NaN``, which other JSON readers refuse). A run resumed at step S first drops the records of
+  later steps (written before a crash, then redone), so every step appears once.
+- ``tensorboard``: events under ``out_dir/tensorboard`` (the scalars of :func:`scalars`; the
+  summary as ``summary/<name>``); when the package is missing, one log line and no events.
+- ``wandb``: ``wandb.init(project, dir=out_dir, config, id, resume="allow")`` with the run id kept in
+  ``out_dir/wandb_run_id`` (a resumed run continues the same W&B run), ``wandb.log(scalars,
+  step=step)``, the summary into ``run.summary``, ``wandb.finish()``.
+- ``mlflow``: ``mlflow.set_experiment(project)``, ``mlflow.start_run`` (the run id kept in
+  ``out_dir/mlflow_run_id``), the flattened config as params on a fresh start,
+  ``mlflow.log_metrics(scalars, step=step)``, the summary as metrics, ``mlflow.end_run()``.
+
+``wandb`` and ``mlflow`` are imported only when chosen: :func:`check_sinks` imports them on every
+rank at set-up, so a missing package stops the run before training with one line on every rank.
+TensorBoard and the trackers get values as they are (inf / NaN included).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar, Protocol
 
 log = logging.getLogger(__name__)
 
 
-class MetricsWriter:
-    """Appends one JSON line per logged step (and TensorBoard scalars when available)."""
+@dataclass(frozen=True)
+class RunInfo:
+    """What a sink is told when the run starts."""
 
-    def __init__(self, out_dir: Path, resumed_step: int = 0):
-        out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / "metrics.jsonl"
-        drop_records_after(path, resumed_step)
-        self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the whole run
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+    out_dir: Path
+    resumed_step: int  # the step the run starts at (0: a fresh run)
+    config: dict
+    rank: int = 0
+    project: str | None = None  # metrics.project, else the out_dir's name
 
-            # purge_step: TensorBoard hides the events of steps >= it from the earlier attempt.
-            self.tensorboard = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resumed_step + 1)
-        except ImportError:
-            self.tensorboard = None
-            log.info("tensorboard is not installed: metrics go to metrics.jsonl only")
 
-    def write(self, metrics: dict) -> None:
-        self.file.write(json.dumps(finite_or_null(metrics), allow_nan=False) + "\n")
-        self.file.flush()
-        if self.tensorboard is not None:
-            step = metrics["step"]
-            for key, value in metrics.items():
-                if isinstance(value, list):
-                    for layer, item in enumerate(value):
-                        self.tensorboard.add_scalar(f"{key}/layer{layer}", item, step)
-                elif key != "step" and isinstance(value, (int, float)):
-                    self.tensorboard.add_scalar(key, value, step)
+class MetricsSink(Protocol):
+    """The protocol of a metrics sink (see the module docstring)."""
 
-    def close(self) -> None:
-        self.file.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+    all_ranks: ClassVar[bool]
+
+    def start(self, run: RunInfo) -> None: ...
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None: ...
+
+    def summary(self, values: dict[str, Any]) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+def scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """``name -> float`` of a step's metrics: numbers and booleans as they are (as floats), a
+    list ``name = [v0, v1, ...]`` as ``name/layer0``, ``name/layer1``, ...; ``step`` left out."""
+    flat: dict[str, float] = {}
+    for key, value in metrics.items():
+        if key == "step":
+            continue
+        if isinstance(value, (list, tuple)):
+            for layer, item in enumerate(value):
+                flat[f"{key}/layer{layer}"] = float(item)
+        elif isinstance(value, (bool, int, float)):
+            flat[key] = float(value)
+    return flat
 
 
 def finite_or_null(value):
@@ -64,6 +97,182 @@ def finite_or_null(value):
     if isinstance(value, (list, tuple)):
         return [finite_or_null(item) for item in value]
     return value
+
+
+class JsonlSink:
+    """``out_dir/metrics.jsonl`` and ``out_dir/summary.json``."""
+
+    all_ranks = False
+
+    def start(self, run: RunInfo) -> None:
+        run.out_dir.mkdir(parents=True, exist_ok=True)
+        path = run.out_dir / "metrics.jsonl"
+        drop_records_after(path, run.resumed_step)
+        self.summary_path = run.out_dir / "summary.json"
+        self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the whole run
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        self.file.write(json.dumps(finite_or_null({"step": step, **metrics}), allow_nan=False) + "\n")
+        self.file.flush()
+
+    def summary(self, values: dict[str, Any]) -> None:
+        temporary = self.summary_path.with_name(self.summary_path.name + ".tmp")
+        temporary.write_text(json.dumps(finite_or_null(values), allow_nan=False, indent=2), encoding="utf-8")
+        os.replace(temporary, self.summary_path)
+
+    def finish(self) -> None:
+        self.file.close()
+
+
+class TensorBoardSink:
+    """TensorBoard events under ``out_dir/tensorboard`` (nothing when the package is missing)."""
+
+    all_ranks = False
+
+    def start(self, run: RunInfo) -> None:
+        self.writer, self.step = None, run.resumed_step
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            log.info("tensorboard is not installed: no TensorBoard events (metrics.sinks)")
+            return
+        # purge_step: TensorBoard hides the events of steps >= it from the earlier attempt.
+        self.writer = SummaryWriter(str(run.out_dir / "tensorboard"), purge_step=run.resumed_step + 1)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        self.step = step
+        if self.writer is not None:
+            for name, value in scalars(metrics).items():
+                self.writer.add_scalar(name, value, step)
+
+    def summary(self, values: dict[str, Any]) -> None:
+        if self.writer is not None:
+            for name, value in scalars(values).items():
+                self.writer.add_scalar(f"summary/{name}", value, self.step)
+
+    def finish(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _run_id(path: Path, new) -> str:
+    """The tracker run id kept in ``path`` (a resumed run continues its tracker run), else ``new()``
+    written there."""
+    if path.exists():
+        return path.read_text(encoding="utf-8").strip()
+    run_id = str(new())
+    path.write_text(run_id + "\n", encoding="utf-8")
+    return run_id
+
+
+class WandbSink:
+    """Weights & Biases (``import wandb`` when started)."""
+
+    all_ranks = False
+
+    def start(self, run: RunInfo) -> None:
+        self.wandb = importlib.import_module("wandb")
+        run.out_dir.mkdir(parents=True, exist_ok=True)
+        run_id = _run_id(run.out_dir / "wandb_run_id", self.wandb.util.generate_id)
+        self.run = self.wandb.init(
+            project=run.project, dir=str(run.out_dir), config=run.config, id=run_id, resume="allow"
+        )
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        self.wandb.log(scalars(metrics), step=step)
+
+    def summary(self, values: dict[str, Any]) -> None:
+        self.run.summary.update(scalars(values))
+
+    def finish(self) -> None:
+        self.wandb.finish()
+
+
+class MlflowSink:
+    """MLflow (``import mlflow`` when started)."""
+
+    all_ranks = False
+
+    def start(self, run: RunInfo) -> None:
+        from moetrain.run_dir import flatten
+
+        self.mlflow = importlib.import_module("mlflow")
+        run.out_dir.mkdir(parents=True, exist_ok=True)
+        path = run.out_dir / "mlflow_run_id"
+        self.mlflow.set_experiment(run.project)
+        resumed = path.exists()
+        active = self.mlflow.start_run(
+            run_id=path.read_text(encoding="utf-8").strip() if resumed else None, run_name=run.out_dir.name
+        )
+        if not resumed:
+            path.write_text(active.info.run_id + "\n", encoding="utf-8")
+            self.mlflow.log_params({key: str(value)[:500] for key, value in flatten(run.config).items()})
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        self.mlflow.log_metrics(scalars(metrics), step=step)
+
+    def summary(self, values: dict[str, Any]) -> None:
+        self.mlflow.log_metrics({f"summary/{name}": value for name, value in scalars(values).items()})
+
+    def finish(self) -> None:
+        self.mlflow.end_run()
+
+
+SINKS: dict[str, type] = {
+    "jsonl": JsonlSink,
+    "tensorboard": TensorBoardSink,
+    "wandb": WandbSink,
+    "mlflow": MlflowSink,
+}
+_PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}  # sinks whose package must be installed
+
+
+def check_sinks(names) -> None:
+    """Imports the package of every chosen tracker sink; ``ImportError`` (one line naming the key
+    and the package) when one is missing. Call it on every rank before training."""
+    for name in names:
+        package = _PACKAGES.get(name)
+        if package is None:
+            continue
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            raise ImportError(
+                f"metrics.sinks: {name!r} needs the {package} package, which is not installed "
+                f"(pip install {package}, or remove {name!r} from metrics.sinks)"
+            ) from None
+
+
+class MetricsLog:
+    """The sinks of one rank for one run: ``log`` / ``summary`` / ``finish`` go to each in order.
+    ``names``: the ``metrics.sinks``; a rank other than 0 gets only ``all_ranks`` sinks."""
+
+    def __init__(self, names, run: RunInfo):
+        self.sinks = [SINKS[name]() for name in names if run.rank == 0 or SINKS[name].all_ranks]
+        started = []
+        try:
+            for sink in self.sinks:
+                sink.start(run)
+                started.append(sink)
+        except BaseException:
+            for sink in started:
+                sink.finish()
+            raise
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.log(step, metrics)
+
+    def summary(self, values: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.summary(values)
+
+    def finish(self) -> None:
+        for sink in self.sinks:
+            try:
+                sink.finish()
+            except Exception as error:  # noqa: BLE001 - one sink's failure must not keep the others open
+                log.error("metrics sink %s could not finish: %s", type(sink).__name__, error)
 
 
 def drop_records_after(path: Path, step: int) -> None:

@@ -1,0 +1,132 @@
+"""Metrics sinks (issue 30): ``metrics.sinks`` picks where the metrics of logging steps go; the
+Weights & Biases and MLflow sinks are tested against fakes of their client modules (no network),
+put in ``sys.modules`` where ``import wandb`` / ``import mlflow`` find them."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+
+from moetrain.metrics import finite_or_null, scalars
+from tests.faults.test_run_directory import one_error, train
+
+
+class FakeWandb(types.ModuleType):
+    def __init__(self):
+        super().__init__("wandb")
+        self.calls = []
+        self.util = SimpleNamespace(generate_id=lambda: "wb-run-1")
+
+    def init(self, **kwargs):
+        self.calls.append(("init", kwargs))
+        self.run = SimpleNamespace(summary={})
+        return self.run
+
+    def log(self, data, step=None):
+        self.calls.append(("log", step, data))
+
+    def finish(self):
+        self.calls.append(("finish",))
+
+
+class FakeMlflow(types.ModuleType):
+    def __init__(self):
+        super().__init__("mlflow")
+        self.calls = []
+
+    def set_experiment(self, name):
+        self.calls.append(("set_experiment", name))
+
+    def start_run(self, run_id=None, run_name=None):
+        self.calls.append(("start_run", run_id, run_name))
+        return SimpleNamespace(info=SimpleNamespace(run_id=run_id or "ml-run-1"))
+
+    def log_params(self, params):
+        self.calls.append(("log_params", params))
+
+    def log_metrics(self, metrics, step=None):
+        self.calls.append(("log_metrics", step, metrics))
+
+    def end_run(self):
+        self.calls.append(("end_run",))
+
+
+@pytest.fixture
+def trackers(monkeypatch):
+    wandb, mlflow = FakeWandb(), FakeMlflow()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.setitem(sys.modules, "mlflow", mlflow)
+    return wandb, mlflow
+
+
+def test_the_chosen_sinks_get_every_logging_step_the_summary_and_the_end(tmp_path, trackers):
+    wandb, mlflow = trackers
+    out_dir = tmp_path / "run"
+    sinks = {"metrics.sinks": ["jsonl", "wandb", "mlflow"]}
+    assert train(tmp_path, out_dir, steps=3, **sinks) == 0
+    (kind, init), *logs, (end,) = wandb.calls
+    assert (
+        kind == "init" and init["project"] == "run" and init["id"] == "wb-run-1" and init["resume"] == "allow"
+    )
+    assert init["config"]["steps"] == 3 and init["dir"] == str(out_dir)
+    assert [step for _, step, _ in logs] == [1, 2, 3] and end == "finish"
+    names = set(logs[0][2])
+    assert {"loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "skipped_steps"} <= names
+    assert {"expert_load_cv/layer0", "dropped_fraction/layer0"} <= names
+    assert wandb.run.summary["last_step"] == 3.0 and wandb.run.summary["preempted"] == 0.0
+    assert mlflow.calls[0] == ("set_experiment", "run") and mlflow.calls[1] == ("start_run", None, "run")
+    assert mlflow.calls[2][0] == "log_params" and mlflow.calls[2][1]["optim.lr"] == "0.003"
+    assert [call[1] for call in mlflow.calls if call[0] == "log_metrics"] == [1, 2, 3, None]  # None: summary
+    assert mlflow.calls[-1] == ("end_run",)
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+    assert json.loads((out_dir / "summary.json").read_text())["last_step"] == 3
+    # a resumed run continues the same tracker runs, without logging the params again
+    wandb.calls.clear(), mlflow.calls.clear()
+    assert train(tmp_path, out_dir, steps=4, **sinks) == 0
+    assert wandb.calls[0][1]["id"] == "wb-run-1" and [c[1] for c in wandb.calls if c[0] == "log"] == [4]
+    assert ("start_run", "ml-run-1", "run") in mlflow.calls and not any(
+        c[0] == "log_params" for c in mlflow.calls
+    )
+
+
+def test_only_the_chosen_sinks_write(tmp_path, trackers):
+    wandb, _ = trackers
+    out_dir = tmp_path / "run"
+    assert train(tmp_path, out_dir, steps=2, **{"metrics.sinks": ["wandb"], "metrics.project": "p"}) == 0
+    assert wandb.calls[0][1]["project"] == "p"
+    assert not (out_dir / "metrics.jsonl").exists() and not (out_dir / "tensorboard").exists()
+
+
+def test_a_tracker_that_is_not_installed_is_one_line_before_training(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # import mlflow raises ImportError
+    out_dir = tmp_path / "run"
+    assert train(tmp_path, out_dir, steps=2, **{"metrics.sinks": ["jsonl", "mlflow"]}) == 2
+    line = one_error(capsys)
+    assert (
+        "metrics.sinks: 'mlflow' needs the mlflow package, which is not installed (pip install mlflow" in line
+    )
+    assert not (out_dir / "checkpoints").exists() and not (out_dir / ".lock").exists()
+
+
+def test_an_unknown_sink_is_a_config_error(tmp_path, capsys):
+    assert train(tmp_path, tmp_path / "run", **{"metrics.sinks": ["jsonl", "neptune"]}) == 2
+    assert (
+        "metrics.sinks must be one of 'jsonl', 'tensorboard', 'wandb', 'mlflow', got 'neptune'"
+        in one_error(capsys)
+    )
+
+
+def test_scalars_flattens_per_layer_lists_and_json_gets_null_for_non_finite_values():
+    metrics = {"step": 3, "loss": 2.5, "skipped": True, "expert_load_cv": [0.1, 0.2]}
+    assert scalars(metrics) == {
+        "loss": 2.5,
+        "skipped": 1.0,
+        "expert_load_cv/layer0": 0.1,
+        "expert_load_cv/layer1": 0.2,
+    }
+    assert finite_or_null({"a": float("inf"), "b": [1.0, float("nan")]}) == {"a": None, "b": [1.0, None]}
