@@ -69,4 +69,4 @@ tests=(tests/test_build.py tests/test_extension_jit.py tests/test_kernel_ops.py 
        tests/test_a2a_layout.py tests/test_kernel_selection.py tests/test_compile.py tests/test_moe_layer.py
        tests/test_cpu_adam.py tests/test_offload_optimizer.py tests/test_torch_compat.py tests/test_engine.py
        tests/test_cuda_kernels.py)
-(cd "$copy" && OMP_NUM_THREADS=2 "$OLDPWD/$venv/bin/python" -m pytest -q -m "not slow or build" "${tests[@]}")
+(cd "$copy" && OMP_NUM_THREADS=2 "$OLDPWD/$venv/bin/python" -m pytest -q --durations=10 -m "not slow or build" "${tests[@]}")

@@ -42,7 +42,9 @@ def make_copy(
     return copy
 
 
-def import_in_copy(copy: Path, code: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
+def import_in_copy(
+    copy: Path, code: str = "", env: dict | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess:
     """Imports the copy in a fresh interpreter (no C++ compiler when ``env`` says so), then runs ``code``."""
     program = ONLY_THE_COPY + "import moetrain, moetrain._ext as e; print('EXTENSION', e.EXTENSION); " + code
     return subprocess.run(
@@ -50,7 +52,7 @@ def import_in_copy(copy: Path, code: str = "", env: dict | None = None) -> subpr
         cwd=copy,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=timeout,
         env={**os.environ, "XDG_CACHE_HOME": str(copy / "cache"), **(env or {})},
     )
 
