@@ -8,10 +8,13 @@
    accuracy beside that of always answering the most frequent training caption, and each MoE
    layer's share of tokens per expert while captioning.
 
-Options: ``python scripts/demo.py --help`` (``--steps`` for a shorter or longer run, ``--set
-KEY=VALUE`` to change the config for training and evaluation, ``--eval-limit`` to caption fewer
-held-out images). The evaluation routes as training did: with ``model.moe.max_nodes_per_token``
-set, each router is told the node count of the training run (``ranks / parallel.local_world_size``).
+Options: ``python scripts/demo.py --help`` (``--seed N`` for another run of the same config: the
+weights' initialisation and the data stream, not the dataset, which is always the same one;
+``--steps`` for a shorter or longer run, ``--set KEY=VALUE`` to change the config for training and
+evaluation, ``--eval-limit`` to caption fewer held-out images). The evaluation routes as training
+did: with ``model.moe.max_nodes_per_token`` set, each router is told the node count of the
+training run (``ranks / parallel.local_world_size``). The accuracy it prints depends on the seed
+and the machine (docs/m6.md, "The demo's accuracy over seeds").
 """
 
 from __future__ import annotations
@@ -96,8 +99,8 @@ def evaluate(out_dir: Path, overrides: list[str] = (), ranks: int = 2, limit: in
 
     metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line]
     print(
-        f"\ntrained {loaded['step']} steps on {loaded['saved_world_size']} ranks (ep_size "
-        f"{loaded['saved_ep_size']}); loss {metrics[0]['loss']:.3f} -> {metrics[-1]['loss']:.3f}; "
+        f"\ntrained {loaded['step']} steps (seed {config.seed}) on {loaded['saved_world_size']} ranks "
+        f"(ep_size {loaded['saved_ep_size']}); loss {metrics[0]['loss']:.3f} -> {metrics[-1]['loss']:.3f}; "
         f"checkpoint loaded into 1 process (experts resharded)"
     )
     print(f"\nheld-out captions (greedy, {result['images']} images, {seconds:.0f} s):")
@@ -174,6 +177,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="the run's seed: weights and data order (default: the config's, 0); the dataset stays the same",
+    )
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the config's)")
     parser.add_argument("--ranks", type=int, default=2, help="local ranks (ep_size = ranks)")
     parser.add_argument("--out-dir", default=str(ROOT / "runs" / "demo"))
@@ -183,8 +192,13 @@ def main() -> None:
     parser.add_argument("--eval-limit", type=int, help="caption only the first N held-out images")
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
-    train(out_dir, args.steps, args.ranks, args.set)
-    evaluate(out_dir, args.set, args.ranks, args.eval_limit)
+    overrides = [*args.set, *([] if args.seed is None else [f"seed={args.seed}"])]
+    start = time.perf_counter()
+    train(out_dir, args.steps, args.ranks, overrides)
+    trained = time.perf_counter()
+    evaluate(out_dir, overrides, args.ranks, args.eval_limit)
+    total = time.perf_counter() - start
+    print(f"\nwall time {total:.0f} s ({trained - start:.0f} s training, then evaluation)")
 
 
 if __name__ == "__main__":
