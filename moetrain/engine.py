@@ -76,6 +76,7 @@ from moetrain.metrics import MetricsLog, RunInfo, check_sinks
 from moetrain.offload import GroupwiseApply, OffloadOptimizer
 from moetrain.parallel import ParallelContext, check_sizes, init_distributed, read_launch_environment
 from moetrain.parallelize import default_strategy, parallelize
+from moetrain.phase_times import PhaseTimer
 from moetrain.progress import ProgressBar
 from moetrain.registry import DataShard, spec_for_config
 from moetrain.run_dir import RunLock, check_out_dir, config_changes, record_config
@@ -217,6 +218,7 @@ class Trainer:
         self.balance = None
         self._proxy_weights = None  # calibration under EP: the proxy FFN's weights, made on first use
         self._window: list[dict] = []  # per-step device values since the last logged step
+        self.phases = PhaseTimer(self.device)  # forward / backward / grad sync / optimizer, per step
         self._last_checkpoint_time = time.monotonic()
         if config.balance.enabled:
             self.position.phase = "batch balancing"
@@ -272,8 +274,10 @@ class Trainer:
         ]
         if optim.name == "offload":
             return OffloadOptimizer(
-                groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, num_apply_groups=optim.num_apply_groups
-            )
+                groups, lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                num_apply_groups=optim.num_apply_groups,
+                overlap=optim.overlap, overlap_after_steps=optim.overlap_after_steps,
+            )  # fmt: skip
         # torch's multi-tensor kernels cannot mix DTensors (split layers) with plain tensors in one list
         kinds = {type(p).__name__ == "DTensor" for p in self.model.parameters()}
         adamw = torch.optim.AdamW(
@@ -566,13 +570,15 @@ class Trainer:
         context = contextlib.nullcontext() if last else self.trained.no_sync()
         with context:
             self.position.phase = "forward"
-            with self._autocast():
+            with self.phases.phase("forward"), self._autocast():
                 output = self.trained(**inputs) if isinstance(inputs, dict) else self.trained(inputs)
             with self.trained.loss_context(output):  # loss_parallel() for vocabulary-sharded logits
-                loss = self.loss_fn(output, targets)
-                scaled = loss * weight
+                with self.phases.phase("forward"):
+                    loss = self.loss_fn(output, targets)
+                    scaled = loss * weight
                 self.position.phase = "backward"
-                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+                with self.phases.phase("backward"):
+                    (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         return local_tensor(loss.detach()).float(), self._aux_loss_now(), share
 
     def _pipeline_step(self, loss_scale: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -587,7 +593,7 @@ class Trainer:
         if self.scaler is not None:  # the schedule scales the losses by get_scale() itself; this
             self.scaler.scale(torch.ones((), device=self.device))  # creates the scaler's state for step()
         self.position.phase = "pipeline forward and backward"
-        with self._autocast():
+        with self.phases.phase("pipeline"), self._autocast():
             losses, aux = self.trained.pipeline.step(batches, self.loss_fn, loss_scale / accum)
         zero = torch.zeros((), device=self.device)
         return losses or [zero], [aux / accum]
@@ -620,12 +626,13 @@ class Trainer:
                 losses.append(loss * share)
                 auxes.append(aux)
         self.position.phase = "gradient sync"
-        self.trained.reduce_gradients()
-        # With fp16 the gradients are still multiplied by loss_scale: clip at the scaled threshold.
-        if config.optim.grad_clip > 0:
-            scaled_norm = float(self.trained.clip_grad_norm_(config.optim.grad_clip * loss_scale))
-        else:
-            scaled_norm = float(self.trained.grad_norm())
+        with self.phases.phase("grad_sync"):
+            self.trained.reduce_gradients()
+            # With fp16 the gradients are still multiplied by loss_scale: clip at the scaled threshold.
+            if config.optim.grad_clip > 0:
+                scaled_norm = float(self.trained.clip_grad_norm_(config.optim.grad_clip * loss_scale))
+            else:
+                scaled_norm = float(self.trained.grad_norm())
         grad_norm = scaled_norm / loss_scale
         self.position.phase = "optimizer step"
         skipped = not math.isfinite(scaled_norm)
@@ -633,11 +640,12 @@ class Trainer:
             self._skip_step(loss_scale, losses)
         else:
             self.consecutive_skips = 0
-            if self.scaler is None:
-                self.optimizer.step()
-            else:
-                self.scaler.step(self.optimizer)  # every rank's gradients are finite: none skips
-                self.scaler.update()
+            with self.phases.phase("optimizer"):
+                if self.scaler is None:
+                    self.optimizer.step()
+                else:
+                    self.scaler.step(self.optimizer)  # every rank's gradients are finite: none skips
+                    self.scaler.update()
         lr = self.optimizer.param_groups[0]["lr"]
         if not skipped:  # a skipped step does not advance the schedule (as in Megatron-LM)
             self.scheduler.step()
@@ -669,8 +677,10 @@ class Trainer:
     def _skip_step(self, loss_scale: float, losses: list[torch.Tensor]) -> None:
         """Drops the gradients and the step's routed counts (aux-free balancing); counts the skip
         (not an fp16 calibration skip: finite losses on every rank, loss scale above 1); stops the
-        run after too many in a row."""
+        run after too many in a row. A delayed offloaded update still in flight (``optim.overlap:
+        delayed``) is written now, as the skipped step's ``step()`` would have written it."""
         self.optimizer.zero_grad(set_to_none=True)
+        self._apply_pending_update()
         discard_routed_counts(self.model)
         self.skipped_steps += 1
         calibrating = self.scaler is not None and loss_scale > 1.0 and self._losses_finite(losses)
@@ -690,6 +700,12 @@ class Trainer:
                 "step %d skipped: non-finite gradient norm%s", self.step + 1,
                 f" (fp16 loss scale {loss_scale:g} lowered)" if self.scaler is not None else "",
             )  # fmt: skip
+
+    def _apply_pending_update(self) -> None:
+        """Writes the delayed offloaded update in flight, if any, into the parameters."""
+        apply_pending = getattr(self.optimizer, "apply_pending", None)
+        if callable(apply_pending):
+            apply_pending()
 
     def _losses_finite(self, losses: list[torch.Tensor]) -> bool:
         """Whether this step's losses were finite on every rank (one all-reduce; every rank calls it
@@ -738,10 +754,30 @@ class Trainer:
         }
         if self.scaler is not None:
             metrics.update(loss_scale=loss_scale, skipped=skipped)
+        metrics["time/step_s"] = seconds / max(len(window), 1)
+        metrics.update(self.phases.window_means(len(window)))
+        host_update_s = getattr(self.optimizer, "last_update_s", None)
+        if host_update_s is not None:
+            metrics["time/optimizer_host_s"] = host_update_s
+        if self.device.type == "cuda":
+            metrics.update(self._peak_memory())
         result = self.writer.last_result
         if result is not None and result.step > self.step - len(window):
             metrics["checkpoint_stall_s"] = result.blocking_s
         return {**metrics, **self._data_metrics(), **self._expert_metrics()}
+
+    def _peak_memory(self) -> dict:
+        """The largest allocated and reserved CUDA memory of any rank since the last logging step
+        (one MAX all-reduce), then the peaks are reset."""
+        peaks = torch.tensor(
+            [torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)],
+            dtype=torch.float64, device=self.device,
+        )  # fmt: skip
+        if self.parallel.world_size > 1:
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        allocated, reserved = peaks.tolist()
+        return {"memory/peak_allocated_bytes": int(allocated), "memory/peak_reserved_bytes": int(reserved)}
 
     def _expert_metrics(self) -> dict:
         """Per MoE layer: coefficient of variation of the tokens routed to each expert, summed
@@ -866,6 +902,8 @@ class Trainer:
                         log.info("SIGTERM: checkpoint saved at step %d, stopping", self.step)
                     break
             else:
+                if self.step == config.steps:  # finished (not stopped at ``until``): every update in
+                    self._apply_pending_update()  # the final weights; a checkpoint keeps one pending
                 self.writer.wait()
                 if self.saved_step != self.step:
                     self.save()
@@ -905,6 +943,17 @@ class Trainer:
         finally:
             self.release()
 
+    def _stop_optimizer_worker(self) -> None:
+        """Ends the delayed offloaded update's host thread, if any (``OffloadOptimizer.close``
+        writes a pending update first; a checkpoint already recorded it)."""
+        stop = getattr(getattr(self, "optimizer", None), "close", None)
+        if not callable(stop):
+            return
+        try:
+            stop()
+        except Exception as error:  # noqa: BLE001 - releasing after a failure: report, go on
+            log.error("optimizer: the delayed update's host thread failed: %s", error)
+
     def release(self) -> None:
         """After a failure: lets a checkpoint still being written finish (it holds a good state; its
         collectives end within ``dist_timeout_s`` if another rank is gone), stops the data loader's
@@ -918,6 +967,7 @@ class Trainer:
         close_batches = getattr(self.batches, "close", None)
         if callable(close_batches):
             close_batches()
+        self._stop_optimizer_worker()
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = self.position.watchdog = None
