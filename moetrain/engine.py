@@ -80,6 +80,7 @@ from moetrain.phase_times import PhaseTimer
 from moetrain.progress import ProgressBar
 from moetrain.registry import DataShard, spec_for_config
 from moetrain.run_dir import RunLock, check_out_dir, config_changes, record_config
+from moetrain.scope import has_marks
 from moetrain.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -980,14 +981,16 @@ class NonFiniteGradientsError(RuntimeError):
     """Too many consecutive optimizer steps had inf / NaN gradients (``max_consecutive_skips``)."""
 
 
-def run_strategy(config: TrainConfig, spec, model) -> dict[str, str]:
+def run_strategy(config: TrainConfig, spec, model) -> dict[str, str] | None:
     """The strategy a run applies: the config's ``parallel.strategy`` (or ``--strategy``), else the
-    model's registered default (its ``strategy`` hook), else :func:`default_strategy`."""
+    model's registered default (its ``strategy`` hook), else None for a model built under
+    :mod:`moetrain.scope` (``parallelize`` resolves its marks for the run's mesh: ``split`` marks
+    become ``split`` only where ``tp_size`` > 1), else :func:`default_strategy`."""
     if config.parallel.strategy is not None:
         return dict(config.parallel.strategy)
     if spec.strategy is not None:
         return spec.strategy(config)
-    return default_strategy(model)
+    return None if has_marks(model) else default_strategy(model)
 
 
 def check_fits(config: TrainConfig, world_size: int) -> None:

@@ -477,3 +477,18 @@ def test_long_texts_are_cut_and_counted(images_dir):
 def test_captions_by_image_groups_languages(synthetic):
     grouped = captions_by_image(synthetic / "heldout.jsonl")
     assert len(grouped) == 6 and all(len(c) == 2 for c in grouped.values())
+
+
+def test_epoch_boundaries_are_logged_at_debug_only(caplog):
+    """On a small manifest a run crosses many epochs: their lines are DEBUG, not INFO."""
+    import logging
+    from types import SimpleNamespace
+
+    from m6_moe.loader import M6Batches
+
+    batches = SimpleNamespace(sampler=SimpleNamespace(epoch_size=3), offset=2, epoch=0, rank=0)
+    with caplog.at_level(logging.DEBUG, logger="moetrain.m6_moe.loader"):
+        M6Batches._advance(batches, 7)  # offset 2 + 7 = 9: three epochs further
+    assert (batches.epoch, batches.offset) == (3, 0)
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if "epoch" in r.getMessage()]
+    assert lines == [(logging.DEBUG, "data: epoch 3 begins (3 records per epoch)")]

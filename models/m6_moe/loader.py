@@ -215,7 +215,7 @@ class M6Batches:
         size = self.sampler.epoch_size
         epoch, self.offset = divmod(self.offset + samples, size)
         if epoch and self.rank == 0:
-            log.info("data: epoch %d begins (%d records per epoch)", self.epoch + epoch, size)
+            log.debug("data: epoch %d begins (%d records per epoch)", self.epoch + epoch, size)
         self.epoch += epoch
 
     # ---------------------------------------------------------------------------------- draws
