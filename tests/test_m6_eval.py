@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -305,3 +306,29 @@ def test_generate_command(workspace, cli):
     ]:
         code, out, err = cli(*base, *argv)
         assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_eval_scores_go_to_the_runs_trackers_with_to_sinks(workspace, cli, monkeypatch, tmp_path):
+    """``--to-sinks``: the scores reach the config's trackers (a fake ``wandb`` here) at the
+    checkpoint's step and as summary; metrics.jsonl, the training run's record, is not touched."""
+    from tests.test_metrics_sinks import FakeWandb
+
+    wandb = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    config = yaml.safe_load(workspace["config"].read_text())
+    config.update(out_dir=str(tmp_path / "run"), metrics={"sinks": ["jsonl", "wandb"], "project": "m6-tiny"})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config, allow_unicode=True))
+    relative = workspace["manifests"] / "relative.jsonl"
+    checkpoint = workspace["root"] / "run" / "checkpoints"
+    code, out, err = cli("eval", "--config", path, "--checkpoint", checkpoint, "--manifest", relative,
+                         "--max-new-tokens", "6", "--json", "--no-progress", "--to-sinks")  # fmt: skip
+    assert code == 0, err
+    report = json.loads(out)
+    scores = report["manifests"][0]
+    expected = {f"eval/relative/{key}": scores[key] for key in ("exact_match", "bleu4", "token_accuracy")}
+    (init,) = [call for call in wandb.calls if call[0] == "init"]
+    assert init[1]["project"] == "m6-tiny"
+    assert ("log", 3, expected) in wandb.calls and wandb.run.summary == expected
+    assert wandb.calls[-1] == ("finish",)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

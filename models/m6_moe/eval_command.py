@@ -3,6 +3,10 @@ checkpoint and scores the captions against the manifests' texts (exact match, BL
 teacher-forced token accuracy; see :mod:`m6_moe.evaluate`)::
 
     moetrain eval --config run.yaml --checkpoint runs/x/checkpoints --manifest held.jsonl [more.jsonl]
+
+``--to-sinks`` also sends the scores to the run's ``metrics.sinks`` (TensorBoard, Weights & Biases,
+MLflow: the training run's own tracker run), at the checkpoint's step, as ``eval/<manifest>/<score>``
+(:func:`eval_scalars`); never to ``metrics.jsonl``, which belongs to the training run.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from dataclasses import asdict
 from pathlib import Path
 
 from m6_moe.command_options import (
@@ -23,6 +28,7 @@ from m6_moe.evaluate import EVAL_STRATEGIES, caption_manifest, caption_scores
 from m6_moe.generate import check_new_tokens
 from m6_moe.metrics import BLEU_TOKENIZERS
 from m6_moe.trained_model import load_trained_model, tokenizer_for
+from moetrain.metrics import MetricsLog, RunInfo
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +71,12 @@ class EvalCommand:
             help="also write every image's caption and references to this JSON-lines file",
         )
         parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+        parser.add_argument(
+            "--to-sinks",
+            action="store_true",
+            help="also send the scores to the config's metrics.sinks other than jsonl (the training run's "
+            "tracker run), at the checkpoint's step, as eval/<manifest>/<score>",
+        )
 
     def run(self, args, config) -> int:
         beam = beam_options(args)
@@ -126,8 +138,44 @@ class EvalCommand:
                 for image, p, refs in zip(r.images, r.predictions, r.references, strict=True)
             ]
             write_atomically(Path(args.predictions), "\n".join(lines) + "\n")
+        if args.to_sinks:
+            send_to_sinks(config, report)
         print(json.dumps(report, ensure_ascii=False) if args.json else format_report(report))
         return 0
+
+
+SCORES = ("exact_match", "bleu4", "token_accuracy")
+
+
+def eval_scalars(report: dict) -> dict[str, float]:
+    """``{"eval/<manifest stem>/<score>": value}`` for exact match, BLEU-4 and token accuracy of
+    each manifest, and ``eval/all/<score>`` over all of them when there are several."""
+    groups = [(Path(m["manifest"]).stem, m) for m in report["manifests"]]
+    if "all" in report:
+        groups.append(("all", report["all"]))
+    return {
+        f"eval/{name}/{key}": float(scores[key]) for name, scores in groups for key in SCORES if key in scores
+    }
+
+
+def send_to_sinks(config, report: dict) -> None:
+    """The scores to the run's sinks but ``jsonl``, logged at the checkpoint's step and as summary."""
+    names = [name for name in config.metrics.sinks if name != "jsonl"]
+    if not names:
+        log.warning("--to-sinks: metrics.sinks names no sink but jsonl; the scores are only printed")
+        return
+    out_dir = Path(config.out_dir)
+    run = RunInfo(
+        out_dir, report["step"], json.loads(json.dumps(asdict(config))), 0,
+        config.metrics.project or out_dir.resolve().name,
+    )  # fmt: skip
+    sinks = MetricsLog(names, run)
+    try:
+        scores = eval_scalars(report)
+        sinks.log(report["step"], scores)
+        sinks.summary(scores)
+    finally:
+        sinks.finish()
 
 
 def format_report(report: dict) -> str:
