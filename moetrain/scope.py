@@ -76,6 +76,7 @@ from torch.nn.modules.module import register_module_module_registration_hook
 
 from moetrain.layers.experts import DenseFFN
 from moetrain.layers.moe_layer import MoELayer
+from moetrain.validation import require_int
 
 log = logging.getLogger(__name__)
 
@@ -198,8 +199,7 @@ def pipeline():
 
 def stage(index: int):
     """Layers registered inside (appended to the layer stack) belong to pipeline stage ``index``."""
-    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
-        raise ValueError(f"scope.stage takes a stage index >= 0, got {index!r}")
+    require_int("scope.stage index", index, 0)
     return _open(Frame("stage", index))
 
 

@@ -76,6 +76,7 @@ SHRINK = {
     "m6_moe": _shrink_m6,
     "moe_lm": _shrink_lm,
     "my_moe_classifier": lambda model: ["model.moe.d_ff=16"],  # scripts/examples/own_model: tiny already
+    "hf_moefy": lambda model: [],  # scripts/examples/hf_moefy: a tiny GPT-2 built from its config already
 }
 
 
