@@ -18,25 +18,7 @@ import torch
 from moetrain import MoEConfig, ParallelConfig, ParallelContext, parallelize, strategy_from_scopes
 from moetrain.lm import LMConfig, MoETransformerLM, default_lm_strategy, lm_loss
 from tests.dist_utils import run_distributed
-
-LM = LMConfig(
-    vocab_size=64,
-    d_model=32,
-    num_layers=2,
-    num_heads=4,
-    max_seq_len=16,
-    moe=MoEConfig(d_model=32, d_ff=32, num_experts=4, top_k=2, capacity_factor=None, aux_loss_coef=0.01),
-)
-
-
-def _tokens(index: int, batch: int = 2, seq: int = 8):
-    g = torch.Generator().manual_seed(100 + index)
-    ids = torch.randint(0, LM.vocab_size, (batch, seq + 1), generator=g)
-    return ids[:, :-1], ids[:, 1:]
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if type(tensor).__name__ == "DTensor" else tensor
+from tests.test_parallelize import LM, _tokens, full
 
 
 def _train_lm(model, parallel, strategy, steps: int = 3, materialize: bool = False):
@@ -58,8 +40,8 @@ def _train_lm(model, parallel, strategy, steps: int = 3, materialize: bool = Fal
         trained.clip_grad_norm_(1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(_full(loss.detach())))
-    weights = {name: _full(p.detach()).clone() for name, p in model.named_parameters()}
+        losses.append(float(full(loss.detach())))
+    weights = {name: full(p.detach()).clone() for name, p in model.named_parameters()}
     return sorted((a.name, a.kind) for a in trained.assignments), losses, weights
 
 
@@ -123,8 +105,8 @@ def m6_worker(rank, world):
             trained.reduce_gradients()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            losses.append(float(_full(loss.detach())))
-        weights = {name: _full(p.detach()).clone() for name, p in model.named_parameters()}
+            losses.append(float(full(loss.detach())))
+        weights = {name: full(p.detach()).clone() for name, p in model.named_parameters()}
         runs.append((sorted((a.name, a.kind) for a in trained.assignments), losses, weights))
     (marked, marked_losses, mw), (table, table_losses, tw) = runs
     return {
@@ -290,8 +272,8 @@ def auto_worker(rank, world):
             trained.reduce_gradients()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            losses.append(float(_full(loss.detach())))
-        weights = {name: _full(p.detach()).clone() for name, p in model.named_parameters()}
+            losses.append(float(full(loss.detach())))
+        weights = {name: full(p.detach()).clone() for name, p in model.named_parameters()}
         kinds = {a.name: a.kind for a in trained.assignments if a.kind != "replica"}
         runs.append((kinds, losses, weights))
     (auto_kinds, auto_losses, aw), (rec_kinds, rec_losses, rw) = runs
