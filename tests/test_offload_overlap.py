@@ -17,19 +17,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetrain.config import MoEConfig, OptimConfig
-from moetrain.lm import LMConfig, MoETransformerLM
+from moetrain.config import OptimConfig
+from moetrain.lm import MoETransformerLM
 from moetrain.offload import OffloadOptimizer
+from tests.test_offload_optimizer import TINY, VOCAB
 
-VOCAB = 64
-TINY = LMConfig(
-    vocab_size=VOCAB,
-    d_model=32,
-    num_layers=2,
-    num_heads=2,
-    max_seq_len=16,
-    moe=MoEConfig(d_model=32, d_ff=64, num_experts=4, top_k=2, capacity_factor=None),
-)
 NUM_STEPS = 8
 BASE_LRS = (1e-2, 3e-3)  # decayed matrices, vectors
 
