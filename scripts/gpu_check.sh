@@ -8,7 +8,8 @@
 #   scripts/gpu_check.sh [OUT_DIR]        (default runs/gpu_check/<UTC time>)
 #   PYTHON=python3.12 scripts/gpu_check.sh
 #
-# Steps (each timed; a failed step is recorded and the next one runs):
+# Steps (each timed and stopped after STEP_LIMIT_S seconds, default 300; a failed step is recorded
+# and the next one runs):
 #   build            pip install --no-build-isolation --no-deps -e . (CUDA kernels for the presets' GPUs)
 #   import           the pre-built extension loads with its CUDA kernels
 #   tests            tests/test_cuda_kernels.py (every kernel, the layer on CUDA vs the CPU and fp64),
@@ -50,7 +51,7 @@ run_step() {  # run_step NAME COMMAND...: times it, records "NAME<TAB>rc<TAB>sec
     shift
     printf '\n== %s: %s\n' "$name" "$*"
     local start=$SECONDS
-    "$@"
+    timeout --kill-after=10 "${STEP_LIMIT_S:-300}" "$@"  # a hung step is recorded (exit 124), not waited on
     local rc=$?
     printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start))" >>"$steps"
     printf '== %s: exit %s in %s s\n' "$name" "$rc" "$((SECONDS - start))"
@@ -91,7 +92,10 @@ for line in (out / "steps.tsv").read_text().splitlines():
     name, rc, seconds = line.split("\t")
     steps.append({"step": name, "ok": rc == "0", "exit": int(rc), "seconds": int(seconds)})
 benchmarks = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json")) if p.name != "gpu_check.json"}
-commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+try:  # a copy of the tree without git, or without .git, has no commit to name
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+except OSError:
+    commit = ""
 report = {
     "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
                 "python": platform.python_version(), "commit": commit or None},

@@ -130,3 +130,25 @@ def test_torch_grouped_gemm_zeroes_rows_beyond_the_counts_only_for_padded_plans(
     assert torch.equal(padded[16:], torch.zeros(8, 8, dtype=torch.bfloat16))
     exact = grouped_mm_module.torch_grouped_mm(x[:16], w, counts, False, padded=False)
     torch.testing.assert_close(exact, expected[:16])
+
+
+def test_torch_grouped_weight_gradient_equals_the_loop_and_zeroes_experts_without_rows():
+    """``a[rows_e]^T @ b[rows_e]`` per expert by torch's 2-D x 2-D grouped GEMM (the CUDA bf16
+    weight gradient) against the per-expert loop and an fp64 reference; expert 1 has no rows, so
+    its block must be zeros whatever the kernel leaves there."""
+    if not hasattr(torch.nn.functional, "grouped_mm"):
+        pytest.skip("this torch has no public grouped_mm")
+    torch.manual_seed(0)
+    a = torch.randn(16, 24, dtype=torch.bfloat16)
+    b = torch.randn(16, 8, dtype=torch.bfloat16)
+    counts = torch.tensor([5, 0, 11])
+    grouped = grouped_mm_module.torch_grouped_weight_grad(a, b, counts)
+    loop = grouped_mm_module.loop_weight_grad(a, b, counts)
+    offsets = [0, 5, 5, 16]
+    reference = torch.stack(
+        [a[s:e].double().t() @ b[s:e].double() for s, e in zip(offsets, offsets[1:], strict=False)]
+    )
+    assert grouped.shape == (3, 24, 8)
+    assert torch.equal(grouped[1], torch.zeros(24, 8, dtype=torch.bfloat16))
+    torch.testing.assert_close(grouped.double(), reference, rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(grouped, loop, rtol=2e-2, atol=5e-2)

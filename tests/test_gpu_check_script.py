@@ -98,3 +98,25 @@ def test_every_benchmark_accepts_the_scripts_flags_and_runs_on_the_cpu(name, tmp
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tmp_path / "out.json").read_text())
+
+
+@pytest.mark.parametrize("capacity", [None, 3])
+def test_the_benchmarks_reference_moes_compute_the_same_layer(capacity):
+    """The plain and the torchtitan-style MoE of benchmarks/moe_layer.py are references the layer
+    is timed against: they must compute the same function (fp64, a capacity that drops slots)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import moe_layer
+    finally:
+        sys.path.pop(0)
+    torch = pytest.importorskip("torch")
+    generator = torch.Generator().manual_seed(0)
+    x, router, w1, w2 = (
+        torch.randn(*shape, dtype=torch.float64, generator=generator)
+        for shape in ((20, 8), (4, 8), (4, 8, 12), (4, 12, 8))
+    )
+    plain = moe_layer.plain_pytorch_moe(x, router, w1, w2, 2, capacity)
+    titan = moe_layer.titan_style_moe(x, router, w1, w2, 2, capacity)
+    torch.testing.assert_close(titan, plain, rtol=1e-12, atol=1e-12)
+    if capacity is not None:
+        assert not torch.allclose(plain, moe_layer.plain_pytorch_moe(x, router, w1, w2, 2, None))

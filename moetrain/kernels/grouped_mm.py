@@ -9,7 +9,8 @@ no expert and come out as zeros.
   ``padded=False`` promises that ``x`` has exactly ``sum(counts)`` rows (an eager call's plan), so
   torch's grouped GEMM result needs no pass over the whole output to zero rows no expert owns;
 - ``moetrain::grouped_mm_weight_grad(a, b, counts)``: ``out[e] = a[rows_e]^T @ b[rows_e]``, zeros
-  for experts without rows.
+  for experts without rows (on CUDA bf16, torch's grouped GEMM in its 2-D x 2-D form, where the
+  row dimension is split by the offsets; else the loop).
 
 The row counts stay a tensor, so a compiled graph has no data-dependent Python: the loop over
 experts (which reads the counts) runs inside the op. On CUDA, bf16 operands whose rows are 16-byte
@@ -87,17 +88,44 @@ def _(x, w, counts, transpose_w, padded=True):
     return x.new_empty((x.shape[0], w.shape[1] if transpose_w else w.shape[2]))
 
 
-@torch.library.custom_op("moetrain::grouped_mm_weight_grad", mutates_args=())
-def grouped_mm_weight_grad(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    offsets = _offsets(counts)
-    out_EAB = a.new_empty((counts.shape[0], a.shape[1], b.shape[1]))
-    for e in range(counts.shape[0]):
+def torch_grouped_weight_grad(a_NA, b_NB, counts_E) -> torch.Tensor:
+    """``out[e] = a[rows_e]^T @ b[rows_e]`` as one grouped GEMM; an expert without rows gets zeros
+    (a zero-length contraction is not written by every kernel, so it is zeroed here)."""
+    offsets_E = torch.cumsum(counts_E.to(device=a_NA.device), 0).to(torch.int32)
+    out_EAB = _torch_compat.grouped_mm(a_NA.t(), b_NB, offsets_E)
+    empty_E = counts_E == 0
+    if bool(empty_E.any()):
+        out_EAB.masked_fill_(empty_E.to(out_EAB.device).view(-1, 1, 1), 0)
+    return out_EAB
+
+
+def loop_weight_grad(a_NA, b_NB, counts_E) -> torch.Tensor:
+    offsets = _offsets(counts_E)
+    out_EAB = a_NA.new_empty((counts_E.shape[0], a_NA.shape[1], b_NB.shape[1]))
+    for e in range(counts_E.shape[0]):
         start, end = offsets[e], offsets[e + 1]
         if end > start:
-            torch.mm(a[start:end].t(), b[start:end], out=out_EAB[e])
+            torch.mm(a_NA[start:end].t(), b_NB[start:end], out=out_EAB[e])
         else:
             out_EAB[e].zero_()
     return out_EAB
+
+
+def uses_torch_grouped_weight_grad(a_NA: torch.Tensor, b_NB: torch.Tensor) -> bool:
+    """The weight gradient's counterpart of :func:`uses_torch_grouped_mm`: CUDA, bf16, both widths
+    multiples of 8 (16-byte strides of ``a^T`` and ``b``), compute capability >= 8.0."""
+    if not (a_NA.is_cuda and a_NA.dtype == torch.bfloat16 and b_NB.dtype == torch.bfloat16):
+        return False
+    if not _torch_compat.grouped_mm_available() or a_NA.shape[1] % 8 or b_NB.shape[1] % 8:
+        return False
+    return torch.cuda.get_device_capability(a_NA.device) >= (8, 0)
+
+
+@torch.library.custom_op("moetrain::grouped_mm_weight_grad", mutates_args=())
+def grouped_mm_weight_grad(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    if uses_torch_grouped_weight_grad(a, b):
+        return torch_grouped_weight_grad(a.contiguous(), b.contiguous(), counts)
+    return loop_weight_grad(a, b, counts)
 
 
 @grouped_mm_weight_grad.register_fake
