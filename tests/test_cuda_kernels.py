@@ -420,3 +420,20 @@ def test_cuda_grouped_gemm_values_and_gradients_match_fp64(padded):
     scale = w_ref.grad.abs().max()
     torch.testing.assert_close(wg.grad.cpu().double() / scale, w_ref.grad / scale, **tol)
     assert torch.equal(wg.grad[1].cpu(), torch.zeros(64, 48, dtype=torch.bfloat16))
+
+
+@needs_cuda
+def test_the_empty_group_probe_sees_an_unwritten_block():
+    """The probe behind skipping the zeroing of experts without rows: on this GPU, what it says
+    must be what the raw kernel does on a real layer-sized call (NaN-filled memory reused)."""
+    from moetrain import _torch_compat
+    from moetrain.kernels import grouped_mm as grouped_mm_module
+
+    says_zero = grouped_mm_module.empty_groups_come_out_zero(torch.device("cuda"))
+    a = torch.randn(4096, 512, dtype=torch.bfloat16, device="cuda")
+    offsets = torch.tensor([1000, 1000, 4096, 4096], dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        torch.full((4, 512, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        out = _torch_compat.grouped_mm(a.t(), a, offsets)
+        if says_zero:
+            assert bool((out[1] == 0).all()) and bool((out[3] == 0).all())

@@ -139,6 +139,12 @@ def test_native_dispatch_plan_equals_the_cpp_counting_sort(shape, priority):
         assert torch.equal(slot_of_row[: want[1].numel()], want[1])
         assert bool((slot_of_row[want[1].numel() :] == -1).all()) and slot_of_row.numel() == padded_rows
         assert torch.equal(row_of_slot, want[0]) and torch.equal(kept, want[2])
+    if capacity is None and order is None:  # the router's own ids: the plan without a host copy
+        for rows in (None, padded_rows):
+            got = native.build_dispatch_plan(ids, None, experts, -1, rows, ids_in_range=True)
+            checked = native.build_dispatch_plan(ids, None, experts, -1, rows)
+            for a, b in zip(got, checked, strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 def test_dispatch_plans_reject_bad_arguments_by_name():

@@ -89,14 +89,44 @@ def _(x, w, counts, transpose_w, padded=True):
 
 
 def torch_grouped_weight_grad(a_NA, b_NB, counts_E) -> torch.Tensor:
-    """``out[e] = a[rows_e]^T @ b[rows_e]`` as one grouped GEMM; an expert without rows gets zeros
-    (a zero-length contraction is not written by every kernel, so it is zeroed here)."""
+    """``out[e] = a[rows_e]^T @ b[rows_e]`` as one grouped GEMM. An expert without rows gets zeros:
+    where the kernel is not known to write them (:func:`empty_groups_come_out_zero`), they are
+    written here, after one host check whether any expert is empty."""
     offsets_E = torch.cumsum(counts_E.to(device=a_NA.device), 0).to(torch.int32)
     out_EAB = _torch_compat.grouped_mm(a_NA.t(), b_NB, offsets_E)
-    empty_E = counts_E == 0
-    if bool(empty_E.any()):
-        out_EAB.masked_fill_(empty_E.to(out_EAB.device).view(-1, 1, 1), 0)
+    if not empty_groups_come_out_zero(a_NA.device):
+        empty_E = counts_E == 0
+        if bool(empty_E.any()):
+            out_EAB.masked_fill_(empty_E.to(out_EAB.device).view(-1, 1, 1), 0)
     return out_EAB
+
+
+_EMPTY_GROUPS_ZERO: dict[str, bool] = {}
+
+
+def empty_groups_come_out_zero(device: torch.device) -> bool:
+    """Whether torch's 2-D x 2-D grouped GEMM writes zeros for a group of zero rows on ``device``
+    (Hopper's kernel does; others have been seen to leave the block unwritten: pytorch issue
+    172439). Measured once per device: the output takes the block of a just-freed tensor of its
+    size filled with NaN, so an unwritten group shows NaN. Where the output lands elsewhere, or on
+    a device other than CUDA, the answer is False (the caller zeroes)."""
+    key = str(device)
+    if key not in _EMPTY_GROUPS_ZERO:
+        _EMPTY_GROUPS_ZERO[key] = device.type == "cuda" and _probe_empty_group(device)
+    return _EMPTY_GROUPS_ZERO[key]
+
+
+def _probe_empty_group(device: torch.device) -> bool:
+    a_NA = torch.ones(32, 16, dtype=torch.bfloat16, device=device)
+    offsets_E = torch.tensor([0, 32], dtype=torch.int32, device=device)
+    answers = []
+    for _ in range(2):
+        poison = torch.full((2, 16, 16), float("nan"), dtype=torch.bfloat16, device=device)
+        block = poison.data_ptr()
+        del poison
+        out_EAB = _torch_compat.grouped_mm(a_NA.t(), a_NA, offsets_E)
+        answers.append(out_EAB.data_ptr() == block and bool((out_EAB[0] == 0).all()))
+    return all(answers)
 
 
 def loop_weight_grad(a_NA, b_NB, counts_E) -> torch.Tensor:

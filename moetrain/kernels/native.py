@@ -44,9 +44,12 @@ def build_dispatch_plan(
     num_experts: int,
     capacity: int,
     num_rows: int | None = None,
+    ids_in_range: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Counting sort of the slots by expert by a stable sort; ``capacity < 0``: no cut;
     ``num_rows``: ``slot_of_row``'s length, -1 after the kept rows (None: the kept rows).
+    ``ids_in_range``: the caller guarantees every id is in ``[0, num_experts)`` (a router's top-k);
+    a dropless plan in the default order then keeps all ``T*K`` slots and needs no host copy at all.
 
     ``queue_Q``: the slots in priority order (default choice-major, ``q -> (q % T) * K + q // T``).
     A stable sort of ``queue_Q`` by expert lists each expert's slots in priority order; a slot's
@@ -91,6 +94,8 @@ def build_dispatch_plan(
 
     routed_E = expert_S.new_zeros(num_experts).scatter_add_(0, expert_S.clamp(0, num_experts - 1), ones_S)
     kept_E = routed_E.clone() if capacity < 0 else routed_E.clamp_max(capacity)
+    if ids_in_range and capacity < 0 and priority_order_S is None:
+        return _dropless_plan(expert_S, queue_Q, routed_E, kept_E, tokens, k, num_rows)
     *failed, rows = torch.stack([*(bad.any().long() for bad in checks.values()), kept_E.sum()]).tolist()
     for message, bad in zip(checks, failed, strict=True):
         if bad:
@@ -109,6 +114,17 @@ def build_dispatch_plan(
     row_of_slot_S = inverse_index(slot_of_row_N, slots)
     if num_rows is not None and num_rows > rows:
         slot_of_row_N = torch.cat([slot_of_row_N, slot_of_row_N.new_full((num_rows - rows,), -1)])
+    return row_of_slot_S.view(tokens, k), slot_of_row_N, kept_E, routed_E
+
+
+def _dropless_plan(expert_S, queue_Q, routed_E, kept_E, tokens: int, k: int, num_rows: int | None):
+    """The plan when every slot is kept: ``slot_of_row`` is the slots stably sorted by expert."""
+    slots = tokens * k
+    order_Q = torch.sort(expert_S[queue_Q], stable=True).indices
+    slot_of_row_N = queue_Q[order_Q]
+    row_of_slot_S = inverse_index(slot_of_row_N, slots)
+    if num_rows is not None and num_rows > slots:
+        slot_of_row_N = torch.cat([slot_of_row_N, slot_of_row_N.new_full((num_rows - slots,), -1)])
     return row_of_slot_S.view(tokens, k), slot_of_row_N, kept_E, routed_E
 
 

@@ -31,7 +31,7 @@ from moetrain.comm.all_to_all import (
 from moetrain.comm.buffers import comm_buffer_pool
 from moetrain.comm.chunking import unchunked_comm_bytes
 from moetrain.comm.compression import WIRE_DTYPES, wire_row_bytes
-from moetrain.kernels import kernel
+from moetrain.kernels import kernel, native
 from moetrain.kernels.native import accumulate_dtype
 from moetrain.kernels.registration import most_kept_rows
 from moetrain.layers.overlap import ChunkedExchange, OverlapSettings, chunked_experts
@@ -92,6 +92,7 @@ def build_dispatch_plan(
     priority_order_S: torch.Tensor | None = None,
     kernels: str = "auto",
     padded: bool = False,
+    ids_in_range: bool = False,
 ) -> DispatchPlan:
     """Counting sort of the slots by expert; an expert keeps the first ``capacity`` slots in
     ``priority_order_S`` (default: choice-major, by position). O(S) integer work.
@@ -99,12 +100,20 @@ def build_dispatch_plan(
     ``padded``: ``slot_of_row`` gets the most rows the plan can keep (``T*K`` dropless, else
     ``min(T*K, E*capacity)``), so its shape does not depend on the routing (compiled graphs).
     The C++ counting sort on the CPU; on CUDA (and with ``kernels="torch"``) the torch-native
-    stable-sort plan, which keeps the plan on the device."""
+    stable-sort plan, which keeps the plan on the device. ``ids_in_range``: the ids come from a
+    router's top-k, so they need no check; a dropless CUDA plan then has no host synchronisation
+    (every slot is kept: ``N = T*K``), which keeps the GPU's queue full."""
     if capacity is not None and capacity < 0:
         raise ValueError(f"capacity must be >= 0 or None (dropless), got {capacity}")
     tokens, k = expert_ids_TK.shape
     capacity_arg = -1 if capacity is None else capacity
     num_rows = most_kept_rows(tokens, k, num_experts, capacity_arg) if padded else None
+    eager_cuda = expert_ids_TK.is_cuda and not torch.compiler.is_compiling()
+    if ids_in_range and capacity is None and priority_order_S is None and eager_cuda:
+        row_of_slot, slot_of_row, kept, routed = native.build_dispatch_plan(
+            expert_ids_TK.contiguous(), None, num_experts, -1, num_rows, ids_in_range=True
+        )
+        return DispatchPlan(row_of_slot, slot_of_row, kept, routed)
     build = kernel("build_dispatch_plan", expert_ids_TK.device, kernels)
     row_of_slot, slot_of_row, kept, routed = build(
         expert_ids_TK.contiguous(),

@@ -236,7 +236,13 @@ class MoELayer(nn.Module):
             routing = RouterOutput(routing.logits_TE, routing.probs_TE, decision[0], gates_TK)
             priority_S = decision[1] if priority_S is not None else None
         plan = build_dispatch_plan(
-            routing.expert_ids_TK, cfg.num_experts, capacity, priority_S, cfg.kernels, padded
+            routing.expert_ids_TK,
+            cfg.num_experts,
+            capacity,
+            priority_S,
+            cfg.kernels,
+            padded,
+            ids_in_range=True,
         )
         if self.training and cfg.score_bias_rate > 0:
             self.router.observe(plan.routed_per_expert_E)
