@@ -1,0 +1,149 @@
+"""Nested dicts (a parsed YAML/JSON file) -> config dataclasses: :func:`config_from_dict`, with the
+model section resolved through the registry, model presets merged under the file's own keys and
+the ``imports`` a config names imported first. Errors name the key path."""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, fields
+
+from moetrain.config.moe import MoEConfig
+from moetrain.config.train import TrainConfig
+
+
+def model_config_classes() -> dict[str, type]:
+    """Model name (the ``model.name`` key of a training config) -> its config dataclass, for every
+    model in the registry (:mod:`moetrain.registry`)."""
+    from moetrain.registry import registered_models
+
+    return {name: spec.config_class for name, spec in registered_models().items()}
+
+
+def config_from_dict(cls: type, data, path: str = ""):
+    """Builds dataclass ``cls`` from nested dicts (YAML/JSON), recursing into dataclass fields.
+
+    Unknown keys and invalid values raise ``ValueError`` naming the key path (``optim.lr``) and
+    what is allowed. ``MoEConfig`` under a model inherits the model's ``d_model`` when not given.
+    """
+    import typing
+    from dataclasses import is_dataclass
+
+    where = path or "config"
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a mapping of keys to values, got {type(data).__name__}")
+    if cls is TrainConfig:
+        import_model_modules(data.get("imports", ()), _join(path, "imports"))
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(
+            f"unknown key '{_join(path, unknown[0])}'; allowed keys there: {', '.join(sorted(names))}"
+        )
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        hint = hints[key]
+        if cls is TrainConfig and key == "model":
+            kwargs[key] = _model_config_from_dict(value, _join(path, key))
+        elif isinstance(hint, type) and is_dataclass(hint):
+            if hint is MoEConfig and isinstance(value, dict) and "d_model" not in value:
+                parent_d_model = data.get("d_model", _field_default(cls, "d_model"))
+                if parent_d_model is not None:
+                    value = {**value, "d_model": parent_d_model}
+            kwargs[key] = config_from_dict(hint, value, _join(path, key))
+        else:
+            kwargs[key] = value
+    if cls is TrainConfig and "model" not in kwargs:
+        raise ValueError(f"missing key '{_join(path, 'model')}' (a mapping with a 'name')")
+    try:
+        return cls(**kwargs)
+    except TypeError as error:
+        raise ValueError(f"{where}: {error}") from None
+    except ValueError as error:
+        raise ValueError(_prefixed(path, str(error))) from None
+
+
+def _prefixed(path: str, message: str) -> str:
+    """``message`` with the key path in front, without repeating the part it already names:
+    ("model.tasks", "tasks.x must ...") -> "model.tasks.x must ..."."""
+    parts = path.split(".") if path else []
+    for start in range(len(parts)):
+        named = ".".join(parts[start:])
+        if message.startswith(named) and message[len(named) : len(named) + 1] in (".", " ", ":", "["):
+            return ".".join([*parts[:start], message])
+    return _join(path, message)
+
+
+def _model_config_from_dict(data, path: str):
+    classes = model_config_classes()
+    if not isinstance(data, dict) or data.get("name") not in classes:
+        name = data.get("name") if isinstance(data, dict) else data
+        raise ValueError(f"{path}.name must be one of {', '.join(map(repr, classes))}, got {name!r}")
+    cls = classes[data["name"]]
+    body = {k: v for k, v in data.items() if k not in ("name", "preset")}
+    if "preset" in data:
+        body = _merge(preset_as_dict(cls, data["preset"], f"{path}.preset"), body)
+    return config_from_dict(cls, body, path)
+
+
+def import_model_modules(modules, where: str = "imports") -> None:
+    """Imports the modules a config names under ``imports`` (user models that register themselves
+    with :func:`moetrain.registry.register_model` when imported), before its model is parsed."""
+    import importlib
+
+    if isinstance(modules, str) or not isinstance(modules, (list, tuple)):
+        raise ValueError(f"{where} must be a list of module names, got {modules!r}")
+    for name in modules:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where} must be a list of module names, got {modules!r}")
+        try:
+            importlib.import_module(name)
+        except ImportError as error:
+            raise ValueError(
+                f"{where}: cannot import {name!r} ({error}); the module must be installed, on PYTHONPATH, or "
+                "next to the config file"
+            ) from None
+
+
+def preset_names(cls: type) -> tuple[str, ...]:
+    """The presets a model config class offers (``cls.preset_names()``; none when it has none)."""
+    names = getattr(cls, "preset_names", None)
+    return tuple(names()) if callable(names) else ()
+
+
+def preset_as_dict(cls: type, name, where: str = "preset") -> dict:
+    """Preset ``name`` of model config ``cls`` as the nested dict a config file would hold (what a
+    file's own keys are merged over). Derived values (an MoE config's ``d_model``) are left out,
+    so that they follow the file's own ``d_model``."""
+    from dataclasses import asdict
+
+    allowed = preset_names(cls)
+    if name not in allowed:
+        choices = ", ".join(map(repr, allowed)) if allowed else "none (this model has no presets)"
+        raise ValueError(f"{where} must be one of {choices}, got {name!r}")
+    preset = asdict(cls.preset(name))
+    for value in preset.values():
+        if isinstance(value, dict) and "d_model" in value and "d_ff" in value:
+            value.pop("d_model")  # an MoEConfig: inherits the model's d_model
+    return preset
+
+
+def _merge(base: dict, override: dict) -> dict:
+    """``override`` over ``base``, recursing into mappings present in both."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _field_default(cls: type, name: str):
+    for f in fields(cls):
+        if f.name == name:
+            return None if f.default is MISSING else f.default
+    return None
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
