@@ -1,4 +1,4 @@
-"""``optim.overlap: delayed`` through the engine (moetrain/engine.py with moetrain/offload): warm-up
+"""``optim.overlap: delayed`` through the engine (moetrain/engine/ with moetrain/offload): warm-up
 steps exact, a run stopped and resumed in the middle equals one that never stopped (the pending
 update is recorded in the checkpoint and replayed), the finished run's weights hold every update,
 and each logging step reports where the step's time went (time/*_s, read by ``plan --calibrate``)."""

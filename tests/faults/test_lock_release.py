@@ -13,6 +13,7 @@ import time
 import pytest
 
 import moetrain.engine
+import moetrain.engine.setup
 from moetrain.failures import EXIT_BAD_INPUT, EXIT_PREEMPTED, EXIT_RUN_FAILED
 from moetrain.run_dir import LOCK_NAME
 from tests.faults.launch import error_lines, finish, start_ranks, tiny_config, write_config
@@ -29,10 +30,10 @@ STAGES = [
     ("threads", lambda mp: mp.setattr(moetrain.engine.Trainer, "_choose_threads", _raise), {"threads": None},
      EXIT_RUN_FAILED),
     ("missing data file", None, {"data.source": "/nonexistent/corpus.txt"}, EXIT_BAD_INPUT),
-    ("parallelize", lambda mp: mp.setattr(moetrain.engine, "parallelize", _raise), {}, EXIT_RUN_FAILED),
+    ("parallelize", lambda mp: mp.setattr(moetrain.engine.setup, "parallelize", _raise), {}, EXIT_RUN_FAILED),
     ("optimizer", lambda mp: mp.setattr(moetrain.engine.Trainer, "_build_optimizer", _raise), {},
      EXIT_RUN_FAILED),
-    ("checkpoint writer", lambda mp: mp.setattr(moetrain.engine, "CheckpointWriter", _raise), {},
+    ("checkpoint writer", lambda mp: mp.setattr(moetrain.engine.setup, "CheckpointWriter", _raise), {},
      EXIT_RUN_FAILED),
     ("batch balancing", lambda mp: mp.setattr(moetrain.engine.Trainer, "_balance_batches", _raise),
      {"balance.speeds": [1.0]}, EXIT_RUN_FAILED),
@@ -64,7 +65,7 @@ def test_an_interrupt_during_set_up_releases_the_lock(tmp_path, monkeypatch):
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(moetrain.engine, "parallelize", interrupted)
+        patch.setattr(moetrain.engine.setup, "parallelize", interrupted)
         with pytest.raises(KeyboardInterrupt):
             train(tmp_path, out_dir, steps=1)
     assert not (out_dir / LOCK_NAME).exists()

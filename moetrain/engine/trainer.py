@@ -1,0 +1,83 @@
+"""The :class:`Trainer`: the run's one object, made of the engine's four parts (set-up, step,
+metrics, loop), and its life cycle: built (set-up released on any failure), trained, closed or
+released after a failure.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from moetrain.config import TrainConfig
+from moetrain.engine.loop import TrainingLoop
+from moetrain.engine.metrics import StepMetrics
+from moetrain.engine.setup import RunSetUp
+from moetrain.engine.step import TrainingStep
+from moetrain.failures import RunPosition
+
+log = logging.getLogger(__name__)
+
+
+class Trainer(TrainingLoop, TrainingStep, StepMetrics, RunSetUp):
+    """Builds everything a run needs from a validated :class:`TrainConfig`, then ``train()``.
+
+    ``position`` says where the run is (rank, step, phase), for :func:`moetrain.failures.describe_failure`.
+
+    The methods come from the engine's parts: :class:`~moetrain.engine.setup.RunSetUp` (building
+    the run), :class:`~moetrain.engine.step.TrainingStep` (one optimizer step),
+    :class:`~moetrain.engine.metrics.StepMetrics` (a logging step's metrics) and
+    :class:`~moetrain.engine.loop.TrainingLoop` (the loop, checkpoints, resuming).
+    """
+
+    def __init__(self, config: TrainConfig, position: RunPosition | None = None, on_out_dir_locked=None):
+        """``on_out_dir_locked(rank)``: called once this run owns ``out_dir`` (the command line
+        then starts the rank's log file there). When set-up fails at any stage (or is interrupted:
+        any exception, ``KeyboardInterrupt`` included) what it had started is released before the
+        exception propagates: the ``out_dir`` lock, the watchdog, the data loader, the checkpoint
+        writer."""
+        self.config = config
+        self.position = position if position is not None else RunPosition()
+        self.lock = self.watchdog = self.writer = self.batches = None
+        try:
+            self._set_up(config, on_out_dir_locked)
+        except BaseException:
+            self.release()
+            raise
+
+    def close(self) -> None:
+        """Waits for a checkpoint still being written, then :meth:`release`."""
+        try:
+            self.writer.close()
+        finally:
+            self.release()
+
+    def _stop_optimizer_worker(self) -> None:
+        """Ends the delayed offloaded update's host thread, if any (``OffloadOptimizer.close``
+        writes a pending update first; a checkpoint already recorded it)."""
+        stop = getattr(getattr(self, "optimizer", None), "close", None)
+        if not callable(stop):
+            return
+        try:
+            stop()
+        except Exception as error:  # noqa: BLE001 - releasing after a failure: report, go on
+            log.error("optimizer: the delayed update's host thread failed: %s", error)
+
+    def release(self) -> None:
+        """After a failure: lets a checkpoint still being written finish (it holds a good state; its
+        collectives end within ``dist_timeout_s`` if another rank is gone), stops the data loader's
+        workers (batches with a ``close()``) and the watchdog and releases ``out_dir``. The process
+        groups can then be destroyed safely. Safe on a trainer whose set-up stopped part-way."""
+        try:
+            if self.writer is not None:
+                self.writer.close()
+        except Exception as error:  # noqa: BLE001 - the run has already failed; this is secondary
+            log.error("checkpoint in flight when the run failed: %s", error)
+        close_batches = getattr(self.batches, "close", None)
+        if callable(close_batches):
+            close_batches()
+        self._stop_optimizer_worker()
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = self.position.watchdog = None
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
