@@ -37,7 +37,7 @@ The package, one job a module:
   strategy, optimizer and LR schedule, checkpoint writer, balancing, recompute plan);
 - :mod:`~moetrain.engine.step`: one optimizer step (forward, backward, gradient sync, clipping,
   optimizer step or skipped step);
-- :mod:`~moetrain.engine.metrics`: the metrics of a logging step;
+- :mod:`~moetrain.engine.step_metrics`: the metrics of a logging step;
 - :mod:`~moetrain.engine.loop`: the training loop, checkpoints and resuming;
 - :mod:`~moetrain.engine.trainer`: the :class:`Trainer` made of those four parts, and its life cycle.
 """

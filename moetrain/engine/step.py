@@ -3,7 +3,7 @@ clipping by the global norm, then the optimizer step, or, when that norm is not 
 step (fp16: the loss scale lowered on every rank together).
 
 :class:`TrainingStep` is one of the parts :class:`moetrain.engine.Trainer` is made of; it holds the
-step's methods and is not used alone. The step's metrics are made by :mod:`moetrain.engine.metrics`.
+step's methods and is not used alone. The step's metrics are made by :mod:`moetrain.engine.step_metrics`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import logging
 
 from moetrain.config import TrainConfig
 from moetrain.engine.loop import TrainingLoop
-from moetrain.engine.metrics import StepMetrics
+from moetrain.engine.step_metrics import StepMetrics
 from moetrain.engine.setup import RunSetUp
 from moetrain.engine.step import TrainingStep
 from moetrain.failures import RunPosition
@@ -24,7 +24,7 @@ class Trainer(TrainingLoop, TrainingStep, StepMetrics, RunSetUp):
 
     The methods come from the engine's parts: :class:`~moetrain.engine.setup.RunSetUp` (building
     the run), :class:`~moetrain.engine.step.TrainingStep` (one optimizer step),
-    :class:`~moetrain.engine.metrics.StepMetrics` (a logging step's metrics) and
+    :class:`~moetrain.engine.step_metrics.StepMetrics` (a logging step's metrics) and
     :class:`~moetrain.engine.loop.TrainingLoop` (the loop, checkpoints, resuming).
     """
 
