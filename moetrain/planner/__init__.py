@@ -12,8 +12,9 @@
 
 Modules: ``hardware`` (GPU and cluster presets), ``settings`` (PlanSettings), ``model`` (architecture
 and exact parameter counts on ``meta``), ``activations`` (analytic saved bytes and FLOPs per
-layer), ``comm`` (bytes per collective and alpha-beta time), ``plan`` (make_plan), ``search``
-(recommend), ``report`` (tables), ``cli`` (``moetrain plan``). See ``docs/planner.md``.
+layer), ``comm`` (bytes per collective and alpha-beta time), ``plan`` (make_plan, which runs the
+stages ``plan_layout``, ``plan_memory``, ``plan_traffic``, ``plan_time`` and builds the Plan),
+``search`` (recommend), ``report`` (tables), ``cli`` (``moetrain plan``). See ``docs/planner.md``.
 """
 
 from moetrain.planner.hardware import GPU_PRESETS, ClusterSpec, GPUSpec, cluster_preset, gbps_to_bytes
