@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from moe_lm import LMConfig, MoETransformerLM
 from moetrain.checkpoint import CheckpointWriter
 from moetrain.config import MoEConfig
-from moetrain.lm import LMConfig, MoETransformerLM
 
 
 def build(d_model: int, layers: int, experts: int, d_ff: int):

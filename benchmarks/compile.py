@@ -24,9 +24,9 @@ import time
 
 import torch
 
+from moe_lm import LMConfig, TransformerBlock
 from moetrain import MoEConfig, MoELayer
 from moetrain._ext import ops
-from moetrain.lm import LMConfig, TransformerBlock
 
 
 def _step(module, x, grad_out):

@@ -23,10 +23,10 @@ description, see ``moetrain.planner``), ``evaluate`` and ``generate`` (the ``moe
 ``moetrain generate`` commands: each gets the parsed command-line arguments and the training config
 and returns an exit code).
 
-The core registers its own byte-level language model (``moe_lm``) like any user model. Installed
-packages register through the entry-point group ``moetrain.models`` (each entry point is a
-callable taking no argument that calls :func:`register_model`); the repository's M6 model does
-so. The core never imports a model package.
+Installed packages register through the entry-point group ``moetrain.models`` (each entry point is
+a callable taking no argument that calls :func:`register_model`); the repository's example models,
+the byte-level language model ``moe_lm`` and ``m6_moe`` (``models/``), do so like any user model.
+The core never imports a model package.
 """
 
 from __future__ import annotations
@@ -95,11 +95,7 @@ def register_model(
 
 
 def _load_registrations() -> None:
-    """The core's own model, then every installed package's entry point (once per process)."""
-    if "moe_lm" not in _REGISTRY:
-        from moetrain.lm import register as register_lm
-
-        register_lm()
+    """Every installed package's entry point (once per process)."""
     if _LOADED["entry_points"]:
         return
     _LOADED["entry_points"] = True

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_lm import LMConfig, MoETransformerLM, describe_lm
 from moetrain.config import MoEConfig
 from moetrain.layers import MoELayer, shard_experts
-from moetrain.lm import LMConfig, MoETransformerLM, describe_lm
 from moetrain.planner import ClusterSpec, PlanSettings, make_plan
 from moetrain.planner.hardware import GPU_PRESETS
 from moetrain.planner.measure import PeakStorageBytes

@@ -14,10 +14,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch import nn
 
-from moetrain import MoEConfig, scope
-from moetrain.layers import MoELayer
-from moetrain.layers.experts import derive_seed
-from moetrain.lm import (
+from moe_lm import (
     CausalSelfAttention,
     LMConfig,
     MoETransformerLM,
@@ -26,6 +23,9 @@ from moetrain.lm import (
     lm_loss,
     load_text_corpus,
 )
+from moetrain import MoEConfig, scope
+from moetrain.layers import MoELayer
+from moetrain.layers.experts import derive_seed
 from moetrain.registry import register_model
 
 

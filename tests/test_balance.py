@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moe_lm import LMConfig, MoETransformerLM, describe_lm
 from moetrain import balance
 from moetrain.balance import RankSpeed, balance_batch, calibrate, gather_speeds, loss_weight
 from moetrain.config import MoEConfig
-from moetrain.lm import LMConfig, MoETransformerLM, describe_lm
 from moetrain.planner import PlanSettings
 from moetrain.planner.mixed import plan_mixed_cluster
 from tests.dist_utils import run_distributed

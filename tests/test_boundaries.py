@@ -1,6 +1,6 @@
-"""Boundaries of the core package: it never imports its example model, and it reaches torch's
-private names only through moetrain/_torch_compat.py (whose wrappers tests/test_torch_compat.py
-checks)."""
+"""Boundaries of the core package: it never imports its example models (``moe_lm``, ``m6_moe``),
+and it reaches torch's private names only through moetrain/_torch_compat.py (whose wrappers
+tests/test_torch_compat.py checks)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ import moetrain
 names = sorted(m.name for m in pkgutil.walk_packages(moetrain.__path__, "moetrain."))
 for name in names:
     importlib.import_module(name)
-print(len(names), "m6_moe" in sys.modules, sorted(m for m in sys.modules if m.startswith("m6_moe")))
+models = sorted(m for m in sys.modules if m.split(".")[0] in ("m6_moe", "moe_lm"))
+print(len(names), bool(models), models)
 """
+MODEL_PACKAGES = {"m6_moe", "moe_lm"}
 
 
 @pytest.mark.slow
@@ -33,6 +35,28 @@ def test_importing_every_core_module_imports_no_model_package():
     assert done.returncode == 0, done.stderr
     count, imported, _ = done.stdout.split(" ", 2)
     assert int(count) > 50 and imported == "False", done.stdout
+
+
+def test_no_core_module_names_a_model_package_in_an_import():
+    """The import statements of moetrain/ (module level and inside functions alike) name no
+    example model package: the models register through their entry points."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "moetrain").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            found += [
+                f"{path.relative_to(ROOT)}:{node.lineno}: {n}"
+                for n in names
+                if n.split(".")[0] in MODEL_PACKAGES
+            ]
+    assert found == [], "\n".join(found)
 
 
 # Private by name but documented for users: torch._check is the documented way to state a shape

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from moe_lm import LMConfig, TransformerBlock
 from moetrain import MoEConfig, MoELayer
-from moetrain.lm import LMConfig, TransformerBlock
 
 BASE = {"d_model": 16, "d_ff": 24, "num_experts": 4, "top_k": 2, "aux_loss_coef": 0.01}
 CASES = {

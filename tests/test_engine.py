@@ -380,7 +380,7 @@ def balanced_gradient_worker(rank, world, out_dir):
 def test_balanced_step_has_the_gradient_of_the_global_batch(tmp_path):
     """Through the engine: 2 data-parallel ranks with micro-batches 6 and 2 (speeds 3:1) give the
     gradient of one process on the same 8 sequences (the loss weights w_r = W * n_r / N)."""
-    from moetrain.lm import TextBatches
+    from moe_lm import TextBatches
 
     (n0, grads0), (n1, grads1) = run_distributed(balanced_gradient_worker, 2, str(tmp_path / "ranks"))
     assert (n0, n1) == (6, 2)

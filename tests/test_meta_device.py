@@ -9,9 +9,9 @@ import torch
 
 from models.m6_moe.config import M6Config
 from models.m6_moe.model import M6Model
+from moe_lm import LMConfig, MoETransformerLM
 from moetrain import MoELayer
 from moetrain.layers import dispatch
-from moetrain.lm import LMConfig, MoETransformerLM
 
 
 @pytest.mark.parametrize("capacity_factor, rows", [(None, 30), (0.5, 4 * 4)])

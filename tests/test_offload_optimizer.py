@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch._C._profiler import _EventType
 
+from moe_lm import LMConfig, MoETransformerLM
 from moetrain.config import MoEConfig
-from moetrain.lm import LMConfig, MoETransformerLM
 from moetrain.offload import CPUAdam, GroupwiseApply, OffloadOptimizer
 from moetrain.offload.apply_groups import plan_apply_groups
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moe_lm import MoETransformerLM
 from moetrain.config import OptimConfig
-from moetrain.lm import MoETransformerLM
 from moetrain.offload import OffloadOptimizer
 from tests.test_offload_optimizer import TINY, VOCAB
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_lm import MoETransformerLM, default_lm_strategy, lm_loss
 from moetrain import ParallelConfig, ParallelContext, parallelize
 from moetrain.checkpoint import load_checkpoint, save_checkpoint
-from moetrain.lm import MoETransformerLM, default_lm_strategy, lm_loss
 from tests.dist_utils import run_distributed
 from tests.test_parallelize import LM, _tokens, full
 

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_lm import LMConfig, MoETransformerLM, default_lm_strategy, lm_loss
 from moetrain import MoEConfig, ParallelConfig, ParallelContext, parallelize, set_aux_loss_scale
-from moetrain.lm import LMConfig, MoETransformerLM, default_lm_strategy, lm_loss
 from moetrain.parallelize import resolve_strategy
 from tests.dist_utils import run_distributed
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_lm import LMConfig, MoETransformerLM, default_lm_strategy, lm_loss
 from moetrain import MoEConfig, ParallelConfig, ParallelContext
 from moetrain.layers import MoELayer
-from moetrain.lm import LMConfig, MoETransformerLM, default_lm_strategy, lm_loss
 from moetrain.pipeline import balance_layers, bubble_fraction, stage_layers
 from tests.dist_utils import run_distributed
 from tests.pipeline_reference import pipeline_step_report

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from moe_lm import LMConfig, MoETransformerLM, describe_lm
 from moetrain.config import MoEConfig
 from moetrain.layers.experts import GroupedExperts
-from moetrain.lm import LMConfig, MoETransformerLM, describe_lm
 from moetrain.planner import (
     GPU_PRESETS,
     ClusterSpec,

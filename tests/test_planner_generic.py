@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
+from moe_lm import describe_lm
 from moetrain import MoEConfig, MoELayer
 from moetrain.cli import build_train_config, main
-from moetrain.lm import describe_lm
 from moetrain.planner.activations import Workload, activation_model
 from moetrain.planner.generic import describe_generic
 from moetrain.planner.model import resolve_model
@@ -132,9 +132,10 @@ def test_presets_come_from_the_registry(two_tower):
     for spelling in ("two-small", "two_tower-small", "TWO:small"):
         model, defaults = resolve_model(spelling)
         assert model.name == "two-small" and defaults == {}
-        assert model.arch.family == "generic" and model.arch.d_model == 8
+        assert model.arch.generic and model.arch.d_model == 8
         assert model.arch.max_seq_len == 3 and model.arch.measured.moe_modules == ("ffn",)
-    assert resolve_model("m6-1T")[0].arch.family == "m6"  # the M6 package's describe hook
+    m6 = resolve_model("m6-1T")[0].arch  # the M6 package's describe hook: its facts, not measured
+    assert not m6.generic and m6.targets_only and m6.attention_mask and m6.outside is not None
     with pytest.raises(ValueError, match=r"model must be a model preset \(.*m6-1T.*two-small.*\) or an"):
         resolve_model("two-large")
 

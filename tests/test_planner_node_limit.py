@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_lm import LMConfig, describe_lm
 from moetrain.config import MoEConfig
 from moetrain.layers.router import TopKRouter
-from moetrain.lm import LMConfig, describe_lm
 from moetrain.planner import PlanSettings, cluster_preset, make_plan
 from moetrain.planner.cli import add_plan_parser
 from moetrain.planner.comm import group_layout

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from moe_lm import LMConfig, default_lm_strategy, describe_lm
 from moetrain.cli import main
-from moetrain.lm import LMConfig, default_lm_strategy, describe_lm
 from moetrain.planner.hardware import cluster_preset
 from moetrain.planner.plan import make_plan
 from moetrain.planner.settings import PlanSettings

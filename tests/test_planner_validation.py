@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from m6_moe.planning import describe_m6
+from moe_lm import LMConfig, MoETransformerLM, describe_lm
 from moetrain.config import MoEConfig
 from moetrain.layers import MoELayer
-from moetrain.lm import LMConfig, MoETransformerLM, describe_lm
 from moetrain.planner import ClusterSpec, PlanSettings, make_plan
 from moetrain.planner.hardware import GPU_PRESETS
 from moetrain.recompute import apply_recompute_plan, measure_saved_bytes, remove_recompute

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moe_lm import LMConfig, MoETransformerLM
 from moetrain import MoEConfig, MoELayer
-from moetrain.lm import LMConfig, MoETransformerLM
 from moetrain.recompute import (
     RecomputeOption,
     apply_recompute_plan,

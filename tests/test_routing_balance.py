@@ -182,8 +182,8 @@ def test_engine_updates_saves_and_restores_the_score_biases(tmp_path):
     assert bias.abs().sum() > 0 and bias.abs().max() <= 4 * 0.01 + 1e-9  # one update per optimizer step
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["score_bias_range"][0] == pytest.approx(float(bias.max() - bias.min()))
+    from moe_lm import MoETransformerLM
     from moetrain.checkpoint import load_checkpoint
-    from moetrain.lm import MoETransformerLM
 
     fresh = MoETransformerLM(config_from_dict(TrainConfig, config).model)
     assert not torch.equal(fresh.blocks[0].ffn.router.score_bias_E, bias)

@@ -18,9 +18,9 @@ import pytest
 import torch
 from torch import nn
 
+from moe_lm import LMConfig, MoETransformerLM, default_lm_strategy
 from moetrain import MoEConfig, MoELayer, ParallelContext, parallelize, scope, strategy_from_scopes
 from moetrain.layers.experts import DenseFFN
-from moetrain.lm import LMConfig, MoETransformerLM, default_lm_strategy
 from moetrain.parallelize import default_strategy, resolve_strategy
 from moetrain.scope import compose, has_marks, marks, stage_boundaries
 from tests.scoped_lm import StagedLM, auto_lm
@@ -340,7 +340,7 @@ AUTO_LM = LMConfig(
 
 
 def test_auto_chooses_what_plan_recommend_chooses_on_two_mesh_shapes(caplog):
-    from moetrain.lm import describe_lm
+    from moe_lm import describe_lm
     from moetrain.planner import PlanSettings, cluster_preset
     from moetrain.planner.auto import AutoSplit
     from moetrain.planner.split import recommend_split

@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_lm import LMConfig, MoETransformerLM, default_lm_strategy, lm_loss
 from moetrain import MoEConfig, ParallelConfig, ParallelContext, parallelize, strategy_from_scopes
-from moetrain.lm import LMConfig, MoETransformerLM, default_lm_strategy, lm_loss
 from tests.dist_utils import run_distributed
 from tests.test_parallelize import LM, _tokens, full
 
@@ -244,7 +244,7 @@ AUTO = LMConfig(
 def auto_worker(rank, world):
     import dataclasses
 
-    from moetrain.lm import describe_lm
+    from moe_lm import describe_lm
     from moetrain.planner import PlanSettings, cluster_preset
     from moetrain.planner.auto import AutoSplit
     from moetrain.planner.split import recommend_split

@@ -11,7 +11,7 @@ from moetrain.validation import require_int
 
 @dataclass(frozen=True)
 class DataConfig:
-    """``source``: ``"embedded"`` (the model's built-in data: the text corpus in ``moetrain/data``
+    """``source``: ``"embedded"`` (the model's built-in data: the text corpus in ``models/moe_lm``
     for ``moe_lm``, the generated image-caption dataset for ``m6_moe``), a path (a UTF-8 text file
     for ``moe_lm``, a JSON-lines image-text manifest for ``m6_moe``) or, for ``m6_moe``, a list of
     manifest paths and glob patterns (kept as a tuple); ``micro_batch_size`` sequences of up to

@@ -23,7 +23,7 @@ DEVICES = ("auto", "cpu", "cuda")
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run (``moetrain train --config FILE``). ``model`` is the config of the model
-    named by its ``name`` key (``"moe_lm"``: :class:`moetrain.lm.LMConfig`); ``grad_accum``
+    named by its ``name`` key (``"moe_lm"``: :class:`moe_lm.LMConfig`); ``grad_accum``
     micro-steps per optimizer step; a checkpoint every ``checkpoint_every`` steps and every
     ``checkpoint_every_minutes`` of wall-clock time, whichever comes first (0 / None: only at the
     end and on SIGTERM); ``async_checkpoint``: write checkpoints in the background (the step waits

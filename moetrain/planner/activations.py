@@ -15,11 +15,11 @@ routing replay record. They were derived op by op from the saved tensors of the 
 
 per layer, outside its sub-blocks ("norms")
     2 x (T*D*b norm input + 2*T*s statistics)         s = 4 on CUDA (fp32 mean/rstd), b on CPU
-    + 2 x T*D*m residual dropout masks (m6, dropout)  m = 1 on CUDA (bool), b on CPU
+    + 2 x T*D*m residual dropout masks (dropout > 0)  m = 1 on CUDA (bool), b on CPU
 attention (``blocks.i.attn``)
     T*D*b qkv input + 3*T*D*b q,k,v + T*D*b output    (flash / memory-efficient kernels: the
     + B*H*pad(S)*4 logsumexp                           output layout makes the projection's input
-    + B*S*pad(S)*b float mask (m6 prefix-LM mask)      a view, no copy); pad: 32/16 on CUDA, 1 CPU
+    + B*S*pad(S)*b float mask (``attention_mask``)     a view, no copy); pad: 32/16 on CUDA, 1 CPU
 MoE FFN (``blocks.i.ffn``), router in fp32
     T*D*4 router input (the FFN input itself when b = 4) [+ E*D*4 fp32 weight copy when b < 4]
     [+ T*D*4 router jitter noise] + T*E*4 probabilities [+ T*E*4 + T*4 z-loss]
@@ -29,17 +29,22 @@ MoE FFN (``blocks.i.ffn``), router in fp32
     + N_s*D*b returned rows kept by the combine [+ shared expert: T*D*b (b < 4) + T*Fs*b*(2|4)]
 dense FFN: T*D*b + T*F*b*(2 | 4).
 dispatch index (per MoE layer, outside autograd): T*k*8 + N_s*8 + 2*E*8 [+ E*8 under EP].
-outside the layers: token ids (int64; m6 also text positions and segments), the m6 image stem
-    (pixels + each conv's output twice: GELU input and output), m6 embedding dropout mask and
-    routed-token mask (T bytes), the final norm (m6: the whole last residual, a slice of it is
-    normed), the head input, and the loss: T_loss*V*4 fp32 log-softmax + T_loss*8 targets.
+outside the layers: the architecture's ``outside`` hook (what its inputs, an image stem and its
+    final norm save; the M6 example's are in ``m6_moe.planning``), by default a decoder LM's: token
+    ids (int64, T*8) and the final norm over every token; then the head input T_loss*D*b and the
+    loss: T_loss*V*4 fp32 log-softmax + T_loss*8 targets (T_loss = T, or the targets' tokens when
+    ``targets_only``).
 
 Recompute options per layer (as :func:`moetrain.recompute.default_candidates` makes them): a
 recomputed block keeps only its input (T*D*b) and, for a MoE FFN, its replay record
 ``T*k*8 + (N_r + N_s)*D*b`` (rows only under EP, :func:`moetrain.recompute.moe_replay_bytes`;
 node_dedup adds its token copies both ways and their gates).
-Its cost is its forward FLOPs once more. (m6: recomputed layers and attention blocks also keep the
-boolean prefix-LM mask, ``B*S*S`` bytes, one storage for all of them.)
+Its cost is its forward FLOPs once more. (With ``attention_mask``, recomputed layers and attention
+blocks also keep the boolean mask, ``B*S*S`` bytes, one storage for all of them.)
+
+The formulas know no model by name: :class:`~moetrain.planner.model.ModelArch` states the facts
+(causal attention or an explicit mask, dropout, logits for the targets only, the outside terms) a
+model's ``describe`` hook gives.
 """
 
 from __future__ import annotations
@@ -104,8 +109,9 @@ class Workload:
     architecture's image patches), ``itemsize`` bytes per compute element, ``kernels`` whose saving
     rules apply (``"cuda"`` or ``"cpu"``), ``ep_size``, the capacity factor in force (None:
     dropless) and the row bound used for memory (``"capacity"`` or ``"balanced"``).
-    ``target_len``: text tokens per sequence that get logits (m6 family; None: all ``seq_len``,
-    the captioning worst case); the ``moe_lm`` family predicts every position. ``nodes_reached``:
+    ``target_len``: text tokens per sequence that get logits (an architecture with
+    ``targets_only``; None: all ``seq_len``, the captioning worst case); a language model predicts
+    every position. ``nodes_reached``:
     with ``all_to_all="node_dedup"``, the nodes a token's kept slots reach (its replay records keep
     the token copies too); None for the per-slot all-to-alls."""
 
@@ -193,8 +199,9 @@ class ActivationModel:
     """Per-rank activation bytes of one micro-batch: ``outside`` (named terms saved outside every
     layer: embeddings, image stem, final norm, head, loss) and one :class:`LayerActivations` per
     layer; ``outside_flops``: forward FLOPs outside the layers (stem, head);
-    ``attention_mask_bytes``: the boolean attention mask (m6, ``B*S*S``), which recomputed layers
-    and attention blocks keep as a checkpoint input (one storage, shared by all of them)."""
+    ``attention_mask_bytes``: the boolean attention mask (``arch.attention_mask``, ``B*S*S``), which
+    recomputed layers and attention blocks keep as a checkpoint input (one storage, shared by all
+    of them)."""
 
     outside: dict[str, int]
     layers: tuple[LayerActivations, ...]
@@ -220,7 +227,7 @@ class ActivationModel:
         return [layer.options(flops_per_s) for layer in self.layers]
 
 
-def _norm_bytes(tokens: int, d_model: int, b: int, kernels: str) -> int:
+def norm_bytes(tokens: int, d_model: int, b: int, kernels: str) -> int:
     stats = 4 if kernels == "cuda" else b
     return tokens * d_model * b + 2 * tokens * stats
 
@@ -303,7 +310,7 @@ def moe_forward_flops(moe: MoEConfig, tokens: int, rows_computed: int) -> float:
 
 def activation_model(arch: ModelArch, work: Workload) -> ActivationModel:
     """The per-rank activation bytes and forward FLOPs of ``arch`` running ``work``."""
-    if arch.family == "generic":
+    if arch.generic:
         return _generic_activation_model(arch, work)
     b, kernels = work.itemsize, work.kernels
     d, heads = arch.d_model, arch.num_heads
@@ -312,21 +319,20 @@ def activation_model(arch: ModelArch, work: Workload) -> ActivationModel:
     tokens = batch * seq
     mask_b = 1 if kernels == "cuda" else b
     dropout = arch.dropout > 0
-    m6 = arch.family == "m6"
     lse_pad, bias_pad = (32, 16) if kernels == "cuda" else (1, 1)
-    if m6 and dropout and kernels == "cpu":
+    if dropout and kernels == "cpu":
         raise ValueError(
             "kernels 'cpu' with attention dropout: CPU attention then takes the math path, whose "
             "[B, H, S, S] saved tensors are not modeled; use dropout = 0 or kernels = 'cuda'"
         )
 
     attn = tokens * d * b * 5 + batch * heads * _pad(seq, lse_pad) * 4
-    if m6:
-        attn += batch * seq * _pad(seq, bias_pad) * b  # the boolean prefix-LM mask as a float bias
+    if arch.attention_mask:
+        attn += batch * seq * _pad(seq, bias_pad) * b  # the boolean mask as a float bias
     # causal attention computes half the score matrix (flash / memory-efficient kernels skip it)
-    core = 4.0 * batch * seq * seq * d * (0.5 if arch.family == "moe_lm" else 1.0)
+    core = 4.0 * batch * seq * seq * d * (0.5 if arch.causal else 1.0)
     attn_flops = 2.0 * tokens * d * 4 * d + core
-    norms = 2 * _norm_bytes(tokens, d, b, kernels) + (2 * tokens * d * mask_b if dropout else 0)
+    norms = 2 * norm_bytes(tokens, d, b, kernels) + (2 * tokens * d * mask_b if dropout else 0)
 
     layers = []
     for index in range(arch.num_layers):
@@ -369,13 +375,13 @@ def activation_model(arch: ModelArch, work: Workload) -> ActivationModel:
             )
         )
 
-    outside, outside_flops = _outside_terms(arch, work, seq, tokens)
+    outside, outside_flops = _outside_terms(arch, work)
     return ActivationModel(
         outside=outside,
         layers=tuple(layers),
         outside_flops=outside_flops,
         tokens=tokens,
-        attention_mask_bytes=batch * seq * seq if m6 else 0,
+        attention_mask_bytes=batch * seq * seq if arch.attention_mask else 0,
     )
 
 
@@ -423,39 +429,34 @@ def _generic_activation_model(arch: ModelArch, work: Workload) -> ActivationMode
     )
 
 
-def _outside_terms(arch: ModelArch, work: Workload, seq: int, tokens: int) -> tuple[dict[str, int], float]:
-    b, kernels, d, vocab, batch = work.itemsize, work.kernels, arch.d_model, arch.vocab_size, work.batch
-    stats = 4 if kernels == "cuda" else b
-    if arch.family == "moe_lm":
-        loss_tokens = tokens
-        outside = {
-            "embedding": tokens * 8,  # token ids
-            "final_norm": _norm_bytes(tokens, d, b, kernels),
-        }
-    else:
-        text = batch * work.seq_len
-        loss_tokens = batch * (work.target_len or work.seq_len)
-        pixels = batch * arch.image_size**2
-        stem = pixels * arch.image_channels * b + 2 * pixels * sum(arch.stem_channels) * b
-        outside = {
-            "embedding": text * 8 * 2 + work.seq_len * 8,  # token ids, text positions, segment ids
-            "image_stem": stem if arch.image_tokens else 0,
-            "embedding_dropout": tokens * d * (1 if kernels == "cuda" else b) if arch.dropout > 0 else 0,
-            "token_mask": tokens if arch.moe_layers else 0,  # bool mask of routed (real) tokens
-            # the final norm reads a slice of the last residual tensor: its whole storage is kept
-            "final_norm": tokens * d * b + 2 * loss_tokens * stats,
-        }
-    outside["head_input"] = loss_tokens * d * b
-    outside["loss"] = loss_tokens * vocab * 4 + loss_tokens * 8 + 4  # fp32 log-softmax, targets
-    flops = 2.0 * loss_tokens * d * vocab
-    if arch.family == "m6" and arch.image_tokens:
-        pixels = batch * arch.image_size**2
-        width = arch.image_channels
-        for out in arch.stem_channels:
-            flops += 2.0 * pixels * width * out * 9
-            width = out
-        flops += 2.0 * batch * arch.image_tokens * d * width * arch.patch_size**2
-    return outside, flops
+def loss_tokens(arch: ModelArch, work: Workload) -> int:
+    """Tokens that get logits and a loss: the targets' ``B * (target_len or seq_len)`` with
+    ``arch.targets_only``, else every token ``B * (image_tokens + seq_len)``."""
+    if arch.targets_only:
+        return work.batch * (work.target_len or work.seq_len)
+    return work.batch * (arch.image_tokens + work.seq_len)
+
+
+def decoder_outside(arch: ModelArch, work: Workload) -> tuple[dict[str, int], float]:
+    """The default ``outside`` terms (a decoder LM): token ids (int64) and the final norm over
+    every token; no FLOPs before the layers."""
+    tokens = work.batch * (arch.image_tokens + work.seq_len)
+    return {
+        "embedding": tokens * 8,  # token ids
+        "final_norm": norm_bytes(tokens, arch.d_model, work.itemsize, work.kernels),
+    }, 0.0
+
+
+def _outside_terms(arch: ModelArch, work: Workload) -> tuple[dict[str, int], float]:
+    """The architecture's outside terms (its hook, else :func:`decoder_outside`), then the head
+    input and the loss over :func:`loss_tokens`, and the head's FLOPs."""
+    b, d, vocab = work.itemsize, arch.d_model, arch.vocab_size
+    outside, flops = (arch.outside or decoder_outside)(arch, work)
+    outside = dict(outside)
+    loss = loss_tokens(arch, work)
+    outside["head_input"] = loss * d * b
+    outside["loss"] = loss * vocab * 4 + loss * 8 + 4  # fp32 log-softmax, targets
+    return outside, 2.0 * loss * d * vocab + flops
 
 
 def ceil_fraction(fraction: float, count: int) -> int:

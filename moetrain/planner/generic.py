@@ -193,7 +193,6 @@ def describe_generic(train_config, spec, name: str):
         )
     moe = configs.pop()
     arch = ModelArch(
-        family="generic",
         d_model=moe.d_model,
         num_layers=len(measured.moe_modules),
         num_heads=1,

@@ -10,15 +10,10 @@ layer); under EP a rank holds ``E / ep_size`` of them, so its share of a stacked
 
 Models are found through the registry (:mod:`moetrain.registry`): a model's ``describe`` hook
 gives its :class:`ModelDescription`; a model without one is measured on ``meta``
-(:mod:`moetrain.planner.generic`). Families (how a model's forward saves activations; see
-:mod:`moetrain.planner.activations`):
-
-- ``"moe_lm"``: a decoder-only transformer such as :class:`moetrain.lm.MoETransformerLM` (causal
-  attention, every FFN a MoELayer, logits for every position);
-- ``"m6"``: an M6-style prefix-LM such as the ``m6_moe`` package's model (image patches through a
-  conv stem, prefix-LM mask, dropout, MoE every ``moe_every`` layers, MoE only on real tokens,
-  logits for the targets);
-- ``"generic"``: anything else with MoELayers, measured on ``meta``.
+(:mod:`moetrain.planner.generic`). The planner knows no model by name: a description states the
+facts its formulas need (:class:`ModelArch`: sizes, which layers are MoE, causal attention or an
+explicit mask, dropout, an image stem, logits for every position or the targets only) and may bring
+the terms saved outside its layers (``ModelArch.outside``; see :mod:`moetrain.planner.activations`).
 """
 
 from __future__ import annotations
@@ -35,8 +30,6 @@ from torch import nn
 from moetrain.config import MoEConfig
 from moetrain.layers.experts import GroupedExperts
 
-FAMILIES = ("moe_lm", "m6", "generic")
-
 
 @dataclass(frozen=True)
 class ModelArch:
@@ -51,11 +44,21 @@ class ModelArch:
     - ``input_modules``: names of the modules and parameters used only before the first layer
       (embeddings, positions, an image stem): their gradients arrive after layer 0's backward,
       the other parameters' outside the layers (head, final norm) before the layers'.
-    - ``measured``: family ``"generic"`` only, the
-      :class:`~moetrain.planner.generic.MeasuredModel` of a model without formulas.
+    - ``causal``: attention is causal without a mask, so flash / memory-efficient kernels compute
+      half the score matrix; False: the whole matrix.
+    - ``attention_mask``: attention takes an explicit boolean ``[B, S, S]`` mask (a prefix-LM):
+      saved as a float bias by each attention, and kept once by recomputed layers and attention
+      blocks as their checkpoint input.
+    - ``targets_only``: logits and loss for the target tokens only (``Workload.target_len``);
+      False: for every position (a language model), and a plan refuses another ``target_len``.
+    - ``outside``: ``outside(arch, work) -> (terms, flops)``, the bytes saved outside the layers
+      before the head (inputs, an image stem, the final norm; named terms) and their forward FLOPs,
+      for a model whose inputs differ from a decoder LM's; None: token ids and the final norm over
+      every token (:func:`moetrain.planner.activations.activation_model` adds the head and loss).
+    - ``measured``: a model without a describe hook only, the
+      :class:`~moetrain.planner.generic.MeasuredModel` of a model without formulas (:attr:`generic`).
     """
 
-    family: str
     d_model: int
     num_layers: int
     num_heads: int
@@ -72,11 +75,24 @@ class ModelArch:
     stem_channels: tuple[int, ...] = ()
     tied_head: bool = False
     input_modules: tuple[str, ...] = ()
+    causal: bool = True
+    attention_mask: bool = False
+    targets_only: bool = False
+    outside: Callable | None = field(default=None, compare=False, repr=False)
     measured: object = field(default=None, compare=False, repr=False)
 
+    @property
+    def generic(self) -> bool:
+        """A model measured on ``meta`` (no describe hook): its MoE layers by their own names, the
+        rest as measured (:mod:`moetrain.planner.generic`)."""
+        return self.measured is not None
+
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ValueError(f"family must be one of {', '.join(map(repr, FAMILIES))}, got {self.family!r}")
+        if self.causal and self.attention_mask:
+            raise ValueError(
+                "attention_mask: an explicit mask is planned as full attention (causal = False), "
+                "causal attention as masked by the kernel (attention_mask = False)"
+            )
 
     @property
     def num_moe_layers(self) -> int:
@@ -88,7 +104,7 @@ class ModelArch:
     def layer_module(self, index: int) -> str:
         """The module name of layer ``index``: ``blocks.<index>``; a generic model's MoE layers by
         their own names."""
-        if self.family == "generic":
+        if self.generic:
             return self.measured.moe_modules[index]
         return f"blocks.{index}"
 
@@ -199,9 +215,10 @@ def count_parameters(model: nn.Module) -> ParameterCount:
 
 def describe(config, name: str | None = None, train_config=None) -> ModelDescription:
     """The planner's description of a model config object, from its registry entry: the entry's
-    ``describe(config, name)`` hook when it has one (the LM, M6), otherwise measured on ``meta``
-    through its builder (:mod:`moetrain.planner.generic`; ``train_config``: the run it belongs to,
-    default: a :class:`~moetrain.config.TrainConfig` with this model and default settings)."""
+    ``describe(config, name)`` hook when it has one (the repository's example models do), otherwise
+    measured on ``meta`` through its builder (:mod:`moetrain.planner.generic`; ``train_config``: the
+    run it belongs to, default: a :class:`~moetrain.config.TrainConfig` with this model and default
+    settings)."""
     from moetrain.registry import spec_for_config
 
     spec = spec_for_config(config)
@@ -261,7 +278,7 @@ def train_seq_len(model: ModelDescription, data_seq_len: int) -> int:
     """Text tokens per sequence a training config's ``data.seq_len`` means: the description's
     ``seq_len_from_data(data.seq_len)`` when it has one, else ``data.seq_len`` itself; a generic
     model's measured tokens per sequence."""
-    if model.arch.family == "generic":
+    if model.arch.generic:
         return model.arch.max_seq_len  # measured from the model's own batches
     return data_seq_len if model.seq_len_from_data is None else model.seq_len_from_data(data_seq_len)
 

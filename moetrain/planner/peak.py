@@ -70,7 +70,7 @@ def layer_working_bytes(arch, acts: ActivationModel, b: int) -> list[int]:
     tokens, d = acts.tokens, arch.d_model
     working = []
     for layer in acts.layers:
-        attention = 4 * tokens * d * b if arch.family != "generic" else 0
+        attention = 4 * tokens * d * b if not arch.generic else 0
         if layer.is_moe:
             ffn = _ffn_working(layer.rows.received, d, arch.moe.d_ff, arch.moe.activation, b)
         else:

@@ -194,7 +194,7 @@ def _check_layout(model: ModelDescription, cluster: ClusterSpec, settings: PlanS
         raise ValueError(
             f"seq_len = {settings.seq_len} exceeds the model's maximum of {arch.max_seq_len} text tokens"
         )
-    if arch.family == "moe_lm" and settings.target_len not in (None, settings.seq_len):
+    if not (arch.targets_only or arch.generic) and settings.target_len not in (None, settings.seq_len):
         raise ValueError(
             f"target_len must be None for {model.name} (a language model predicts every position), "
             f"got {settings.target_len}"

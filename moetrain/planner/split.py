@@ -75,12 +75,12 @@ def _weights(module: nn.Module) -> int:
 def _rows(model: ModelDescription, settings: PlanSettings) -> dict[str, int]:
     """Rows per sequence through the candidate modules: measured for a generic model; from the
     architecture otherwise (every token through the blocks; logits for every position of a
-    language model, for the targets of M6)."""
+    language model, for the targets only with ``arch.targets_only``)."""
     arch = model.arch
-    if arch.family == "generic":
+    if arch.generic:
         return dict(arch.measured.module_rows)
     tokens = arch.image_tokens + settings.seq_len
-    head = settings.seq_len if arch.family == "moe_lm" else (settings.target_len or settings.seq_len)
+    head = (settings.target_len or settings.seq_len) if arch.targets_only else settings.seq_len
     return {"__tokens__": tokens, "__text__": settings.seq_len, "__head__": head}
 
 
@@ -92,7 +92,7 @@ def split_units(model: ModelDescription, settings: PlanSettings) -> list[SplitUn
     arch = model.arch
     meta = build_on_meta(model.build)
     rows = _rows(model, settings)
-    generic = arch.family == "generic"
+    generic = arch.generic
     inside_moe = {
         name + "." for name, module in meta.named_modules() if isinstance(module, MoELayer)
     }  # fmt: skip
@@ -214,9 +214,7 @@ class SplitRecommendation:
 
 def _moe_strategy(model: ModelDescription) -> dict[str, str]:
     arch = model.arch
-    return {
-        arch.layer_module(i) + ("" if arch.family == "generic" else ".ffn"): "expert" for i in arch.moe_layers
-    }
+    return {arch.layer_module(i) + ("" if arch.generic else ".ffn"): "expert" for i in arch.moe_layers}
 
 
 def _all_reduce_s(cluster: ClusterSpec, ranks: list[int], payload: float, calls: int) -> float:

@@ -12,8 +12,8 @@ would have). Each tensor-parallel pair reads one data stream.
 
 import torch
 
+from moe_lm import LMConfig, MoETransformerLM, default_lm_strategy, lm_loss
 from moetrain import MoEConfig, ParallelConfig, ParallelContext, parallelize
-from moetrain.lm import LMConfig, MoETransformerLM, default_lm_strategy, lm_loss
 from moetrain.parallel import init_distributed
 
 

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_lm import load_tiny_corpus, sample_batch
 from moetrain import MoELayer, ParallelContext, parallelize, scope, strategy_from_scopes
-from moetrain.lm import load_tiny_corpus, sample_batch
 from moetrain.parallel import init_distributed
 
 VOCAB, WIDTH, SEQ = 256, 64, 32

@@ -16,8 +16,8 @@ import json
 import pytest
 import torch
 
+from moe_lm import LMConfig, MoETransformerLM
 from moetrain.checkpoint import list_checkpoints, load_checkpoint
-from moetrain.lm import LMConfig, MoETransformerLM
 from tests.faults.launch import error_lines, finish, start_ranks, tiny_config, write_config
 
 

@@ -1,7 +1,8 @@
-"""A small decoder-only transformer language model whose FFNs are MoELayers, and its byte corpus.
+"""The byte-level MoE language model: its config, a small decoder-only transformer whose FFNs are
+MoELayers, its default parallel strategy and its loss.
 
-Registered as ``moe_lm`` (:func:`register`), like any user model. Legend: B batch, S sequence, D model dim,
-V vocabulary. Pre-norm blocks: ``x + attn(norm(x))`` then ``x + moe(norm(x))``.
+Legend: B batch, S sequence, D model dim, V vocabulary. Pre-norm blocks: ``x + attn(norm(x))`` then
+``x + moe(norm(x))``.
 
 The parallel strategy is written twice, in the two forms :func:`moetrain.parallelize` takes, and they
 agree (tested): Whale's annotations in the model code (:mod:`moetrain.scope`: ``parallelize(model,
@@ -11,7 +12,6 @@ mesh)`` reads them) and the pattern table :func:`default_lm_strategy` (the regis
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -159,129 +159,7 @@ def default_lm_strategy(config: LMConfig, tp_size: int = 1, pp_size: int = 1) ->
     return strategy
 
 
-def load_tiny_corpus() -> torch.Tensor:
-    """The embedded demo corpus as a 1-D tensor of UTF-8 byte values (``moetrain/data``)."""
-    from importlib.resources import files
-
-    text = files("moetrain").joinpath("data/tiny_corpus.txt").read_text(encoding="utf-8")
-    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
-
-
-def load_text_corpus(source: str, min_bytes: int) -> torch.Tensor:
-    """``"embedded"`` or a UTF-8 text file as byte values; errors name the file."""
-    if not isinstance(source, str):
-        raise ValueError(f"data.source of moe_lm must be 'embedded' or one text file, got {list(source)!r}")
-    if source == "embedded":
-        corpus = load_tiny_corpus()
-    else:
-        try:
-            data = Path(source).read_bytes()
-        except OSError as error:
-            raise ValueError(f"data.source: cannot read {source}: {error.strerror}") from None
-        try:
-            data.decode("utf-8")
-        except UnicodeDecodeError as error:
-            raise ValueError(
-                f"data.source {source} is not UTF-8 text (byte {error.start} is not valid UTF-8): the "
-                "language model trains on text files"
-            ) from None
-        corpus = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-    if corpus.numel() < min_bytes:
-        raise ValueError(f"data.source {source} holds {corpus.numel()} bytes; a sequence needs {min_bytes}")
-    return corpus
-
-
-def sample_batch(corpus: torch.Tensor, batch: int, seq: int, generator: torch.Generator):
-    """Random windows: inputs ``[B, S]`` and next-byte targets ``[B, S]``."""
-    starts = torch.randint(0, corpus.numel() - seq - 1, (batch,), generator=generator)
-    windows = torch.stack([corpus[s : s + seq + 1] for s in starts.tolist()])
-    return windows[:, :-1], windows[:, 1:]
-
-
-class TextBatches:
-    """Random windows of a byte corpus for next-token prediction; the generator is seeded per
-    rank (``seed * 1000003 + rank``) and its state is the data position saved in checkpoints."""
-
-    def __init__(self, corpus: torch.Tensor, batch: int, seq: int, seed: int, rank: int):
-        self.corpus, self.batch, self.seq = corpus, batch, seq
-        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
-        self.batches_drawn = 0
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(0, self.corpus.numel() - self.seq - 1, (self.batch,), generator=self.generator)
-        offsets = torch.arange(self.seq + 1)
-        windows = self.corpus[starts.unsqueeze(1) + offsets]
-        self.batches_drawn += 1
-        return windows[:, :-1], windows[:, 1:]
-
-    @property
-    def tokens_per_batch(self) -> int:
-        return self.batch * self.seq
-
-    def probe(self, sequences: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch of ``sequences`` from a separate stream (profiling, calibration): the data
-        position is not moved."""
-        return TextBatches(self.corpus, sequences, self.seq, seed, 0).next()
-
-    def reseed(self, seed: int, rank: int, step: int) -> None:
-        """A new stream for ``rank`` resuming at ``step`` when no saved position exists for it
-        (the run was saved with fewer ranks)."""
-        self.generator.manual_seed((seed * 1_000_003 + rank) * 1_000_033 + step)
-
-    def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state(), "batches_drawn": self.batches_drawn}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
-        self.batches_drawn = state["batches_drawn"]
-
-
-def build_moe_lm(config, shard):
-    """The registry builder of ``moe_lm``: (model, batches, loss function) for a ``TrainConfig``
-    whose ``model`` is an :class:`LMConfig` (``data.source``: ``embedded`` or a UTF-8 text file);
-    ``shard``: this rank's data stream (:class:`moetrain.registry.DataShard`)."""
-    if config.data.seq_len > config.model.max_seq_len:
-        raise ValueError(
-            f"data.seq_len = {config.data.seq_len} exceeds model.max_seq_len = {config.model.max_seq_len}"
-        )
-    corpus = load_text_corpus(config.data.source, config.data.seq_len + 2)
-    model = MoETransformerLM(config.model, seed=config.seed)
-    batches = TextBatches(corpus, config.data.micro_batch_size, config.data.seq_len, config.seed, shard.index)
-    return model, batches, lm_loss
-
-
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy (fp32); ``logits`` may be a vocabulary-sharded DTensor, under
     ``torch.distributed.tensor.parallel.loss_parallel()``."""
     return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-def lm_strategy(config) -> dict[str, str]:
-    """The registry's strategy hook: :func:`default_lm_strategy` for the run's ``tp_size``."""
-    return default_lm_strategy(config.model, config.parallel.tp_size, config.parallel.pp_size)
-
-
-def describe_lm(config: LMConfig, name: str = "moe_lm"):
-    """The planner's description (:class:`moetrain.planner.model.ModelDescription`, family
-    ``"moe_lm"``) of an :class:`LMConfig` model: the registry's ``describe`` hook."""
-    from moetrain.planner.model import ModelArch, ModelDescription
-
-    arch = ModelArch(
-        family="moe_lm",
-        d_model=config.d_model,
-        num_layers=config.num_layers,
-        num_heads=config.num_heads,
-        vocab_size=config.vocab_size,
-        max_seq_len=config.max_seq_len,
-        moe=config.moe,
-        moe_layers=tuple(range(config.num_layers)),
-        input_modules=("embed", "pos"),
-    )
-    return ModelDescription(name, arch, config, lambda: MoETransformerLM(config))
-
-
-def register() -> None:
-    """Registers ``moe_lm`` (the registry calls it; see :mod:`moetrain.registry`)."""
-    from moetrain.registry import register_model
-
-    register_model("moe_lm", LMConfig, build_moe_lm, describe=describe_lm, strategy=lm_strategy)

@@ -12,8 +12,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from moe_lm import LMConfig, MoETransformerLM, load_tiny_corpus, sample_batch
 from moetrain import MoEConfig, collect_moe_stats
-from moetrain.lm import LMConfig, MoETransformerLM, load_tiny_corpus, sample_batch
 from moetrain.logs import configure_console
 from moetrain.progress import ProgressBar
 
