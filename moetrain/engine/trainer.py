@@ -9,9 +9,9 @@ import logging
 
 from moetrain.config import TrainConfig
 from moetrain.engine.loop import TrainingLoop
-from moetrain.engine.step_metrics import StepMetrics
 from moetrain.engine.setup import RunSetUp
 from moetrain.engine.step import TrainingStep
+from moetrain.engine.step_metrics import StepMetrics
 from moetrain.failures import RunPosition
 
 log = logging.getLogger(__name__)
