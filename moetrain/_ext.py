@@ -22,6 +22,7 @@ the operators, the build facts and the SIMD switches under one name.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import mmap
 import os
@@ -206,9 +207,8 @@ def _load() -> tuple[object, str]:
     binary, csrc = _prebuilt_binary(), source_dir()
     reason = prebuilt_problem(binary, csrc, torch.__version__)
     if reason is None:
-        from moetrain import _C
-
-        return _C, "prebuilt"
+        # by name: the compiled module, not the package (whose __init__ imports everything above)
+        return importlib.import_module("moetrain._C"), "prebuilt"
     if csrc is None:
         raise ImportError(
             f"moetrain: {reason} and the C++ sources are not installed to build one; reinstall with "

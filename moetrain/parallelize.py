@@ -45,14 +45,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moetrain.comm.grad_sync import (
+from moetrain.config import REPLICA_MODES, STRATEGY_KINDS, validate_strategy
+from moetrain.grad_sync import (
     GradReducer,
     clip_grad_norm_,
     global_grad_norm,
     is_dtensor,
     wrap_data_parallel,
 )
-from moetrain.config import REPLICA_MODES, STRATEGY_KINDS, validate_strategy
 from moetrain.layers.experts import DenseFFN
 from moetrain.layers.moe_layer import MoELayer, shard_experts
 from moetrain.parallel import ParallelContext

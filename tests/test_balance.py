@@ -108,7 +108,7 @@ def _global_batch():
 
 
 def gradient_worker(rank, world, ep_size):
-    from moetrain.comm.grad_sync import ExpertGradReducer, wrap_data_parallel
+    from moetrain.grad_sync import ExpertGradReducer, wrap_data_parallel
     from moetrain.layers import shard_experts
     from moetrain.layers.experts import GroupedExperts
     from moetrain.parallel import ParallelContext

@@ -25,7 +25,7 @@ from torch import nn
 from moetrain import MoEConfig, MoELayer, shard_experts
 from moetrain import checkpoint as ckpt
 from moetrain.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-from moetrain.comm.grad_sync import ExpertGradReducer, wrap_data_parallel
+from moetrain.grad_sync import ExpertGradReducer, wrap_data_parallel
 from moetrain.layers.experts import GroupedExperts
 from moetrain.offload import OffloadOptimizer
 from moetrain.parallel import ParallelContext

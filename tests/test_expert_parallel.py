@@ -15,7 +15,7 @@ from torch import nn
 
 from moetrain import MoEConfig, MoELayer, set_aux_loss_scale, shard_experts
 from moetrain.comm.all_to_all import all_to_all, all_to_all_reverse, exchange_counts
-from moetrain.comm.grad_sync import ExpertGradReducer, clip_grad_norm_, global_grad_norm, wrap_data_parallel
+from moetrain.grad_sync import ExpertGradReducer, clip_grad_norm_, global_grad_norm, wrap_data_parallel
 from moetrain.parallel import ParallelContext, node_grid
 from tests.dist_utils import run_distributed
 

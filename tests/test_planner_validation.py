@@ -288,7 +288,7 @@ def all_pairs_routing(model: nn.Module) -> None:
 def ep_worker(rank, world, local_world, precision, recompute, capacity_factor, algorithm="auto", seq=32):
     import torch.distributed as dist
 
-    from moetrain.comm.grad_sync import ExpertGradReducer, wrap_data_parallel
+    from moetrain.grad_sync import ExpertGradReducer, wrap_data_parallel
     from moetrain.layers import shard_experts
     from moetrain.offload import OffloadOptimizer
     from moetrain.parallel import ParallelContext

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetrain.cli import apply_overrides, build_train_config, load_config_file
+from moetrain.config.files import apply_overrides, build_train_config, load_config_file
 from moetrain.config import TrainConfig, config_from_dict, model_config_classes, preset_names
 from tests.dist_utils import run_distributed
 

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from moetrain.checkpoint.entries import expert_key
 from moetrain.checkpoint.objects import decode_object, is_object_part, json_key, leaf_keys
 from moetrain.checkpoint.ranks import CheckpointError
-from moetrain.comm.grad_sync import is_dtensor
+from moetrain.grad_sync import is_dtensor
 from moetrain.layers.experts import local_tensor
 
 

@@ -1,4 +1,5 @@
-"""Expert-parallel communication: all-to-all (flat, hierarchical), payload compression, gradient sync."""
+"""Expert-parallel communication: all-to-all (flat, hierarchical, node-deduplicating), chunking,
+payload compression."""
 
 from moetrain.comm.all_to_all import all_to_all, all_to_all_reverse, exchange_counts, regroup_chunks
 

@@ -12,10 +12,11 @@ One module per section, each with one job (this package only re-exports them):
 - :mod:`~moetrain.config.balance`: :class:`BalanceConfig`, batch balancing between ranks;
 - :mod:`~moetrain.config.metrics`: :class:`MetricsConfig`, where metrics go;
 - :mod:`~moetrain.config.train`: :class:`TrainConfig`, one run and its cross-section checks;
-- :mod:`~moetrain.config.loading`: nested dicts (a parsed file) -> these dataclasses, presets, imports.
+- :mod:`~moetrain.config.loading`: nested dicts (a parsed file) -> these dataclasses, presets, imports;
+- :mod:`~moetrain.config.files`: YAML/JSON config files, ``--set`` overrides and ``--strategy``
+  files -> a validated :class:`TrainConfig` (the command's and the planner's way in).
 
-The YAML/JSON file reading and ``--set`` overrides are the CLI's (:mod:`moetrain.cli`); the key
-reference ``moetrain train --help`` prints is :mod:`moetrain.config_reference`.
+The key reference ``moetrain train --help`` prints is :mod:`moetrain.config_reference`.
 """
 
 from __future__ import annotations

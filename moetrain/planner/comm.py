@@ -48,7 +48,7 @@ from moetrain.parallel import NODE_GRID_ALGORITHMS, grid_groups, node_grid, rank
 from moetrain.planner.hardware import ClusterSpec
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DistributedDataParallel's default bucket_cap_mb
-EXPERT_BUCKET_BYTES = 32 * 2**20  # moetrain.comm.grad_sync.ExpertGradReducer's default
+EXPERT_BUCKET_BYTES = 32 * 2**20  # moetrain.grad_sync.ExpertGradReducer's default
 
 
 @dataclass(frozen=True)

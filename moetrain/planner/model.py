@@ -298,7 +298,7 @@ def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
     if not isinstance(data, dict):
         raise ValueError(f"model config {path} must hold a mapping")
     if "model" in data:
-        from moetrain.cli import build_train_config
+        from moetrain.config.files import build_train_config
 
         train = build_train_config(str(path), [])
         model = describe(train.model, path.stem, train)
