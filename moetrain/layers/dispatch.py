@@ -29,6 +29,7 @@ from moetrain.comm.all_to_all import (
     replay_all_to_all,
 )
 from moetrain.comm.buffers import comm_buffer_pool
+from moetrain.comm.chunk_cost import group_layout, layer_overlap_inputs, plan_chunks, run_links
 from moetrain.comm.chunking import unchunked_comm_bytes
 from moetrain.comm.compression import WIRE_DTYPES, wire_row_bytes
 from moetrain.kernels import kernel, native
@@ -259,10 +260,20 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         return super().combine(y_ND, gates_TK, record)
 
     def _proposed_chunks(self, kept_PE, x_ND, experts) -> int:
-        """This rank's choice for ``a2a_chunks="auto"`` (the EP group takes the largest)."""
-        from moetrain.planner.overlap import runtime_chunks
-
-        return runtime_chunks(self.parallel, int(kept_PE.sum()), x_ND, experts, self.comm_dtype)
+        """This rank's choice for ``a2a_chunks="auto"`` (the EP group takes the largest): the count
+        with the least modelled time (:mod:`moetrain.comm.chunk_cost`) for sending the kept rows of
+        ``kept_PE [P, E]``, of ``x_ND``'s width and dtype, with the run's links
+        (``ParallelConfig.a2a_links``; CPU ranks: the measured gloo fit)."""
+        parallel = self.parallel
+        links = run_links(parallel.config.a2a_links, x_ND.device.type)
+        links = links.with_ranks_per_node(parallel.local_world_size)
+        layout = group_layout(sorted(parallel.ep_ranks), parallel.local_world_size)
+        row_bytes = wire_row_bytes(x_ND.shape[1], x_ND.dtype, self.comm_dtype)
+        cost, expert_s = layer_overlap_inputs(
+            links, layout, parallel.all_to_all, int(kept_PE.sum()), row_bytes, x_ND.shape[1],
+            experts.w2_EFD.shape[1], experts.activation, links.flops_per_s,
+        )  # fmt: skip
+        return plan_chunks("auto", cost, expert_s)
 
     @runs_eagerly
     def dispatch(self, x_TD, plan):
