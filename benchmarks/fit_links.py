@@ -1,5 +1,5 @@
-"""Writes the emulated cluster's alpha-beta constants into the planner (``EMULATED_GLOO_LINKS`` in
-``moetrain/planner/hardware.py``, between its ``fit-constants`` marker lines), from a run of
+"""Writes the emulated cluster's alpha-beta constants beside the chunk cost model (``EMULATED_GLOO_LINKS`` in
+``moetrain/comm/chunk_cost.py``, between its ``fit-constants`` marker lines), from a run of
 ``benchmarks/all_to_all.py --emulated-mbit R --json PATH`` and a measurement of the experts' GEMM
 rate on this machine (one thread, fp32, the expert shape of ``benchmarks/moe_layer_ep.py``).
 
@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from all_to_all import joint_fit  # noqa: E402
 
-HARDWARE = Path(__file__).resolve().parent.parent / "moetrain" / "planner" / "hardware.py"
+HARDWARE = Path(__file__).resolve().parent.parent / "moetrain" / "comm" / "chunk_cost.py"
 BEGIN, END = "# fit-constants:begin", "# fit-constants:end"
 
 

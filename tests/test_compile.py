@@ -146,3 +146,38 @@ def test_transformer_block_compiles_with_inductor():
     got, want = _run(compiled, x, upstream), _run(block, x, upstream)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # inductor fuses: other rounding
+
+
+def test_runs_eagerly_defers_dynamo_and_breaks_at_the_method():
+    """``@runs_eagerly`` (the dispatchers' exchanges): ``import moetrain`` and an eager layer never
+    import ``torch._dynamo``; once prepared, a compiled caller breaks its graph at the method, named
+    in the reason, and nowhere else."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, moetrain\n"
+        "layer = moetrain.MoELayer(d_model=8, d_ff=8, num_experts=2, top_k=1)\n"
+        "layer(torch.randn(3, 8)).sum().backward()\n"
+        "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+    from moetrain.layers.eager import prepare_eager_methods, runs_eagerly
+
+    class Exchange:
+        @runs_eagerly
+        def swap(self, x):
+            return x.flip(0)
+
+        def compute(self, x):
+            return self.swap(x.sin()).cos()
+
+    prepare_eager_methods(Exchange)
+    exchange = Exchange()
+    x = torch.randn(4)
+    explained = torch._dynamo.explain(exchange.compute)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (2, 1), explained.break_reasons
+    reason = explained.break_reasons[0].reason
+    assert "torch.compiler.disable" in reason and "Exchange.swap" in reason, reason
+    assert torch.equal(torch.compile(exchange.compute, backend="aot_eager")(x), exchange.compute(x))

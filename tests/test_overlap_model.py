@@ -3,8 +3,13 @@ planner's use of both (step time less what is hidden, the chunked buffers)."""
 
 from __future__ import annotations
 
-import pytest
+from dataclasses import replace
+from pathlib import Path
 
+import pytest
+import yaml
+
+from moetrain.comm.chunk_cost import Links, run_links
 from moetrain.comm.chunking import (
     ExchangeCost,
     choose_chunks,
@@ -14,6 +19,7 @@ from moetrain.comm.chunking import (
     unchunked_comm_bytes,
 )
 from moetrain.config import ParallelConfig
+from moetrain.config.parallel import A2A_LINK_FIELDS
 from moetrain.planner import PlanSettings, make_plan
 from moetrain.planner.hardware import EMULATED_GLOO_LINKS, M6T_V100_LINKS, cluster_preset
 from moetrain.planner.model import resolve_model
@@ -67,6 +73,27 @@ def test_a2a_chunks_config_values():
 def test_runtime_constants_say_where_they_come_from():
     for links in (EMULATED_GLOO_LINKS, M6T_V100_LINKS):
         assert links.source and links.flops_per_s > 0 and links.inter_node_bandwidth > 0
+
+
+def test_run_links_come_from_the_config_or_the_cpu_fit():
+    """``a2a_chunks="auto"`` at run time: ``parallel.a2a_links`` when set, the measured gloo fit on
+    CPU ranks otherwise, and on GPU ranks an error naming the option (no V100 table behind it)."""
+    stated = dict.fromkeys(A2A_LINK_FIELDS, 1.0)
+    assert run_links(stated, "cuda") == Links(**stated, source="parallel.a2a_links")
+    assert run_links(None, "cpu") is EMULATED_GLOO_LINKS
+    with pytest.raises(ValueError, match="needs parallel.a2a_links"):
+        run_links(None, "cuda")
+    assert ParallelConfig(a2a_links=stated).a2a_links == stated
+    for bad in ({**stated, "extra": 1.0}, {**stated, "flops_per_s": 0}, [1.0] * 5):
+        with pytest.raises(ValueError, match="a2a_links"):
+            ParallelConfig(a2a_links=bad)
+
+
+def test_the_shipped_m6_1t_run_chooses_with_the_m6t_links_as_before():
+    """configs/m6_1t.yaml states the M6-T links the run used to take from the planner's table."""
+    parallel = yaml.safe_load(Path("configs/m6_1t.yaml").read_text())["parallel"]
+    links = run_links(ParallelConfig(**parallel).a2a_links, "cuda")
+    assert replace(links, gpus_per_node=8, source="") == replace(M6T_V100_LINKS, source="")
 
 
 @pytest.fixture(scope="module")

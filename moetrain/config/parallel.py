@@ -8,7 +8,15 @@ from dataclasses import dataclass
 
 from moetrain.config.moe import KERNEL_CHOICES
 from moetrain.config.options import option
-from moetrain.validation import is_int, require_bool, require_choice, require_int
+from moetrain.validation import is_int, require_bool, require_choice, require_int, require_positive_float
+
+A2A_LINK_FIELDS = (
+    "intra_node_latency",
+    "inter_node_latency",
+    "intra_node_bandwidth",
+    "inter_node_bandwidth",
+    "flops_per_s",
+)
 
 EP_LAYOUTS = ("packed", "spread")
 ALL_TO_ALL_ALGORITHMS = ("auto", "flat", "hierarchical", "node_dedup")
@@ -73,6 +81,12 @@ class ParallelConfig:
       the count the planner's alpha-beta model finds fastest for each layer call (agreed by the EP
       group). The node-deduplicating exchange (``all_to_all: node_dedup``) is not chunked:
       ``"auto"`` is 1 there, other counts are refused. See ``docs/expert_parallel.md``.
+    - ``a2a_links``: the constants ``a2a_chunks: auto`` chooses with (:mod:`moetrain.comm.chunk_cost`),
+      a mapping of ``intra_node_latency`` and ``inter_node_latency`` (seconds per message),
+      ``intra_node_bandwidth`` (bytes/s one rank sends inside its node), ``inter_node_bandwidth``
+      (bytes/s one node sends to the others) and ``flops_per_s`` (what the experts reach), all > 0;
+      None: on CPU ranks the fit of the emulated gloo cluster, on GPU ranks an error at the first
+      chunk choice (no measured default there).
     - ``pp_size``: pipeline stages (outermost mesh dimension, ``world = pp x dp x ep x tp``); the
       layer stack the strategy marks ``pipeline`` is cut into ``pp_size`` (x ``pp_virtual``)
       stages (see :mod:`moetrain.pipeline`); 1: no pipeline.
@@ -116,6 +130,13 @@ class ParallelConfig:
             "integer >= 1 (1: no overlap) or 'auto' (the planner's model picks per layer call)"
         ),
     )
+    a2a_links: dict | None = option(
+        None,
+        (
+            "a2a_chunks 'auto': the links' intra_node_latency, inter_node_latency (s), "
+            "intra_node_bandwidth, inter_node_bandwidth (bytes/s) and flops_per_s; None: CPU ranks' fit"
+        ),
+    )
     tp_size: int = option(
         1, "ranks that split the 'split' layers of the strategy (tensor parallelism); they share their data"
     )
@@ -147,6 +168,8 @@ class ParallelConfig:
         require_int("ep_size", self.ep_size, 1)
         if self.a2a_chunks != "auto":
             require_int("a2a_chunks", self.a2a_chunks, 1, note="or 'auto'")
+        if self.a2a_links is not None:
+            _require_links(self.a2a_links)
         require_int("tp_size", self.tp_size, 1)
         require_choice("replica", self.replica, REPLICA_MODES)
         require_bool("fsdp_cpu_offload", self.fsdp_cpu_offload)
@@ -215,3 +238,12 @@ def check_pipeline_microbatches(schedule: str, stages: int, microbatches: int, s
             f"grad_accum = {microbatches} must be a multiple of grad_accum // {stages_key} = {rounds} under "
             "pp_schedule 'interleaved_1f1b' (torch's interleaved schedule runs whole rounds of micro-batches)"
         )
+
+
+def _require_links(links) -> None:
+    """``a2a_links``: a mapping of exactly :data:`A2A_LINK_FIELDS` to positive numbers."""
+    if not isinstance(links, dict) or set(links) != set(A2A_LINK_FIELDS):
+        got = sorted(links) if isinstance(links, dict) else type(links).__name__
+        raise ValueError(f"a2a_links must map exactly {', '.join(A2A_LINK_FIELDS)} to numbers, got {got}")
+    for name in A2A_LINK_FIELDS:
+        require_positive_float(f"a2a_links.{name}", links[name])

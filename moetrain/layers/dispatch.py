@@ -29,11 +29,13 @@ from moetrain.comm.all_to_all import (
     replay_all_to_all,
 )
 from moetrain.comm.buffers import comm_buffer_pool
+from moetrain.comm.chunk_cost import group_layout, layer_overlap_inputs, plan_chunks, run_links
 from moetrain.comm.chunking import unchunked_comm_bytes
 from moetrain.comm.compression import WIRE_DTYPES, wire_row_bytes
 from moetrain.kernels import kernel, native
 from moetrain.kernels.native import accumulate_dtype
 from moetrain.kernels.registration import most_kept_rows
+from moetrain.layers.eager import prepare_eager_methods, runs_eagerly
 from moetrain.layers.overlap import ChunkedExchange, OverlapSettings, chunked_experts
 from moetrain.layers.replay import DispatchRecord, RoutingReplay
 
@@ -190,20 +192,19 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
 
     Legend: P EP ranks, El local experts. A rank whose experts receive nothing still joins every
     exchange (with zero-row splits), so no rank can hang the group. ``dispatch`` and ``combine``
-    run eagerly (``torch.compiler.disable``): a compiled layer breaks its graph around the
-    exchanges and nowhere else (the permutations are opaque operators either way). With recompute
-    replay on, the round's record keeps the exchange plan and the received rows, and a recompute
-    replays them. ``ParallelConfig.a2a_chunks`` other than 1: :meth:`compute` runs the exchange,
-    the experts and the return exchange as one chunked, overlapped pipeline
-    (:mod:`moetrain.layers.overlap`) instead of dispatch -> experts -> combine.
+    run eagerly (``@runs_eagerly``, :mod:`moetrain.layers.eager`): a compiled layer breaks its
+    graph around the exchanges and nowhere else (the permutations are opaque operators either
+    way). With recompute replay on, the round's record keeps the exchange plan and the received
+    rows, and a recompute replays them. ``ParallelConfig.a2a_chunks`` other than 1:
+    :meth:`compute` runs the exchange, the experts and the return exchange as one chunked,
+    overlapped pipeline (:mod:`moetrain.layers.overlap`) instead of dispatch -> experts -> combine.
     """
-
-    _runs_eagerly = False  # dispatch and combine wrapped by torch.compiler.disable yet?
 
     def __init__(
         self, num_experts: int, parallel, kernels: str = "auto", replay: RoutingReplay | None = None
     ):
         super().__init__(num_experts, kernels, replay)
+        prepare_eager_methods(type(self))
         self.parallel = parallel
         self.comm_dtype = parallel.config.comm_dtype
         self.comm_kernels = parallel.config.kernels
@@ -212,12 +213,6 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         self.last_received = None  # the last chunked forward's received rows, D and element size
         self._overlap: OverlapSettings | None = None  # the last chunked forward's settings
         self._unchunked_bytes = 0
-        cls = AllToAllTokenDispatcher
-        if not cls._runs_eagerly:  # here, not at import: torch.compiler.disable imports torch._dynamo (~1 s)
-            cls.dispatch = torch.compiler.disable(cls.dispatch)
-            cls.combine = torch.compiler.disable(cls.combine)
-            cls._compute_chunked = torch.compiler.disable(cls._compute_chunked)
-            cls._runs_eagerly = True
 
     def compute(self, x_TD, plan, gates_TK, experts):
         """With ``a2a_chunks`` other than 1 (eagerly, off ``meta``), the chunked exchange overlapped
@@ -235,6 +230,7 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
             return int(self._overlap.peak_bytes)
         return int(self._unchunked_bytes)
 
+    @runs_eagerly
     def _compute_chunked(self, x_TD, plan, gates_TK, experts):
         record = self.replay.current if self.replay is not None else None
         recording = record is not None and not record.replayed
@@ -264,11 +260,22 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         return super().combine(y_ND, gates_TK, record)
 
     def _proposed_chunks(self, kept_PE, x_ND, experts) -> int:
-        """This rank's choice for ``a2a_chunks="auto"`` (the EP group takes the largest)."""
-        from moetrain.planner.overlap import runtime_chunks
+        """This rank's choice for ``a2a_chunks="auto"`` (the EP group takes the largest): the count
+        with the least modelled time (:mod:`moetrain.comm.chunk_cost`) for sending the kept rows of
+        ``kept_PE [P, E]``, of ``x_ND``'s width and dtype, with the run's links
+        (``ParallelConfig.a2a_links``; CPU ranks: the measured gloo fit)."""
+        parallel = self.parallel
+        links = run_links(parallel.config.a2a_links, x_ND.device.type)
+        links = links.with_ranks_per_node(parallel.local_world_size)
+        layout = group_layout(sorted(parallel.ep_ranks), parallel.local_world_size)
+        row_bytes = wire_row_bytes(x_ND.shape[1], x_ND.dtype, self.comm_dtype)
+        cost, expert_s = layer_overlap_inputs(
+            links, layout, parallel.all_to_all, int(kept_PE.sum()), row_bytes, x_ND.shape[1],
+            experts.w2_EFD.shape[1], experts.activation, links.flops_per_s,
+        )  # fmt: skip
+        return plan_chunks("auto", cost, expert_s)
 
-        return runtime_chunks(self.parallel, int(kept_PE.sum()), x_ND, experts, self.comm_dtype)
-
+    @runs_eagerly
     def dispatch(self, x_TD, plan):
         record = self.replay.current if self.replay is not None else None
         x_ND = permute_tokens(x_TD, plan, self.kernels)
@@ -290,6 +297,7 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         regrouped = regroup_chunks(received, record.recv_counts_PE, self.comm_kernels)  # [expert][source]
         return regrouped, record.recv_counts_PE.sum(0), record
 
+    @runs_eagerly
     def combine(self, y_ND, gates_TK, record):
         returned = regroup_chunks(y_ND, record.recv_counts_PE.t().contiguous(), self.comm_kernels)
         if record.replayed:

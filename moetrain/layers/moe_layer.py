@@ -25,6 +25,7 @@ from torch import nn
 from moetrain.config import MoEConfig, config_from_dict
 from moetrain.layers.dispatch import (
     AllToAllTokenDispatcher,
+    DispatchPlan,
     LocalTokenDispatcher,
     build_dispatch_plan,
     compute_capacity,
@@ -172,98 +173,118 @@ class MoELayer(nn.Module):
         return x.reshape(-1, d_model)
 
     def forward(self, x: torch.Tensor, sequence_lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [..., d_model]``. ``sequence_lengths``: for tokens of several sequences flattened to
-        ``x [T, d_model]`` in sequence-major order (e.g. the real tokens of padded samples), the
-        integer ``[B]`` lengths of the sequences (summing to T); only the sequence-level balance
-        loss uses them, which needs them or inputs ``[..., seq_len, d_model]``."""
+        """``x [..., d_model]`` -> ``y [..., d_model]``: route -> plan -> dispatch / experts /
+        combine (the dispatcher) + the shared expert. ``sequence_lengths``: for tokens of several
+        sequences flattened to ``x [T, d_model]`` in sequence-major order (e.g. the real tokens of
+        padded samples), the integer ``[B]`` lengths of the sequences (summing to T); only the
+        sequence-level balance loss uses them, which needs them or inputs ``[..., seq_len, d_model]``
+        (then ``seq_len = x.shape[-2]``)."""
         cfg = self.config
         x_TD = self._tokens(x)
-        if cfg.seq_aux_loss_coef and x.dim() < 3 and sequence_lengths is None:
+        seq_len = x.shape[-2] if x.dim() >= 3 else None
+        if cfg.seq_aux_loss_coef and seq_len is None and sequence_lengths is None:
             raise ValueError(
                 f"seq_aux_loss_coef needs inputs [..., seq_len, d_model] or sequence_lengths (the balance "
                 f"is per sequence), got shape {tuple(x.shape)}"
             )
-        num_tokens = x_TD.shape[0]
-        dtype = compute_dtype(x)
-
-        capacity = self.capacity(num_tokens)
-        padded = torch.compiler.is_compiling() or x.device.type == "meta"  # shapes independent of routing
-        routing, plan = self._route(x_TD, capacity, padded)
-        expert_ids_TK = routing.expert_ids_TK
+        capacity = self.capacity(x_TD.shape[0])
+        routing, plan = self._route(x_TD, capacity)
         # The aux loss rides on the gates (they feed the output, and under expert parallelism a
         # compiled graph ends at the exchange, so a tensor made before it must carry the loss).
-        sequences = x.shape[-2] if x.dim() >= 3 else None
-        sequences = sequence_lengths if sequence_lengths is not None else sequences
-        gates_TK = self._attach_losses(routing.gates_TK, routing, expert_ids_TK, plan, capacity, sequences)
+        gates_TK = self._attach_losses(routing, plan, capacity, seq_len, sequence_lengths)
+        dtype = compute_dtype(x)
         with autocast_off(x.device.type):
             y_TD = self.dispatcher.compute(x_TD.to(dtype), plan, gates_TK, self.experts)
             if self.shared_expert is not None:
                 y_TD = y_TD + self.shared_expert(x_TD.to(dtype))
-
         if self.recompute_replay:
-            if not torch.compiler.is_compiling():
-                record = self.replay.current
-                if record is not None and not record.replayed:
-                    attach_to_graph(y_TD, record)
-            self.replay.current = None  # the graph (or, compiled, the records) hold it from here
+            self._hand_over_record(y_TD)
         return y_TD.view(*x.shape[:-1], cfg.d_model)
 
-    def _route(self, x_TD: torch.Tensor, capacity: int | None, padded: bool):
-        """(the router's output, with the gates of the experts used, and the dispatch plan). With
-        recompute replay on, a forward inside backward reuses the recorded decision: eagerly the
-        recorded experts and plan (the record holds the plan); in a compiled graph through the
-        ``moetrain::replay_routing`` operator, which decides when the graph runs (the expert ids
-        and the priority order, from which the plan is rebuilt)."""
-        cfg = self.config
-        replaying_eagerly = self.recompute_replay and not torch.compiler.is_compiling()
-        record = self.replay.take() if replaying_eagerly and self.replay.in_recompute() else None
-        routing = self.router(x_TD, None if record is None else record.decision[0])
-        if record is not None:
-            return routing, record.plan
-        priority_S = None
-        if cfg.batch_prioritized_routing:
-            with torch.no_grad():
-                token_score_T = routing.probs_TE.max(dim=-1).values
-                priority_S = token_priority_order(x_TD.shape[0], cfg.top_k, token_score_T)
-        if replaying_eagerly and torch.is_grad_enabled():
+    def _route(self, x_TD: torch.Tensor, capacity: int | None) -> tuple[RouterOutput, DispatchPlan]:
+        """(the router's output for ``x_TD [T, D]``, with the gates ``[T, K]`` of the experts used;
+        the dispatch plan). With recompute replay on, the decision is recorded for a recompute, or
+        a recompute reuses the recorded one: eagerly :meth:`_replay_eagerly`, in a compiled graph
+        :meth:`_replay_in_graph`."""
+        replay_on, compiling = self.recompute_replay, torch.compiler.is_compiling()
+        if replay_on and not compiling and self.replay.in_recompute():
+            return self._replay_eagerly(x_TD)
+        routing = self.router(x_TD)
+        priority_S = self._priority_order(routing) if self.config.batch_prioritized_routing else None
+        if replay_on and compiling:
+            routing, priority_S = self._replay_in_graph(x_TD, routing, priority_S)
+        elif replay_on and torch.is_grad_enabled():
             self.replay.record([routing.expert_ids_TK], digest=None)  # the dispatcher adds the plan
-        elif self.recompute_replay and torch.compiler.is_compiling():
-            decision = [routing.expert_ids_TK] if priority_S is None else [routing.expert_ids_TK, priority_S]
-            decision = torch.ops.moetrain.replay_routing(
-                decision, input_digest(x_TD), self.replay.id, torch.is_grad_enabled()
-            )
-            gates_TK = self.router.gates(routing.probs_TE, decision[0])
-            routing = RouterOutput(routing.logits_TE, routing.probs_TE, decision[0], gates_TK)
-            priority_S = decision[1] if priority_S is not None else None
+        return routing, self._plan(routing, capacity, priority_S)
+
+    def _priority_order(self, routing: RouterOutput) -> torch.Tensor:
+        """Batch-prioritised routing's slot order ``[S]``: tokens by descending top probability."""
+        with torch.no_grad():
+            token_score_T = routing.probs_TE.max(dim=-1).values
+            return token_priority_order(token_score_T.shape[0], self.config.top_k, token_score_T)
+
+    def _plan(self, routing: RouterOutput, capacity: int | None, priority_S) -> DispatchPlan:
+        """The dispatch plan of ``routing.expert_ids_TK`` (padded to a routing-independent row count
+        in compiled graphs and on ``meta``); in training, the routed counts feed the score biases."""
+        cfg = self.config
+        expert_ids_TK = routing.expert_ids_TK
+        padded = torch.compiler.is_compiling() or expert_ids_TK.device.type == "meta"
         plan = build_dispatch_plan(
-            routing.expert_ids_TK,
-            cfg.num_experts,
-            capacity,
-            priority_S,
-            cfg.kernels,
-            padded,
-            ids_in_range=True,
+            expert_ids_TK, cfg.num_experts, capacity, priority_S, cfg.kernels, padded, ids_in_range=True
         )
         if self.training and cfg.score_bias_rate > 0:
             self.router.observe(plan.routed_per_expert_E)
-        return routing, plan
+        return plan
 
-    def _attach_losses(self, gates_TK, routing, expert_ids_TK, plan, capacity, sequences) -> torch.Tensor:
-        """Records ``last_stats`` and returns ``gates_TK`` carrying the aux loss: backward through
-        them adds ``aux_loss_scale * aux_loss``'s gradient. ``sequences``: the sequence length
-        (int) or the lengths tensor, for the sequence-level loss."""
+    def _replay_eagerly(self, x_TD: torch.Tensor) -> tuple[RouterOutput, DispatchPlan]:
+        """A recompute (eager): the router's gates for the recorded experts, and the recorded plan."""
+        record = self.replay.take()
+        return self.router(x_TD, record.decision[0]), record.plan
+
+    def _replay_in_graph(self, x_TD: torch.Tensor, routing: RouterOutput, priority_S):
+        """In a compiled graph: the decision (expert ids ``[T, K]``, the priority order ``[S]`` or
+        None) through the ``moetrain::replay_routing`` operator, which records it in a forward and
+        returns the recorded one in a recompute (it decides when the graph runs); the gates are
+        taken again for the experts it returns."""
+        decision = [routing.expert_ids_TK] if priority_S is None else [routing.expert_ids_TK, priority_S]
+        decision = torch.ops.moetrain.replay_routing(
+            decision, input_digest(x_TD), self.replay.id, torch.is_grad_enabled()
+        )
+        gates_TK = self.router.gates(routing.probs_TE, decision[0])
+        routing = RouterOutput(routing.logits_TE, routing.probs_TE, decision[0], gates_TK)
+        return routing, (decision[1] if priority_S is not None else None)
+
+    def _hand_over_record(self, y_TD: torch.Tensor) -> None:
+        """End of a forward with recompute replay: an eager recorded forward's record goes to the
+        autograd graph of ``y_TD`` (it lives as long as that graph); compiled, the replay keeps it."""
+        record = self.replay.current
+        if not torch.compiler.is_compiling() and record is not None and not record.replayed:
+            attach_to_graph(y_TD, record)
+        self.replay.current = None
+
+    def _attach_losses(
+        self,
+        routing: RouterOutput,
+        plan: DispatchPlan,
+        capacity: int | None,
+        seq_len: int | None,
+        sequence_lengths: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Records ``last_stats`` and returns ``routing.gates_TK`` carrying the aux loss: backward
+        through them adds ``aux_loss_scale * aux_loss``'s gradient. The sequence-level loss takes
+        the lengths ``sequence_lengths [B]`` when given, else sequences of ``seq_len`` tokens."""
         cfg = self.config
+        expert_ids_TK = routing.expert_ids_TK
         zero = routing.probs_TE.new_zeros(())
         balance = load_balancing_loss(routing.probs_TE, expert_ids_TK) if cfg.aux_loss_coef else zero
         z_loss = router_z_loss(routing.logits_TE) if cfg.z_loss_coef else zero
         aux_loss = cfg.aux_loss_coef * balance + cfg.z_loss_coef * z_loss
         if cfg.seq_aux_loss_coef:
-            by_length = isinstance(sequences, torch.Tensor)
             aux_loss = aux_loss + cfg.seq_aux_loss_coef * sequence_balance_loss(
                 routing.probs_TE,
                 expert_ids_TK,
-                None if by_length else sequences,
-                sequences if by_length else None,
+                seq_len if sequence_lengths is None else None,
+                sequence_lengths,
             )
         self.last_stats = MoEStats(
             aux_loss=aux_loss.detach(),
@@ -274,8 +295,8 @@ class MoELayer(nn.Module):
             capacity=capacity,
         )
         if not (cfg.aux_loss_coef or cfg.z_loss_coef or cfg.seq_aux_loss_coef):
-            return gates_TK
-        return attach_aux_loss(gates_TK, aux_loss, self.aux_loss_scale)
+            return routing.gates_TK
+        return attach_aux_loss(routing.gates_TK, aux_loss, self.aux_loss_scale)
 
     def extra_repr(self) -> str:
         cfg = self.config

@@ -87,6 +87,7 @@ from moetrain.layers.dispatch import (
     permute_tokens,
     unpermute_tokens,
 )
+from moetrain.layers.eager import prepare_eager_methods, runs_eagerly
 from moetrain.layers.replay import DispatchRecord, RoutingReplay
 
 
@@ -199,9 +200,7 @@ class NodeDedupTokenDispatcher(LocalTokenDispatcher):
     returns the rows of this rank's experts ordered [local expert][source local rank], the row
     count of each local expert and the round's record; ``combine`` returns ``y_TD``. Like
     :class:`~moetrain.layers.dispatch.AllToAllTokenDispatcher`, both run eagerly under
-    ``torch.compile`` and every rank joins every exchange, rows or none."""
-
-    _runs_eagerly = False  # dispatch and combine wrapped by torch.compiler.disable yet?
+    ``torch.compile`` (``@runs_eagerly``) and every rank joins every exchange, rows or none."""
 
     def __init__(
         self, num_experts: int, parallel, kernels: str = "auto", replay: RoutingReplay | None = None
@@ -219,12 +218,9 @@ class NodeDedupTokenDispatcher(LocalTokenDispatcher):
         self.comm_dtype = parallel.config.comm_dtype
         self.comm_kernels = parallel.config.kernels
         self.last_round_rows = (0, 0, 0)  # copies sent, copies received, node rows held: the last round's
-        cls = NodeDedupTokenDispatcher
-        if not cls._runs_eagerly:  # here, not at import: torch.compiler.disable imports torch._dynamo
-            cls.dispatch = torch.compiler.disable(cls.dispatch)
-            cls.combine = torch.compiler.disable(cls.combine)
-            cls._runs_eagerly = True
+        prepare_eager_methods(type(self))
 
+    @runs_eagerly
     def dispatch(self, x_TD, plan):
         record = self.replay.current if self.replay is not None else None
         if record is not None and record.replayed:
@@ -262,6 +258,7 @@ class NodeDedupTokenDispatcher(LocalTokenDispatcher):
         regrouped = regroup_chunks(received, rnd.recv_counts_LE, self.comm_kernels)  # [expert][source]
         return regrouped, rnd.recv_counts_LE.sum(0), record
 
+    @runs_eagerly
     def combine(self, y_ND, gates_TK, record):
         rnd, rows, wire = record.a2a_plan, record.exchanged, self.comm_dtype
         returned = regroup_chunks(y_ND, rnd.recv_counts_LE.t().contiguous(), self.comm_kernels)

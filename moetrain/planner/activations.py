@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from moetrain.comm.chunk_cost import ffn_flops
 from moetrain.config import MoEConfig
 from moetrain.layers.dispatch import compute_capacity
 from moetrain.planner.model import ModelArch
@@ -235,11 +236,6 @@ def norm_bytes(tokens: int, d_model: int, b: int, kernels: str) -> int:
 def _ffn_hidden_bytes(rows: int, d_ff: int, b: int, activation: str) -> int:
     """Saved inside the FFN after its input: h and act(h), ``swiglu``: h [2F], silu(gate), product."""
     return rows * d_ff * b * (4 if activation == "swiglu" else 2)
-
-
-def ffn_flops(rows: int, d_model: int, d_ff: int, activation: str) -> float:
-    """``2*rows*D*F`` per GEMM; two GEMMs, three for SwiGLU (the first is D x 2F)."""
-    return 2.0 * rows * d_model * d_ff * (3 if activation == "swiglu" else 2)
 
 
 def moe_ffn_bytes(moe: MoEConfig, rows: MoERows, b: int, training: bool = True) -> int:

@@ -44,36 +44,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from moetrain.comm.chunk_cost import GroupLayout, all_to_all_exchange, group_layout  # noqa: F401  (re-exported)
 from moetrain.parallel import NODE_GRID_ALGORITHMS, grid_groups, node_grid, rank_grid
 from moetrain.planner.hardware import ClusterSpec
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DistributedDataParallel's default bucket_cap_mb
 EXPERT_BUCKET_BYTES = 32 * 2**20  # moetrain.grad_sync.ExpertGradReducer's default
-
-
-@dataclass(frozen=True)
-class GroupLayout:
-    """One process group as the planner needs it: ``size`` members, ``nodes`` x ``per_node`` when
-    every node holds the same number (``grid`` True), and for the worst-placed member (most peers
-    on other nodes) its ``intra_peers`` and ``inter_peers``."""
-
-    size: int
-    nodes: int
-    per_node: int
-    grid: bool
-    intra_peers: int
-    inter_peers: int
-
-
-def group_layout(ranks: list[int], gpus_per_node: int) -> GroupLayout:
-    """Layout of a sorted rank list on nodes of ``gpus_per_node``."""
-    grid = node_grid(ranks, gpus_per_node)
-    counts: dict[int, int] = {}
-    for rank in ranks:
-        counts[rank // gpus_per_node] = counts.get(rank // gpus_per_node, 0) + 1
-    fewest = min(counts.values())  # the worst-placed member has the fewest peers on its node
-    nodes, per_node = grid if grid is not None else (len(counts), fewest)
-    return GroupLayout(len(ranks), nodes, per_node, grid is not None, fewest - 1, len(ranks) - fewest)
 
 
 def expert_groups(
@@ -130,24 +106,6 @@ def alpha_beta_seconds(
         + intra_bytes / cluster.intra_node_bandwidth
         + cluster.gpus_per_node * inter_bytes / cluster.inter_node_bandwidth
     )
-
-
-def all_to_all_exchange(
-    layout: GroupLayout, algorithm: str, per_peer_bytes: float
-) -> tuple[float, float, int, int]:
-    """(intra bytes, inter bytes, intra messages, inter messages) a rank sends in one exchange that
-    gives every peer ``per_peer_bytes`` (see the module docstring)."""
-    if layout.size == 1:
-        return 0.0, 0.0, 0, 0
-    if algorithm == "flat":
-        return (
-            layout.intra_peers * per_peer_bytes,
-            layout.inter_peers * per_peer_bytes,
-            layout.intra_peers,
-            layout.inter_peers,
-        )
-    m, l = layout.nodes, layout.per_node
-    return (l - 1) * m * per_peer_bytes, (m - 1) * l * per_peer_bytes, l - 1, m - 1
 
 
 def all_to_all_traffic(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
+from moetrain.comm.chunk_cost import EMULATED_GLOO_LINKS, Links  # noqa: F401  (re-exported)
 from moetrain.validation import require_int, require_nonneg_float, require_positive_float
 
 GiB = 2**30
@@ -235,42 +236,9 @@ def with_overrides(cluster: ClusterSpec, **overrides) -> ClusterSpec:
     return replace(cluster, **overrides)
 
 
-@dataclass(frozen=True)
-class Links:
-    """What the alpha-beta formulas of :mod:`moetrain.planner.comm` read from a cluster, for runs
-    whose cluster the planner is not told about (``a2a_chunks="auto"`` at run time): seconds per
-    message inside and between nodes, bytes/s one rank sends inside its node, bytes/s one node sends
-    to the others (its ranks share it), ranks per node, and the FLOP/s the experts reach."""
-
-    intra_node_latency: float
-    inter_node_latency: float
-    intra_node_bandwidth: float
-    inter_node_bandwidth: float
-    flops_per_s: float
-    gpus_per_node: int = 1
-    source: str = ""
-
-    def with_ranks_per_node(self, ranks: int) -> Links:
-        return replace(self, gpus_per_node=ranks)
-
-
-# fit-constants:begin (written by benchmarks/fit_links.py; edit the script's inputs, not this block)
-EMULATED_GLOO_LINKS = Links(
-    intra_node_latency=0.0001534,
-    inter_node_latency=0.0001534,
-    intra_node_bandwidth=25910000.0,
-    inter_node_bandwidth=22830000.0,  # 200 Mbit/s tbf
-    flops_per_s=17340000000.0,
-    source=(
-        "fitted 2026-11-24 from benchmarks/all_to_all.py --emulated-mbit 100 200 400 (2 nodes x 2 "
-        "ranks, gloo, one fit: the node link is the 200 Mbit/s run's) and a 1-thread fp32 GEMM on "
-        "this machine"
-    ),
-)
-# fit-constants:end
-
 # The M6-T cluster (V100-SXM2-32GB nodes of 8, 35 Gb/s between nodes) as the V100 preset has it, with
-# the planner's default compute efficiency (0.4 of the fp16 peak).
+# the planner's default compute efficiency (0.4 of the fp16 peak): stated figures, not measured ones;
+# configs/m6_1t.yaml gives them to its run as parallel.a2a_links.
 M6T_V100_LINKS = Links(
     intra_node_latency=10e-6,
     inter_node_latency=20e-6,
@@ -280,9 +248,3 @@ M6T_V100_LINKS = Links(
     gpus_per_node=8,
     source="cluster_preset('v100-32gb') with a 35 Gb/s node link, compute efficiency 0.4",
 )
-
-
-def runtime_links(device_type: str) -> Links:
-    """The constants ``a2a_chunks="auto"`` uses at run time: CPU ranks (gloo) the emulated cluster's
-    fit, CUDA ranks the M6-T cluster."""
-    return EMULATED_GLOO_LINKS if device_type == "cpu" else M6T_V100_LINKS
