@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetrain.config.files import apply_overrides, build_train_config, load_config_file
 from moetrain.config import TrainConfig, config_from_dict, model_config_classes, preset_names
+from moetrain.config.files import apply_overrides, build_train_config, load_config_file
 from tests.dist_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
