@@ -29,7 +29,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moetrain.pipeline import bubble_fraction  # noqa: E402
-from tests.dist_utils import run_distributed  # noqa: E402
+from tests.helpers.dist_utils import run_distributed  # noqa: E402
 
 
 class _Busy(torch.autograd.Function):

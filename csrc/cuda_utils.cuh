@@ -10,7 +10,7 @@
 //
 // Only ATen/c10 headers are included (no torch/extension.h, no ATen/cuda/CUDAContext.h): they keep
 // nvcc fast and need no cuBLAS/cuSPARSE headers, so the files also compile against a CPU-only torch
-// (tests/test_cuda_compile.py).
+// (tests/gpu/test_cuda_compile.py).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,9 +1,9 @@
 """The torch APIs moetrain uses that torch does not promise to keep, each behind one wrapper.
 
-Every other module calls these wrappers, never the private names, and ``tests/test_torch_compat.py``
-checks each wrapper's behaviour, so a torch release that renames or changes one fails that test
-(and the wrapper's call raises a RuntimeError naming the torch version) instead of breaking
-somewhere deep in a training run.
+Every other module calls these wrappers, never the private names, and
+``tests/unit/foundation/test_torch_compat.py`` checks each wrapper's behaviour, so a torch release
+that renames or changes one fails that test (and the wrapper's call raises a RuntimeError naming
+the torch version) instead of breaking somewhere deep in a training run.
 
 - :func:`current_graph_task_id`: ``torch._C._current_graph_task_id`` (no public equivalent): tells
   a forward that runs inside a backward pass (an activation-checkpoint recompute) from a plain one.
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 def _missing(name: str) -> RuntimeError:
     return RuntimeError(
         f"torch {torch.__version__} has no {name}, which moetrain relies on (see moetrain/_torch_compat.py); "
-        "use a torch version that tests/test_torch_compat.py passes with"
+        "use a torch version that tests/unit/foundation/test_torch_compat.py passes with"
     )
 
 

@@ -65,8 +65,10 @@ assert ext.HAS_CUDA_KERNELS == $expect_cuda, 'nvcc was found but the extension h
 ")
 
 step "tests"
-tests=(tests/test_build.py tests/test_extension_jit.py tests/test_kernel_ops.py tests/test_permute_ops.py
-       tests/test_a2a_layout.py tests/test_kernel_selection.py tests/test_compile.py tests/test_moe_layer.py
-       tests/test_cpu_adam.py tests/test_offload_optimizer.py tests/test_torch_compat.py tests/test_engine.py
-       tests/test_cuda_kernels.py)
+tests=(tests/gpu/test_build.py tests/gpu/test_extension_jit.py tests/gpu/test_cuda_kernels.py
+       tests/unit/kernels/test_kernel_ops.py tests/unit/kernels/test_permute_ops.py
+       tests/unit/kernels/test_a2a_layout.py tests/unit/kernels/test_kernel_selection.py
+       tests/unit/kernels/test_cpu_adam.py tests/unit/layers/test_compile.py tests/unit/layers/test_moe_layer.py
+       tests/unit/machinery/test_offload_optimizer.py tests/unit/foundation/test_torch_compat.py
+       tests/unit/engine/test_engine.py)
 (cd "$copy" && OMP_NUM_THREADS=2 "$OLDPWD/$venv/bin/python" -m pytest -q --durations=10 -m "not slow or build" "${tests[@]}")

@@ -12,8 +12,8 @@
 # and the next one runs):
 #   build            pip install --no-build-isolation --no-deps -e . (CUDA kernels for the presets' GPUs)
 #   import           the pre-built extension loads with its CUDA kernels
-#   tests            tests/test_cuda_kernels.py (every kernel, the layer on CUDA vs the CPU and fp64),
-#                    tests/test_compile.py
+#   tests            tests/gpu/test_cuda_kernels.py (every kernel, the layer on CUDA vs the CPU and fp64),
+#                    tests/unit/layers/test_compile.py
 #   bench_layer_e8   benchmarks/moe_layer.py --device cuda --dtype bf16 (T=16384, d 4096, d_ff 14336,
 #                    8 experts, top-2: ours over the dense floor, the plain PyTorch MoE, kernel bandwidth)
 #   bench_layer_e64  the same at 64 fine-grained experts (d 2048, d_ff 1408, top-6)
@@ -72,7 +72,7 @@ import torch, moetrain._ext as ext
 print(torch.__version__, torch.cuda.get_device_name(), 'extension', ext.EXTENSION, 'CUDA kernels', ext.HAS_CUDA_KERNELS)
 assert ext.EXTENSION == 'prebuilt' and ext.HAS_CUDA_KERNELS
 "
-run_step tests "$python" -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py tests/test_compile.py
+run_step tests "$python" -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_kernels.py tests/unit/layers/test_compile.py
 run_step bench_layer_e8 "$python" benchmarks/moe_layer.py --device cuda --dtype bf16 --json "$out/moe_layer_e8.json"
 run_step bench_layer_e64 "$python" benchmarks/moe_layer.py --device cuda --dtype bf16 --tokens 16384 \
     --d-model 2048 --d-ff 1408 --experts 64 --top-k 6 --json "$out/moe_layer_e64.json"

@@ -7,7 +7,7 @@ comments of scripts/slurm/m6_1t_480gpu.sbatch, and "How it fits" in docs/planner
 the config's ``recompute_budget_mb`` to the activation budget the planner chose and every
 checkpoint size quoted as "N GiB per rank (N TiB per run)" in the sbatch script and
 scripts/slurm/README.md. Nothing outside the markers and those values is touched. ``--check``
-changes nothing and exits 1 naming every file that is out of date (tests/test_plan_figures.py runs
+changes nothing and exits 1 naming every file that is out of date (tests/docs/test_plan_figures.py runs
 it).
 
 Usage: python scripts/update_plan_figures.py [--check]

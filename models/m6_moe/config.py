@@ -61,7 +61,7 @@ How each preset is built:
   and dropless evaluation (``eval_capacity_factor`` None: under a capacity cut a later token
   could push an earlier one out of its expert, which breaks the causal mask during generation).
 - ``PRESET_PARAMETER_TARGETS`` holds the totals the presets are sized to, each with its source;
-  ``tests/test_m6_model.py`` checks the parameters counted on the ``meta`` device against them
+  ``tests/unit/models/test_m6_model.py`` checks the parameters counted on the ``meta`` device against them
   within ``PRESET_PARAMETER_TOLERANCE`` (5%; measured: base +1.8%, 10B +1.9%, 100B +3.3%, 1T +0.3%).
 """
 

@@ -131,5 +131,5 @@ def chunked_comm_bytes(sent: float, received: float, stages: int, chunks: int) -
     """Most bytes the chunked exchange's pool buffers hold at once (what the layer reports):
     ``min(2 * stages, n)`` trips in flight (``stages`` each way once the pipeline is full), each
     holding one chunk's send and receive buffers: ``min(2 k, n) * (S + R) / n``. Exact when the
-    blocks divide evenly into the chunks (``tests/test_a2a_chunks.py`` measures it)."""
+    blocks divide evenly into the chunks (``tests/distributed/test_a2a_chunks.py`` measures it)."""
     return min(2 * stages, chunks) * (sent + received) / chunks

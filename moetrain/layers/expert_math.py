@@ -22,7 +22,7 @@ over its remainder, whose ``erf``/``exp``/``tanh`` differ from the vector ones i
   (a sum split by chunks would round differently).
 
 Rows are row-stable this way when ``D`` and ``F`` are multiples of 4 (with rows of other widths the
-GEMM's result also depends on each row's address alignment); ``tests/test_expert_math.py`` checks
+GEMM's result also depends on each row's address alignment); ``tests/unit/layers/test_expert_math.py`` checks
 the property for every activation in fp32 and fp64 and fails if a torch or MKL update breaks it.
 On CUDA, cuBLAS picks its kernel by the row count, so chunked and unchunked results there may differ
 in the last bits; the padding costs nothing that matters there.

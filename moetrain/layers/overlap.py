@@ -18,7 +18,7 @@ The rows the experts need again (inputs, hidden rows, activations, and in the ba
 gradients for the weights) are kept in buffers of all ``N_r`` rows in the unchunked order, so the
 weight-gradient GEMMs see exactly the matrices of the unchunked layer: outputs and every gradient are
 bit-identical to ``a2a_chunks = 1`` (on the CPU, in fp32 and fp64, with every wire dtype; see
-``tests/test_a2a_chunks.py``). With recompute replay the record keeps the received rows (the
+``tests/distributed/test_a2a_chunks.py``). With recompute replay the record keeps the received rows (the
 experts' input buffer) and the returned rows; a replayed forward computes the experts again and
 communicates nothing.
 """

@@ -11,7 +11,7 @@ unique storages autograd saves during the forward (parameters excluded), plus tw
 live with the graph outside autograd's saved tensors and that the tests count separately: the
 dispatch index tensors of each MoE layer (``DispatchPlan``) and, for recomputed MoE layers, the
 routing replay record. They were derived op by op from the saved tensors of the real modules
-(``tests/test_planner_validation.py`` checks them against measurement on CPU):
+(``tests/unit/planner/test_planner_validation.py`` checks them against measurement on CPU):
 
 per layer, outside its sub-blocks ("norms")
     2 x (T*D*b norm input + 2*T*s statistics)         s = 4 on CUDA (fp32 mean/rstd), b on CPU

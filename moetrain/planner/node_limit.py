@@ -21,7 +21,7 @@ the planner's byte counts assume everywhere).
   token once per node it reaches) sends across; its bytes are
   :func:`moetrain.planner.comm.node_dedup_traffic`'s.
 
-``tests/test_planner_node_limit.py`` checks these against routing random tokens through real
+``tests/unit/planner/test_planner_node_limit.py`` checks these against routing random tokens through real
 routers; ``benchmarks/node_limited.py`` counts them on 8 gloo ranks.
 """
 

@@ -31,7 +31,7 @@ end of the backward: ``K_j = T*k*8`` expert ids plus the dispatch index (0 witho
 attention backward (``4*T*D*b``: the gradients of q, k, v and the output) and the FFN backward
 (``rows * max(D + H, 2H) * b`` with the hidden width ``H``; rows: ``N_r`` for an MoE layer, ``T``
 for a dense one). Checked against :class:`moetrain.planner.measure.PeakStorageBytes` by
-``tests/test_planner_validation.py`` (table in ``docs/planner.md``).
+``tests/unit/planner/test_planner_validation.py`` (table in ``docs/planner.md``).
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@
   one gradient and one weight copy of every parameter (pinned).
 
 Terms that are estimates, not validated by a test: the reserve and every time (the step peak and
-the all-to-all buffers are checked against measured peaks on the CPU, tests/test_planner_validation.py).
+the all-to-all buffers are checked against measured peaks on the CPU,
+tests/unit/planner/test_planner_validation.py).
 """
 
 from __future__ import annotations

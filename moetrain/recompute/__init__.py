@@ -55,7 +55,7 @@ from moetrain.recompute.profile import measure_saved_bytes, profile_activations
 from moetrain.recompute.recorders import StorageKey, moe_replay_bytes
 from moetrain.recompute.recorders import (
     _MoEReplayRecorder as _MoEReplayRecorder,
-)  # tests/test_node_dedup_dispatch.py
+)  # tests/distributed/test_node_dedup_dispatch.py
 from moetrain.recompute.results import (
     ActivationProfile,
     BlockProfile,

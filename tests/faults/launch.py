@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.dist_utils import free_port
+from tests.helpers.dist_utils import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 INJECT = Path(__file__).with_name("inject.py")

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from tests.dist_utils import free_port
 from tests.faults.launch import ROOT, error_lines, finish, start_ranks, tiny_config, write_config
+from tests.helpers.dist_utils import free_port
 
 
 @pytest.mark.timeout(60)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from moetrain.failures import EXIT_BAD_INPUT, EXIT_RUN_FAILED
-from tests.dist_utils import free_port
 from tests.faults.launch import INJECT, ROOT, tiny_config, write_config
+from tests.helpers.dist_utils import free_port
 
 
 def launch(tmp_path: Path, config: Path, *script: str, timeout: float) -> subprocess.CompletedProcess:

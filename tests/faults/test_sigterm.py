@@ -15,8 +15,8 @@ import pytest
 
 from moetrain.checkpoint import list_checkpoints
 from moetrain.failures import EXIT_PREEMPTED
-from tests.dist_utils import free_port
 from tests.faults.launch import ROOT, tiny_config, write_config
+from tests.helpers.dist_utils import free_port
 
 
 @pytest.mark.timeout(120)

@@ -1,4 +1,5 @@
-"""Launched by tests/test_launch.py under torchrun: EP MoE forward/backward from the environment."""
+"""Launched by tests/distributed/test_launch.py under torchrun: EP MoE forward/backward from the
+environment."""
 
 import json
 import sys

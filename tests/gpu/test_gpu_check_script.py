@@ -1,0 +1,121 @@
+"""scripts/gpu_check.sh runs only where a GPU is, so what a CPU machine can check of it is checked
+here: the script parses, refuses a machine without a GPU with one line, every `moetrain train`
+smoke's config and overrides validate, and every benchmark it calls accepts its flags (and runs,
+shrunk, on the CPU)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from moetrain.cli import build_train_config
+from tests.helpers.paths import ROOT
+
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+
+
+def _logical_lines() -> list[str]:
+    return SCRIPT.read_text().replace("\\\n", " ").splitlines()
+
+
+def test_the_script_parses_and_refuses_a_machine_without_a_gpu(tmp_path):
+    assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: run the script itself")
+    done = subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120, env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert done.returncode == 2
+    expected = f"gpu_check: {sys.executable} has no torch with a usable CUDA GPU; nothing to check"
+    assert done.stderr.strip() == expected
+
+
+SMOKES = [line.split()[1:] for line in _logical_lines() if line.startswith("moetrain_train ")]
+
+
+def test_the_script_has_the_four_training_smokes():
+    assert [smoke[0] for smoke in SMOKES] == [
+        "train_lm",
+        "train_m6_bf16",
+        "train_m6_fp16",
+        "train_m6_offload",
+    ]
+
+
+@pytest.mark.parametrize("smoke", SMOKES, ids=lambda smoke: smoke[0])
+def test_every_training_smoke_is_a_valid_config(smoke, tmp_path):
+    name, config, *overrides = smoke
+    config = build_train_config(str(ROOT / config), ["device=cuda", f"out_dir={tmp_path}", *overrides])
+    assert config.device == "cuda"
+
+
+BENCHMARKS = {
+    m.group(1): shlex.split(m.group(2))
+    for m in (re.match(r'run_step (bench_\w+) "\$python" (.*)', line) for line in _logical_lines())
+    if m
+}
+# The same flags, shrunk to seconds on the CPU: what changes is only the device and the size.
+FEW = ["--repeats", "2", "--warmup", "1"]
+CPU_FLAGS = {
+    "bench_layer_e8": ["--tokens", "256", "--d-model", "64", "--d-ff", "128", *FEW],
+    "bench_layer_e64": ["--tokens", "256", "--d-model", "64", "--d-ff", "32", *FEW],
+    "bench_compile": None,  # compiles two modules for minutes on a CPU: flags checked with --help only
+    "bench_offload": ["--params", "80000", *FEW],
+}
+
+
+def test_the_script_runs_the_four_benchmarks():
+    assert sorted(BENCHMARKS) == sorted(CPU_FLAGS)
+
+
+@pytest.mark.parametrize("name", sorted(CPU_FLAGS))
+def test_every_benchmark_accepts_the_scripts_flags_and_runs_on_the_cpu(name, tmp_path):
+    script, *flags = BENCHMARKS[name]
+    cpu = [("cpu" if flag == "cuda" else flag) for flag in flags]
+    cpu = [str(tmp_path / "out.json") if "$out" in flag else flag for flag in cpu]
+    if CPU_FLAGS[name] is None:
+        done = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        for flag in flags:
+            if flag.startswith("--"):
+                assert flag in done.stdout, flag
+        return
+    done = subprocess.run(
+        [sys.executable, script, *cpu, *CPU_FLAGS[name]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "out.json").read_text())
+
+
+@pytest.mark.parametrize("capacity", [None, 3])
+def test_the_benchmarks_reference_moes_compute_the_same_layer(capacity):
+    """The plain and the torchtitan-style MoE of benchmarks/moe_layer.py are references the layer
+    is timed against: they must compute the same function (fp64, a capacity that drops slots)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import moe_layer
+    finally:
+        sys.path.pop(0)
+    torch = pytest.importorskip("torch")
+    generator = torch.Generator().manual_seed(0)
+    x, router, w1, w2 = (
+        torch.randn(*shape, dtype=torch.float64, generator=generator)
+        for shape in ((20, 8), (4, 8), (4, 8, 12), (4, 12, 8))
+    )
+    plain = moe_layer.plain_pytorch_moe(x, router, w1, w2, 2, capacity)
+    titan = moe_layer.titan_style_moe(x, router, w1, w2, 2, capacity)
+    torch.testing.assert_close(titan, plain, rtol=1e-12, atol=1e-12)
+    if capacity is not None:
+        assert not torch.allclose(plain, moe_layer.plain_pytorch_moe(x, router, w1, w2, 2, None))

@@ -1,0 +1,181 @@
+"""Installing moetrain as a user does, outside this repository's virtual environment.
+
+A fresh virtualenv that already holds torch (and the build tools) runs README's
+``pip install --no-build-isolation .`` on a copy of the repository (pip builds a wheel, compiling
+the extension against that torch, and installs it, not editable), and, from a directory that has
+its own ``models/`` package (as many user projects do), trains the LM (without the ``[m6]`` extra's
+Pillow: no warning) and the M6 model (with it) one step each with the installed ``moetrain`` command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moetrain._build_spec import TORCH_REQUIREMENT
+from tests.helpers.paths import ROOT
+
+BUILD_TOOLS = ["setuptools>=77", "wheel", "ninja", "pybind11", "numpy", "pyyaml"]  # no [m6] extra yet
+
+
+def test_every_package_directory_is_listed_for_the_wheel():
+    """A subpackage missing from pyproject's list imports here but not from the installed wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for init in (ROOT / "moetrain").rglob("__init__.py")
+        if "__pycache__" not in init.parts
+    }
+    assert found - listed == set(), f"add to [tool.setuptools] packages: {sorted(found - listed)}"
+    assert "m6_moe" in listed
+
+
+def test_version_floors_agree_between_the_makefile_and_pyproject():
+    """A package pinned in both the Makefile's DEPS (what `make test` installs) and pyproject's
+    extras carries the same version specifier in each."""
+    import tomllib
+
+    line = next(t for t in (ROOT / "Makefile").read_text().splitlines() if t.startswith("DEPS :="))
+    split = re.compile(r"^([A-Za-z0-9_.-]+)\s*(.*)$")
+
+    def specifiers(requirements) -> dict[str, str]:
+        parsed = (split.match(r.strip()).groups() for r in requirements)
+        return {name.lower(): spec for name, spec in parsed if spec}
+
+    make = specifiers(line.split(":=", 1)[1].split())
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra, requirements in extras.items():
+        for name, spec in specifiers(requirements).items():
+            if name in make:
+                assert spec == make[name], f"{name}: [{extra}] has {spec}, Makefile DEPS {make[name]}"
+    assert "sacrebleu" in make
+
+
+WITHOUT_M6_EXTRA = """
+import logging, sys
+for name in ("PIL", "PIL.Image", "PIL.ImageDraw", "sacrebleu", "sacrebleu.metrics"):
+    sys.modules[name] = None  # an import of these now fails as when they are not installed
+logging.basicConfig(level=logging.DEBUG, format="%(levelname)s %(name)s: %(message)s")
+from moetrain.registry import registered_models
+assert "m6_moe" in registered_models()
+from m6_moe import ensure_synthetic_dataset
+from m6_moe.metrics import bleu4
+for use in (lambda: ensure_synthetic_dataset(sys.argv[1], num_train=1, num_heldout=1, progress=False),
+            lambda: bleu4(["a"], [["a"]])):
+    try:
+        use()
+    except ImportError as error:
+        print(error)
+from moetrain.cli import main
+print("exit", main(["train", "--config", "models/m6_moe/tiny.yaml", "--set", f"out_dir={sys.argv[1]}"]))
+"""
+
+
+def test_m6_registers_without_its_optional_packages_and_names_the_extra_when_they_are_needed(tmp_path):
+    """Pillow and sacrebleu are the ``[m6]`` extra: a base install registers ``m6_moe`` on every
+    command without them and without a warning; an M6 run that needs them stops with one line."""
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_M6_EXTRA, str(tmp_path / "run")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "WARNING" not in done.stderr and "failed to register" not in done.stderr, done.stderr
+    pillow = (
+        "the M6 model reads and draws images with Pillow, which is not installed (pip install 'moetrain[m6]')"
+    )
+    assert done.stdout.splitlines() == [
+        pillow,
+        "BLEU-4 needs the 'sacrebleu' package, which is not installed (pip install 'moetrain[m6]')",
+        "exit 2",
+    ]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("moetrain: error:")]
+    assert len(errors) == 1 and pillow in errors[0] and "Traceback" not in done.stderr
+
+
+def _run(command: list[str], cwd: Path, timeout: float, env: dict | None = None) -> str:
+    result = subprocess.run(
+        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert result.returncode == 0, (
+        f"{' '.join(map(str, command))}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
+    return result.stdout + result.stderr
+
+
+def _copy_sources(destination: Path) -> Path:
+    ignore = shutil.ignore_patterns(
+        ".venv", "build", ".git", "*.so", "__pycache__", "*.egg-info", "runs", "dist"
+    )
+    shutil.copytree(ROOT, destination, ignore=ignore)
+    return destination
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_wheel_in_a_fresh_virtualenv_trains_next_to_a_users_models_package(tmp_path):
+    import torch
+
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)], tmp_path, 120)
+    python = venv / "bin" / "python"
+    pip = [str(python), "-m", "pip", "--disable-pip-version-check", "--quiet"]
+    torch_release = torch.__version__.split("+")[0]
+    _run([*pip, "install", f"torch=={torch_release}", *BUILD_TOOLS], tmp_path, 600)
+
+    source = _copy_sources(tmp_path / "src")
+    env = {**os.environ, "MAX_JOBS": "2"}
+    env.pop("PYTHONPATH", None)
+    # README's command: pip builds a wheel against this environment's torch and installs it (not editable)
+    _run([*pip, "install", "--no-build-isolation", str(source)], tmp_path, 900, env)
+    listing = _run([str(python), "-m", "pip", "show", "--files", "moetrain"], tmp_path, 60, env)
+    assert "__editable__" not in listing and "moetrain/_C" in listing
+    metadata = _run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.requires('moetrain'))"],
+        tmp_path,
+        60,
+        env,
+    )
+    torch_requirement = re.search(r"'(torch[<>=!~][^']*)'", metadata).group(1)  # pip orders the specifiers
+    assert set(torch_requirement[len("torch") :].split(",")) == set(
+        TORCH_REQUIREMENT[len("torch") :].split(",")
+    )
+    assert "moetrain/_csrc/bindings.cpp" in listing  # the sources that build travels with the wheel
+
+    project = tmp_path / "user_project"  # a user's project with its own `models` package
+    (project / "models").mkdir(parents=True)
+    (project / "models" / "__init__.py").write_text("USERS_OWN_MODELS = True\n")
+    moetrain = str(venv / "bin" / "moetrain")
+    lm = {
+        "model": {"name": "moe_lm", "d_model": 32, "num_layers": 1, "num_heads": 2, "max_seq_len": 16,
+                  "moe": {"d_ff": 32, "num_experts": 4, "top_k": 2}},
+        "data": {"micro_batch_size": 2, "seq_len": 16}, "steps": 1, "out_dir": str(project / "runs" / "lm"),
+        "threads": 1, "device": "cpu",
+    }  # fmt: skip
+    (project / "lm.json").write_text(json.dumps(lm))
+    output = _run([moetrain, "train", "--config", "lm.json"], project, 300, env)
+    assert "failed to register" not in output  # m6_moe registers without Pillow (the [m6] extra)
+    _run([*pip, "install", "pillow"], tmp_path, 300)
+    m6 = source / "models" / "m6_moe" / "tiny.yaml"
+    overrides = ["steps=1", "data.micro_batch_size=2", "model.num_layers=1", "threads=1", "device=cpu",
+                 f"out_dir={project / 'runs' / 'm6'}"]  # fmt: skip
+    _run(
+        [moetrain, "train", "--config", str(m6), *(x for o in overrides for x in ("--set", o))],
+        project,
+        300,
+        env,
+    )
+    for run in ("lm", "m6"):
+        metrics = (project / "runs" / run / "metrics.jsonl").read_text().splitlines()
+        assert json.loads(metrics[-1])["step"] == 1
+    probe = "import m6_moe, moetrain, models; print(moetrain.__file__, models.USERS_OWN_MODELS)"
+    where = _run([str(python), "-c", probe], project, 60, env)
+    assert "site-packages" in where and "True" in where

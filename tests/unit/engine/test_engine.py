@@ -1,0 +1,490 @@
+"""The training engine and the `moetrain train` command."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from moetrain.cli import build_train_config, main
+from moetrain.config import TrainConfig, config_from_dict
+from moetrain.engine import Trainer, check_fits, lr_at
+from moetrain.registry import DataShard
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.paths import ROOT
+
+
+def tiny(out_dir, **overrides) -> dict:
+    config = {
+        "model": {
+            "name": "moe_lm",
+            "d_model": 32,
+            "num_layers": 1,
+            "num_heads": 2,
+            "max_seq_len": 16,
+            "moe": {"d_ff": 32, "num_experts": 4, "top_k": 2, "router_jitter": 0.05},
+        },
+        "data": {"micro_batch_size": 4, "seq_len": 16},
+        "optim": {"lr": 3e-3, "warmup_steps": 2},
+        "steps": 8,
+        "out_dir": str(out_dir),
+        "threads": 1,
+        "log_every": 1,
+        "device": "cpu",  # the gloo tests keep to the CPU on a GPU machine too
+    }
+    for key, value in overrides.items():
+        node = config
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return config
+
+
+def run(config: dict, until=None) -> list[float]:
+    return [m["loss"] for m in Trainer(config_from_dict(TrainConfig, config)).train(until=until)]
+
+
+def test_same_config_twice_gives_the_same_losses(tmp_path):
+    first = run(tiny(tmp_path / "a"))
+    second = run(tiny(tmp_path / "b"))
+    assert first == second and len(first) == 8
+    assert all(torch.isfinite(torch.tensor(first)))
+
+
+def test_resume_equals_straight_run(tmp_path):
+    straight = run(tiny(tmp_path / "straight", grad_accum=2))
+    interrupted = run(tiny(tmp_path / "resumed", grad_accum=2), until=4)
+    resumed = run(tiny(tmp_path / "resumed", grad_accum=2))
+    assert len(interrupted) == 4 and len(resumed) == 4
+    assert interrupted + resumed == straight
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"precision": "bf16"},
+        {"precision": "fp16"},
+        {"optim.name": "groupwise"},
+        {"optim.name": "offload", "precision": "bf16"},
+        {"optim.name": "offload", "precision": "fp16", "grad_accum": 2},
+        {"optim.name": "offload", "precision": "bf16", "param_dtype": "bf16"},
+        {"optim.name": "offload", "precision": "fp16", "param_dtype": "fp16"},
+        {"recompute_budget_mb": 0.05},
+    ],
+)
+def test_precisions_and_optimizers_train(tmp_path, overrides):
+    losses = run(tiny(tmp_path, steps=12, **overrides))
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def test_metrics_file_and_checkpoints(tmp_path):
+    run(tiny(tmp_path, checkpoint_every=3, keep_last=2))
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(1, 9))
+    for key in ("loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "expert_load_cv", "dropped_fraction"):
+        assert key in lines[-1]
+    assert len(lines[-1]["expert_load_cv"]) == 1  # one MoE layer
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if not p.name.endswith(".tmp"))
+    assert len([c for c in checkpoints if c.startswith("step_")]) == 2  # keep_last
+
+
+def test_lr_schedule_warmup_then_cosine():
+    config = config_from_dict(
+        TrainConfig, tiny("x", steps=12, **{"optim.warmup_steps": 2, "optim.min_lr_ratio": 0.1})
+    )
+    values = [lr_at(step, config) for step in range(12)]
+    assert values[:2] == [0.5, 1.0] and values[2] == pytest.approx(1.0)
+    assert values[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(0.9 * torch.pi)).item()))
+    assert all(a >= b for a, b in zip(values[2:], values[3:], strict=False))
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_cli_errors_are_one_line_before_training(tmp_path, capsys):
+    good = tiny(tmp_path)
+    cases = {
+        _write(
+            tmp_path, "unknown.json", json.dumps({**good, "optim": {"lrr": 1}})
+        ): "unknown key 'optim.lrr'",
+        _write(tmp_path, "bad.yaml", "model: [unclosed"): "is not valid YAML",
+        str(tmp_path / "missing.yaml"): "cannot read config",
+        _write(tmp_path, "value.json", json.dumps({**good, "precision": "fp8"})): "precision must be one of",
+        _write(
+            tmp_path, "ep.json", json.dumps({**good, "parallel": {"ep_size": 3}})
+        ): "ep_size = 3 must divide",
+        _write(
+            tmp_path, "speeds.json", json.dumps({**good, "balance": {"speeds": [1.0, -2]}})
+        ): "balance.speeds[1] must be a finite number > 0, got -2",
+        _write(tmp_path, "device.json", json.dumps({**good, "device": "tpu"})): "device must be one of",
+    }
+    for path, message in cases.items():
+        assert main(["train", "--config", path]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "metrics.jsonl").exists()
+    run(tiny(tmp_path / "run", steps=2))  # a saved run whose checkpoint then gets truncated
+    saved = next((tmp_path / "run" / "checkpoints" / "step_00000002").glob("*.distcp"))
+    saved.write_bytes(saved.read_bytes()[:100])
+    capsys.readouterr()
+    assert (
+        main(["train", "--config", _write(tmp_path, "run.json", json.dumps(tiny(tmp_path / "run", steps=3)))])
+        == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert saved.name in err and len(err.splitlines()) == 1, err
+
+
+def test_cli_overrides(tmp_path):
+    path = _write(tmp_path, "run.yaml", json.dumps(tiny(tmp_path)))
+    config = build_train_config(path, ["optim.lr=1e-4", "optim.betas=[0.8, 0.9]", "model.moe.top_k=1"])
+    assert config.optim.lr == 1e-4 and config.optim.betas == (0.8, 0.9) and config.model.moe.top_k == 1
+    with pytest.raises(ValueError, match="experts"):
+        check_fits(config_from_dict(TrainConfig, tiny(tmp_path, **{"parallel.ep_size": 8})), 8)
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_checkpoints_then_exits(tmp_path):
+    path = _write(tmp_path, "run.json", json.dumps(tiny(tmp_path, steps=100000)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moetrain.cli", "train", "--config", path],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75, err[-2000:]  # EXIT_PREEMPTED: checkpointed, to be resubmitted
+    assert "SIGTERM: checkpoint saved" in out + err
+    steps = [
+        p
+        for p in (tmp_path / "checkpoints").iterdir()
+        if p.name.startswith("step_") and not p.name.endswith(".tmp")
+    ]
+    assert len(steps) == 1
+
+
+def distributed_worker(rank, world, out_dir, until=None):
+    config = config_from_dict(
+        TrainConfig, tiny(out_dir, **{"parallel.ep_size": world, "parallel.local_world_size": 1})
+    )
+    return [m["loss"] for m in Trainer(config).train(until=until)]
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_with_expert_parallelism_train_and_resume(tmp_path):
+    straight = run_distributed(distributed_worker, 2, str(tmp_path / "straight"))
+    assert straight[0] == straight[1] and len(straight[0]) == 8  # the logged loss is the global mean
+    first = run_distributed(distributed_worker, 2, str(tmp_path / "resumed"), 5)
+    second = run_distributed(distributed_worker, 2, str(tmp_path / "resumed"))
+    assert first[0] + second[0] == straight[0]  # stopped at 5, resumed to 8: the same run
+    assert first[1] + second[1] == straight[1]
+    # The same checkpoint resumed by one process: the experts of both ranks are gathered, and the
+    # rank the saved run had keeps its data stream.
+    fewer = run(tiny(tmp_path / "resumed", steps=10))
+    assert len(fewer) == 2 and all(torch.isfinite(torch.tensor(fewer)))
+
+
+def tensor_parallel_worker(rank, world, out_dir, until=None, replica="ddp", recompute=None):
+    overrides = {"parallel.tp_size": world, "parallel.replica": replica, "steps": 4, "model.num_heads": 4}
+    if recompute is not None:
+        overrides["recompute_budget_mb"] = recompute
+    config = config_from_dict(TrainConfig, tiny(out_dir, **overrides))
+    return [m["loss"] for m in Trainer(config).train(until=until)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tensor_parallel_training_equals_one_process_and_resumes(tmp_path):
+    """tp_size 2 on two ranks (the LM's default strategy: q/k/v, projection, embedding and head
+    split; the head's logits through the parallel cross-entropy): the same losses as one process
+    on the same data, with DDP or FSDP2 replicas and with recompute_budget_mb 0, and a run stopped
+    at step 2 and resumed ends where the straight run ends."""
+    single = run(tiny(tmp_path / "single", steps=4, **{"model.num_heads": 4}))
+    straight = run_distributed(tensor_parallel_worker, 2, str(tmp_path / "straight"))
+    assert straight[0] == straight[1]
+    assert straight[0] == pytest.approx(single, rel=1e-4)
+    first = run_distributed(tensor_parallel_worker, 2, str(tmp_path / "resumed"), 2)
+    second = run_distributed(tensor_parallel_worker, 2, str(tmp_path / "resumed"))
+    assert first[0] + second[0] == pytest.approx(straight[0], rel=1e-6)
+    fsdp = run_distributed(tensor_parallel_worker, 2, str(tmp_path / "fsdp"), None, "fsdp")
+    assert fsdp[0] == pytest.approx(single, rel=1e-4)
+    recomputed = run_distributed(tensor_parallel_worker, 2, str(tmp_path / "recompute"), None, "ddp", 0)
+    assert recomputed[0] == pytest.approx(single, rel=1e-4)  # activation checkpointing of split layers
+
+
+def overflow_worker(rank, world, out_dir):
+    """fp16, ep_size = world: each rank's experts are its own (expert-DP group of one), so an
+    overflow in rank 0's expert gradient reaches no other rank through the gradient reductions."""
+    config = config_from_dict(
+        TrainConfig,
+        tiny(
+            out_dir, steps=4, precision="fp16", **{"parallel.ep_size": world, "parallel.local_world_size": 1}
+        ),
+    )
+    trainer = Trainer(config)
+    if rank == 0:
+        expert_weight = next(p for n, p in trainer.model.named_parameters() if "experts" in n)
+        expert_weight.register_hook(lambda g: torch.full_like(g, float("inf")) if trainer.step == 1 else g)
+    history = trainer.train()
+    dense = [p.detach().clone() for n, p in trainer.model.named_parameters() if "experts" not in n]
+    return [(m["skipped"], m["loss_scale"]) for m in history], dense
+
+
+@pytest.mark.timeout(240)
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    (steps0, dense0), (steps1, dense1) = run_distributed(overflow_worker, 2, str(tmp_path))
+    assert steps0 == steps1
+    assert [skipped for skipped, _ in steps0] == [False, True, False, False]
+    scales = [scale for _, scale in steps0]
+    assert scales[2] == scales[1] / 2  # backed off once, on both ranks
+    assert all(torch.equal(a, b) for a, b in zip(dense0, dense1, strict=True))  # replicas still equal
+
+
+def test_resume_drops_metrics_of_steps_redone(tmp_path):
+    run(tiny(tmp_path, checkpoint_every=3), until=7)  # checkpoints at 3, 6 and 7
+    for step in (6, 7):  # as if the run crashed after step 7 with only step 3 saved
+        shutil.rmtree(tmp_path / "checkpoints" / f"step_{step:08d}")
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 8, "lo')  # a torn last line
+    run(tiny(tmp_path, checkpoint_every=3))
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9))
+
+
+def balanced_worker(rank, world, out_dir, speeds):
+    # Calibration times passes of up to 4 micro-batches: a wider model keeps them well above noise.
+    balance = {"balance.speeds": speeds}
+    if not speeds:
+        balance = {
+            "balance.calibrate": True,
+            "model.d_model": 64,
+            "model.max_seq_len": 64,
+            "data.seq_len": 64,
+            "data.micro_batch_size": 8,
+        }
+    config = config_from_dict(TrainConfig, tiny(out_dir, steps=3, **{"parallel.ep_size": world, **balance}))
+    trainer = Trainer(config)
+    history = trainer.train()
+    return trainer.batches.batch, trainer.loss_weight, [m["tokens_per_s"] > 0 for m in history]
+
+
+@pytest.mark.timeout(240)
+def test_balanced_batches_follow_rank_speeds(tmp_path):
+    results = run_distributed(balanced_worker, 2, str(tmp_path), [3.0, 1.0])
+    (n0, w0, ok0), (n1, w1, ok1) = results
+    assert (n0, n1) == (6, 2)  # 8 sequences split 3:1
+    assert (w0, w1) == (2 * 6 / 8, 2 * 2 / 8)
+    assert all(ok0 + ok1)
+    (n0, w0, _), (n1, w1, _) = run_distributed(balanced_worker, 2, str(tmp_path / "calibrated"), None)
+    assert n0 + n1 == 16 and w0 + w1 == pytest.approx(2.0)  # measured speeds, same global batch
+    with pytest.raises(ValueError, match="balance"):
+        config_from_dict(TrainConfig, tiny(tmp_path, **{"balance.speeds": [1.0], "balance.calibrate": True}))
+
+
+def test_device_choice():
+    from moetrain.engine import resolve_device
+
+    assert resolve_device("cpu", 0, 1) == torch.device("cpu")
+    if torch.cuda.device_count() < 2:
+        assert resolve_device("auto", 0, 2) == torch.device("cpu")  # no GPU for every local rank
+        with pytest.raises(ValueError, match="device = 'cuda' needs one GPU per rank: 2 ranks"):
+            resolve_device("cuda", 1, 2)
+
+
+def test_skipped_bad_records_are_reported_and_logged(tmp_path, caplog):
+    from m6_moe import ensure_synthetic_dataset
+
+    data = ensure_synthetic_dataset(tmp_path / "data", num_train=16, num_heldout=2, size=32, progress=False)
+    manifest = data / "train.jsonl"
+    with open(manifest, "a") as f:
+        f.write("{not json\n")
+    config = build_train_config(
+        str(ROOT / "models/m6_moe/tiny.yaml"),
+        [
+            f"out_dir={tmp_path / 'run'}",
+            f"data.source={manifest}",
+            "model.tasks.skip_bad_records=true",
+            "steps=2",
+            "log_every=1",
+            "data.micro_batch_size=2",
+            "threads=1",
+            "device=cpu",
+        ],
+    )
+    history = Trainer(config).train()
+    assert [m["skipped_records"] for m in history] == [1, 1]
+    out = "\n".join(r.getMessage() for r in caplog.records)
+    assert "data (start, rank 0): 1 bad record skipped:" in out and "invalid JSON" in out
+    assert "data (end, rank 0): 1 bad record skipped:" in out
+
+
+def test_tensorboard_events_when_installed(tmp_path):
+    pytest.importorskip("tensorboard", reason="the optional tensorboard package is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run(tiny(tmp_path, steps=3))
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "expert_load_cv/layer0",
+        "dropped_fraction/layer0",
+    } <= tags
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]
+
+
+BALANCE_GRADIENT = {
+    "model.moe.capacity_factor": None,  # dropless: a rank's capacity would depend on its batch
+    "model.moe.aux_loss_coef": 0.0,  # the balancing loss is not additive over sequences
+    "model.moe.router_jitter": 0.0,
+    "optim.grad_clip": 0.0,
+    "steps": 1,
+}
+
+
+def balanced_gradient_worker(rank, world, out_dir):
+    config = config_from_dict(
+        TrainConfig, tiny(out_dir, **{**BALANCE_GRADIENT, "balance.speeds": [3.0, 1.0]})
+    )
+    trainer = Trainer(config)
+    trainer.train_step()
+    return trainer.batches.batch, {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+
+
+@pytest.mark.timeout(240)
+def test_balanced_step_has_the_gradient_of_the_global_batch(tmp_path):
+    """Through the engine: 2 data-parallel ranks with micro-batches 6 and 2 (speeds 3:1) give the
+    gradient of one process on the same 8 sequences (the loss weights w_r = W * n_r / N)."""
+    from moe_lm import TextBatches
+
+    (n0, grads0), (n1, grads1) = run_distributed(balanced_gradient_worker, 2, str(tmp_path / "ranks"))
+    assert (n0, n1) == (6, 2)
+    config = config_from_dict(TrainConfig, tiny(tmp_path / "one", **BALANCE_GRADIENT))
+    reference = Trainer(config)
+    corpus, seq = reference.batches.corpus, config.data.seq_len
+    draws = [TextBatches(corpus, n, seq, config.seed, rank).next() for rank, n in enumerate((n0, n1))]
+    inputs, targets = (torch.cat(parts) for parts in zip(*draws, strict=True))
+    reference.loss_fn(reference.model(inputs), targets).backward()
+    for name, param in reference.model.named_parameters():
+        torch.testing.assert_close(grads0[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(grads1[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+M6_BALANCE_GRADIENT = [
+    "steps=1",
+    "data.micro_batch_size=4",
+    "model.moe.capacity_factor=null",
+    "model.moe.aux_loss_coef=0.0",
+    "model.moe.router_jitter=0.0",
+    "model.dropout=0.0",
+    "optim.grad_clip=0.0",
+    "threads=1",
+    "device=cpu",
+]
+
+
+def m6_balanced_worker(rank, world, out_dir):
+    overrides = [*M6_BALANCE_GRADIENT, f"out_dir={out_dir}", "balance.speeds=[3.0, 1.0]"]
+    trainer = Trainer(build_train_config(str(ROOT / "models/m6_moe/tiny.yaml"), overrides))
+    trainer.train_step()
+    return trainer.batches.batch, {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+
+
+@pytest.mark.timeout(240)
+def test_balanced_m6_step_has_the_gradient_of_the_mean_over_all_target_tokens(tmp_path):
+    """M6 averages its loss over target tokens, whose number varies between samples: balanced
+    ranks are weighted by their share of the target tokens, so micro-batches 6 + 2 give one
+    process's gradient of the mean over every target token of the same 8 samples."""
+    from m6_moe import build_m6
+    from m6_moe.tasks import count_target_tokens, m6_loss
+
+    (n0, grads0), (n1, grads1) = run_distributed(m6_balanced_worker, 2, str(tmp_path / "ranks"))
+    assert (n0, n1) == (6, 2)
+    config = build_train_config(
+        str(ROOT / "models/m6_moe/tiny.yaml"), [*M6_BALANCE_GRADIENT, f"out_dir={tmp_path / 'one'}"]
+    )
+    model = Trainer(config).model
+    sums, tokens = [], []
+    batches = build_m6(config, DataShard())[1]
+    for start, n in ((0, n0), (n0, n1)):  # rank r reads its slice of the global stream's first 8
+        inputs, labels = batches.draw(start, n)
+        tokens.append(count_target_tokens(labels))
+        sums.append(m6_loss(model(**inputs), labels) * tokens[-1])
+    assert tokens[0] / n0 != tokens[1] / n1  # unequal tokens per sample: sequence weights would be off
+    (sum(sums) / sum(tokens)).backward()
+    for name, param in model.named_parameters():
+        want = torch.zeros_like(param) if param.grad is None else param.grad
+        torch.testing.assert_close(grads0[name], want, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(grads1[name], want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_runtime_failure_is_one_line_naming_rank_step_and_module_with_the_traceback_in_the_log(
+    tmp_path, monkeypatch, capsys
+):
+    from moetrain.layers import MoELayer
+    from moetrain.logs import detach_handlers
+
+    original = MoELayer.forward
+    calls = []
+
+    def failing_forward(self, x):
+        calls.append(1)
+        if len(calls) == 2:  # the second step's forward
+            raise RuntimeError("injected fault\nsecond line of the message")
+        return original(self, x)
+
+    monkeypatch.setattr(MoELayer, "forward", failing_forward)
+    path = _write(tmp_path, "run.json", json.dumps(tiny(tmp_path / "run", steps=4)))
+    try:
+        code = main(["train", "--config", path])
+    finally:
+        detach_handlers()
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("moetrain: error:")]
+    log_file = tmp_path / "run" / "logs" / "rank_0.log"
+    assert code == 1 and len(lines) == 1, err
+    assert lines[0] == (
+        "moetrain: error: rank 0, step 2, forward of module blocks.0.ffn (MoELayer): RuntimeError: injected "
+        f"fault; full traceback in {log_file}"
+    )
+    assert "Traceback" not in err
+    text = log_file.read_text()
+    assert (
+        "Traceback (most recent call last)" in text and "injected fault" in text and "failing_forward" in text
+    )
+
+
+def test_checkpoints_by_wall_clock_time(tmp_path):
+    """checkpoint_every_minutes: a checkpoint once that much time passed since the last one (here
+    so little that every step qualifies, then so much that only the final one is written)."""
+    often = tiny(tmp_path / "often", steps=4, checkpoint_every_minutes=1e-9, keep_last=10)
+    run(often)
+    assert [p.name for p in sorted((tmp_path / "often" / "checkpoints").iterdir())] == [
+        f"step_0000000{s}" for s in (1, 2, 3, 4)
+    ]
+    rarely = tiny(tmp_path / "rarely", steps=4, checkpoint_every_minutes=60, keep_last=10)
+    run(rarely)
+    assert [p.name for p in (tmp_path / "rarely" / "checkpoints").iterdir()] == ["step_00000004"]
