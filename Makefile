@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
-DEPS := setuptools>=77 wheel ninja pybind11 pytest pytest-timeout ruff numpy pyyaml pillow sacrebleu>=2.6 transformers>=5
+DEPS := setuptools>=77 wheel ninja pybind11 pytest pytest-timeout pytest-xdist ruff import-linter numpy pyyaml pillow sacrebleu>=2.6 transformers>=5
 DEPS_STAMP := $(VENV)/.deps-$(shell printf '%s' '$(TORCH) $(DEPS)' | md5sum | cut -c1-12)
 BUILD_STAMP := $(VENV)/.moetrain-built
 SOURCES := setup.py pyproject.toml moetrain/_source_hash.py moetrain/_build_spec.py $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu csrc/*.cuh)
@@ -18,8 +18,13 @@ PYTEST_ARGS ?=
 demo: build
 	$(PY) scripts/demo.py
 
+# Two passes: the tests that time real waits or rates (marker `serial`) run alone after the others,
+# which run on TEST_WORKERS processes (a test file stays on one worker). Exit code 5 (a pass that
+# PYTEST_ARGS left without tests) is not a failure.
+TEST_WORKERS ?= 2
 test: build lint
-	OMP_NUM_THREADS=2 $(PY) -m pytest $(PYTEST_ARGS)
+	OMP_NUM_THREADS=2 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m 'not build and not serial' $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	OMP_NUM_THREADS=2 $(PY) -m pytest -m 'serial and not build' $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # CI's second leg: the floor of the supported torch range (a CUDA build of torch 2.11, as the CUDA
 # images ship it), the extension compiled and linked with nvcc, imported, and the kernel, layer,
@@ -36,6 +41,7 @@ gpu-check:
 lint: $(DEPS_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
 
 bench: build
 	$(PY) benchmarks/moe_layer.py --json benchmarks/moe_layer.json

@@ -18,6 +18,8 @@ from tests.helpers.dist_utils import run_distributed
 from tests.helpers.paths import ROOT
 from tests.scripts.emulated_all_to_all import exchange
 
+pytestmark = pytest.mark.serial  # times real waits and rates: run alone (tests/README.md)
+
 SCRIPT = ROOT / "tests" / "scripts" / "emulated_all_to_all.py"
 
 

@@ -35,6 +35,8 @@ from tests.helpers.slurm_cluster import (
     slurm_cluster_or_skip,
 )
 
+pytestmark = pytest.mark.serial  # times real waits and rates: run alone (tests/README.md)
+
 SLURM_DIR = REPO_ROOT / "scripts" / "slurm"
 TEMPLATES = sorted(SLURM_DIR.glob("*.sbatch"))
 SHELL_SCRIPTS = [*TEMPLATES, SLURM_DIR / "launch_torchrun.sh", SLURM_DIR / "preflight.sh"]

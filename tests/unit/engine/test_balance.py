@@ -19,6 +19,8 @@ from moetrain.planner import PlanSettings
 from moetrain.planner.mixed import plan_mixed_cluster
 from tests.helpers.dist_utils import run_distributed
 
+pytestmark = pytest.mark.serial  # times real waits and rates: run alone (tests/README.md)
+
 
 def test_split_is_proportional_to_speed_and_weights_average_to_one():
     plan = balance_batch(80, [1.0, 2.0, 3.0, 2.0])

@@ -288,6 +288,7 @@ def balanced_worker(rank, world, out_dir, speeds):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.serial  # calibrates rank speeds: run alone
 def test_balanced_batches_follow_rank_speeds(tmp_path):
     results = run_distributed(balanced_worker, 2, str(tmp_path), [3.0, 1.0])
     (n0, w0, ok0), (n1, w1, ok1) = results
@@ -375,6 +376,7 @@ def balanced_gradient_worker(rank, world, out_dir):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.serial  # calibrates rank speeds: run alone
 def test_balanced_step_has_the_gradient_of_the_global_batch(tmp_path):
     """Through the engine: 2 data-parallel ranks with micro-batches 6 and 2 (speeds 3:1) give the
     gradient of one process on the same 8 sequences (the loss weights w_r = W * n_r / N)."""
@@ -414,6 +416,7 @@ def m6_balanced_worker(rank, world, out_dir):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.serial  # calibrates rank speeds: run alone
 def test_balanced_m6_step_has_the_gradient_of_the_mean_over_all_target_tokens(tmp_path):
     """M6 averages its loss over target tokens, whose number varies between samples: balanced
     ranks are weighted by their share of the target tokens, so micro-batches 6 + 2 give one

@@ -4,8 +4,12 @@ import json
 import threading
 import time
 
+import pytest
+
 from moetrain.failures import RunPosition
 from moetrain.watchdog import Watchdog
+
+pytestmark = pytest.mark.serial  # times real waits and rates: run alone (tests/README.md)
 
 
 class DictStore:
