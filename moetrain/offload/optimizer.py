@@ -1,7 +1,9 @@
 """``OffloadOptimizer``: Adam / AdamW whose fp32 master weights and moments live in host memory while
 the model keeps its weights, in their training dtype (fp32, bf16 or fp16), on its device (CPU or
 one CUDA GPU). Apply groups: :mod:`moetrain.offload.apply_groups`; the device <-> host copies of a
-step: :mod:`moetrain.offload.transfers`; ``GroupwiseApply``: :mod:`moetrain.offload.groupwise`.
+step: :mod:`moetrain.offload.transfers`; the delayed update (worker thread, pending weights):
+:mod:`moetrain.offload.delayed_update`; ``state_dict`` / ``load_state_dict``:
+:mod:`moetrain.offload.optimizer_state`; ``GroupwiseApply``: :mod:`moetrain.offload.groupwise`.
 
 Legend: N elements of one flat slice of a parameter (a *segment*); P parameters; G apply groups.
 
@@ -39,30 +41,21 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from moetrain.offload.apply_groups import MASTER_BYTES_PER_ELEMENT, check_apply_groups, plan_apply_groups
 from moetrain.offload.cpu_adam import GRAD_DTYPES, adam_step_multi_, group_hyperparameters
+from moetrain.offload.delayed_update import DelayedUpdateMixin
+from moetrain.offload.optimizer_state import OptimizerStateMixin, check_group_options, is_same_memory
 from moetrain.offload.transfers import Segment, Transfers
-from moetrain.validation import (
-    require_bool,
-    require_choice,
-    require_int,
-    require_nonneg_float,
-    require_numbers,
-)
+from moetrain.validation import require_bool, require_choice, require_int
 
 log = logging.getLogger("moetrain.offload.optimizer")
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PARAM_DEVICE_TYPES = ("cpu", "cuda")
-STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "master")
-# ``overlap="delayed"`` adds to each param's state dict entry (never to ``optimizer.state``):
-# ``pending``, a 0-dim fp32 tensor, 1.0 when ``master`` is one update ahead of the model's weight.
-PENDING_KEY = "pending"
 OVERLAP_MODES = ("none", "delayed")
 # Keys a param group given to OffloadOptimizer may have (``initial_lr``: added by LR schedulers;
 # ``amsgrad`` / ``maximize``: accepted only as False, for state dicts of torch's Adam).
@@ -80,27 +73,7 @@ PARAM_GROUP_KEYS = (
 )
 
 
-# ------------------------------------------------------------------------------------------------
-# Validation
-
-
-def _check_group_options(where: str, group: dict[str, Any]) -> None:
-    """ValueError naming the first bad hyper-parameter of a param group (NaN is out of range)."""
-    for key in ("lr", "eps", "weight_decay"):
-        require_nonneg_float(f"{where}: {key}", group[key])
-    require_numbers(f"{where}: betas", group["betas"], count=2, low=0, high=1, high_open=True)
-    decoupled = group["decoupled_weight_decay"]
-    require_bool(f"{where}: decoupled_weight_decay", decoupled, note="(True: AdamW, False: Adam)")
-    for key in ("amsgrad", "maximize"):
-        if group.get(key, False):
-            raise ValueError(f"{where}: {key} must be False (not supported), got {group[key]!r}")
-
-
-# ------------------------------------------------------------------------------------------------
-# Apply groups
-
-
-class OffloadOptimizer(torch.optim.Optimizer):
+class OffloadOptimizer(DelayedUpdateMixin, OptimizerStateMixin, torch.optim.Optimizer):
     """Adam / AdamW with fp32 master weights and moments in host memory, stepped group by group.
 
     The model's parameters (fp32, bf16 or fp16; contiguous; all on one device, the CPU or one CUDA
@@ -187,7 +160,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             "weight_decay": weight_decay,
             "decoupled_weight_decay": adamw_mode,
         }
-        _check_group_options("OffloadOptimizer", defaults)
+        check_group_options("OffloadOptimizer", defaults)
         self.num_apply_groups = num_apply_groups
         self.group_bytes = group_bytes
         self.device: torch.device | None = None  # of the model's parameters, set by add_param_group
@@ -195,19 +168,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # Whether gradients and weight copies go through host staging buffers: always for a CUDA
         # model. (Tests set it on a CPU model, before the first step, to run that code path.)
         self._staged = self.device.type != "cpu"
-
-    def _reset_overlap(self) -> None:
-        self._executor: ThreadPoolExecutor | None = None  # one worker thread, made at first use
-        self._future: Future | None = None  # the update in flight on the worker
-        # param -> its host weight copy (flat, the param's dtype) to write, or None: cast ``master``
-        self._pending: dict[torch.Tensor, torch.Tensor | None] = {}
-        self._host_grads: dict[torch.Tensor, torch.Tensor] = {}  # param -> flat gradient snapshot
-        self._host_weights: dict[torch.Tensor, torch.Tensor] = {}  # param -> flat weight copy
-        self._weights_written: Any = None  # CUDA event: the last H2D copy from ``_host_weights``
-        self._d2h_stream: Any = None  # CUDA: the side stream of the gradient snapshot
-        # Seconds of the last update's host work: the whole step() (overlap "none"), or the worker's
-        # Adam passes with their waits for the gradients' copies (delayed); None before the first.
-        self.last_update_s: float | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         self.wait_pending()
@@ -242,7 +202,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"{where}: option {unknown[0]!r} is unknown; allowed: {', '.join(PARAM_GROUP_KEYS)}"
             )
-        _check_group_options(where, {**self.defaults, **param_group})
+        check_group_options(where, {**self.defaults, **param_group})
         device = self.device
         for i, param in enumerate(params):
             if not isinstance(param, torch.Tensor):
@@ -284,7 +244,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         grad_scale = 1.0 if grad_scale is None else float(grad_scale)
 
         for index, group in enumerate(self.param_groups):
-            _check_group_options(f"OffloadOptimizer param group {index}", group)
+            check_group_options(f"OffloadOptimizer param group {index}", group)
         self.apply_pending()
         flat_grads = self._flat_grads()
         if not flat_grads:
@@ -323,98 +283,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.last_update_s = time.perf_counter() - start
         return loss
 
-    # -- overlap="delayed" ---------------------------------------------------------------------
-
-    def _start_delayed(
-        self, flat_grads: dict[torch.Tensor, torch.Tensor], steps: dict[torch.Tensor, int], grad_scale: float
-    ) -> None:
-        """Copies the gradients into the host snapshot and starts their update on the worker."""
-        cuda = self.device.type == "cuda"
-        host_grads = {}
-        for param, grad in flat_grads.items():
-            buffer = self._host_grads.get(param)
-            if buffer is None or buffer.dtype != grad.dtype:
-                buffer = torch.empty(grad.numel(), dtype=grad.dtype, pin_memory=cuda)
-                self._host_grads[param] = buffer
-                self._host_weights.setdefault(
-                    param, torch.empty(param.numel(), dtype=param.dtype, pin_memory=cuda)
-                )
-            host_grads[param] = buffer
-        work = self._segments(host_grads)
-        copied, weights_written = [], self._weights_written
-        if cuda:  # on a side stream after the backward, one event per apply group for the worker
-            if self._d2h_stream is None:
-                self._d2h_stream = torch.cuda.Stream(self.device)
-            stream = self._d2h_stream
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for segments in work:
-                    for seg in segments:
-                        seg.grad_N.copy_(flat_grads[seg.param][seg.start : seg.end], non_blocking=True)
-                    copied.append(stream.record_event())
-            keep_alive = list(flat_grads.values())  # the device gradients live until the copies end
-        else:
-            for param, grad in flat_grads.items():
-                host_grads[param].copy_(grad)
-            keep_alive = []
-        hyper = [group_hyperparameters(group) for group in self.param_groups]  # as of this step()
-
-        def update() -> None:
-            if weights_written is not None:  # the last H2D copy out of the weight buffers is done
-                weights_written.synchronize()
-            start = time.perf_counter()
-            for i, segments in enumerate(work):
-                if copied:
-                    copied[i].synchronize()
-                    if i == len(work) - 1:
-                        keep_alive.clear()  # every gradient is on the host
-                copies = [self._host_weights[seg.param][seg.start : seg.end] for seg in segments]
-                grads = [seg.grad_N for seg in segments]
-                self._adam(segments, grads, copies, steps, grad_scale, hyper)
-            keep_alive.clear()
-            self.last_update_s = time.perf_counter() - start
-
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-adam")
-        self._future = self._executor.submit(update)
-        self._pending = {param: self._host_weights[param] for param in flat_grads}
-
-    def wait_pending(self) -> None:
-        """Blocks until the update in flight (if any) has updated masters and moments; the
-        parameters are not written (see :meth:`apply_pending`). Re-raises the worker's error."""
-        future, self._future = self._future, None
-        if future is not None:
-            future.result()
-
-    def apply_pending(self) -> None:
-        """Waits for the update in flight and writes its weights (the cast masters) into the
-        parameters; nothing to do without one. ``step()`` calls it first; a trainer calls it when it
-        skips a step without calling ``step()`` and before using the final weights (evaluation,
-        export, the last checkpoint)."""
-        self.wait_pending()
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, {}
-        cuda = self.device is not None and self.device.type == "cuda"
-        with torch.no_grad():
-            for param, weights in pending.items():
-                source = self.state[param]["master"] if weights is None else weights.view(param.shape)
-                param.detach().copy_(source, non_blocking=cuda and weights is not None)
-        if cuda:  # the next update may overwrite the weight buffers once these copies are done
-            self._weights_written = torch.cuda.current_stream(self.device).record_event()
-
-    @property
-    def has_pending(self) -> bool:
-        """Whether an update is in flight or its weights are not yet in the parameters."""
-        return self._future is not None or bool(self._pending)
-
-    def close(self) -> None:
-        """Applies the pending update and stops the worker thread (a later step starts a new one)."""
-        self.apply_pending()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
-
     def _flat_grads(self) -> dict[torch.Tensor, torch.Tensor]:
         """``{param: flat contiguous gradient}`` for the params that have one, in param-group order."""
         flat_grads = {}
@@ -449,7 +317,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         state["exp_avg"] = torch.zeros(param.shape, dtype=torch.float32)
         state["exp_avg_sq"] = torch.zeros(param.shape, dtype=torch.float32)
         state["master"] = self._new_master(param)
-        if not _is_same_memory(state["master"], param):
+        if not is_same_memory(state["master"], param):
             state["master"].copy_(param.detach())
 
     def _segments(self, flat_grads: dict[torch.Tensor, torch.Tensor]) -> list[list[Segment]]:
@@ -502,7 +370,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             exp_avg_sqs.append(state["exp_avg_sq"].view(-1)[seg.start : seg.end])
             seg_steps.append(steps[seg.param])
             # Decided by the memory, not by the mode: a deep-copied optimizer has separate masters.
-            seg_copies.append(None if _is_same_memory(state["master"], seg.param) else copy_N)
+            seg_copies.append(None if is_same_memory(state["master"], seg.param) else copy_N)
         for index, (masters, seg_grads, exp_avgs, exp_avg_sqs, seg_steps, seg_copies) in lists.items():
             adam_step_multi_(
                 masters,
@@ -514,124 +382,3 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 param_copies_out=seg_copies,
                 **(hyper[index] if hyper is not None else group_hyperparameters(self.param_groups[index])),
             )
-
-    # -- state dict ---------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch's Adam layout plus ``master`` per param; waits for the update in flight first.
-        ``overlap="delayed"``: every param's entry also has ``pending`` (1.0: its weight in the
-        model lacks the last update, which ``master`` holds; see the class docstring)."""
-        self.wait_pending()
-        state_dict = super().state_dict()
-        if self.overlap == "delayed":
-            params = [param for group in self.param_groups for param in group["params"]]
-            for index, values in list(state_dict["state"].items()):
-                pending = float(params[index] in self._pending)
-                state_dict["state"][index] = {**values, PENDING_KEY: torch.tensor(pending)}
-        return state_dict
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a state dict of this class, or of ``torch.optim.Adam`` / ``AdamW`` / ``CPUAdam``.
-
-        Every tensor is copied into this optimizer's own host buffers (nothing of ``state_dict`` is
-        kept). A param's ``master`` (taken from the param when the dict has none, as torch's do) is
-        also written, cast, into the model's parameter, so that weights equal the cast master.
-        Params without an entry in ``state_dict["state"]`` lose their state (fresh moments).
-        Everything is checked before anything changes. Load-state-dict hooks run as in torch.
-        A param whose entry has ``pending`` 1.0 (a checkpoint of ``overlap="delayed"``) keeps its
-        weight until the next ``step()`` / ``apply_pending()`` writes the cast master (at once with
-        ``overlap="none"``); an update in flight here is waited for and dropped.
-        """
-        self.wait_pending()
-        self._pending = {}
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            hook_result = pre_hook(self, state_dict)
-            if hook_result is not None:
-                state_dict = hook_result
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"OffloadOptimizer.load_state_dict: param_groups must have {len(self.param_groups)} "
-                f"groups like this optimizer, got {len(saved_groups)}"
-            )
-        id_to_param, new_groups = {}, []
-        for index, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(
-                    f"OffloadOptimizer.load_state_dict: param group {index} must have "
-                    f"{len(group['params'])} params, got {len(saved['params'])}"
-                )
-            id_to_param.update(zip(saved["params"], group["params"], strict=True))
-            new_group = {key: _deep_copy(value) for key, value in saved.items() if key != "params"}
-            new_group.setdefault("decoupled_weight_decay", group["decoupled_weight_decay"])
-            new_group["params"] = group["params"]
-            _check_group_options(f"OffloadOptimizer.load_state_dict: param group {index}", new_group)
-            new_groups.append(new_group)
-
-        loaded = {}
-        for param_id, values in state_dict["state"].items():
-            where = f"OffloadOptimizer.load_state_dict: state of param id {param_id!r}"
-            if param_id not in id_to_param:
-                raise ValueError(f"{where}: the id must be one of the param groups' params")
-            param = id_to_param[param_id]
-            unknown = sorted(set(values) - {*STATE_KEYS, PENDING_KEY})
-            missing = [key for key in ("step", "exp_avg", "exp_avg_sq") if key not in values]
-            if unknown or missing:
-                raise ValueError(
-                    f"{where}: keys must be {STATE_KEYS} ('master' and {PENDING_KEY!r} optional), "
-                    f"got {sorted(values)}"
-                )
-            for key in ("exp_avg", "exp_avg_sq", "master"):
-                if key in values and tuple(values[key].shape) != tuple(param.shape):
-                    raise ValueError(
-                        f"{where}: {key} must have the param's shape {tuple(param.shape)}, "
-                        f"got {tuple(values[key].shape)}"
-                    )
-            loaded[param] = values
-
-        new_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
-        deferred = []
-        for param, values in loaded.items():
-            state = self.state.get(param) or {}
-            if not state:
-                state = {
-                    "exp_avg": torch.empty(param.shape, dtype=torch.float32),
-                    "exp_avg_sq": torch.empty(param.shape, dtype=torch.float32),
-                    "master": self._new_master(param),
-                }
-            state["step"] = torch.tensor(float(values["step"]), dtype=torch.float32)
-            state["exp_avg"].copy_(values["exp_avg"])
-            state["exp_avg_sq"].copy_(values["exp_avg_sq"])
-            master = state["master"]
-            if _is_same_memory(master, param):
-                if "master" in values:
-                    master.copy_(values["master"])  # writes the param
-            else:
-                master.copy_(values["master"] if "master" in values else param.detach())
-                if float(values.get(PENDING_KEY, 0.0)) != 0.0 and "master" in values:
-                    deferred.append(param)  # written by the next step(), as the saved run would have
-                else:
-                    param.detach().copy_(master)
-            new_state[param] = state
-        self.state = new_state
-        self.param_groups[:] = new_groups
-        self._pending = dict.fromkeys(deferred)
-        if self.overlap == "none":
-            self.apply_pending()
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-
-
-def _is_same_memory(master: torch.Tensor, param: torch.Tensor) -> bool:
-    """Whether ``master`` is the parameter's own memory (an fp32 CPU model)."""
-    return master.device == param.device and master.data_ptr() == param.data_ptr()
-
-
-def _deep_copy(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_deep_copy(item) for item in value)
-    if isinstance(value, dict):
-        return {key: _deep_copy(item) for key, item in value.items()}
-    return value
