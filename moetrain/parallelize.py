@@ -369,33 +369,85 @@ def parallelize(
     afterwards with :func:`materialize`. Call it on every rank with the same arguments (it creates
     DTensors and DDP / FSDP state collectively)."""
     parallel = target if isinstance(target, ParallelContext) else ParallelContext.from_mesh(target)
+    replica, cpu_offload = _replica_options(parallel, replica, cpu_offload)
+    strategy = _chosen_strategy(model, parallel, strategy, auto)
+    assignments = resolve_strategy(model, strategy)
+    stages = None
+    if parallel.pp_size > 1:
+        stages = _split_pipeline_stages(model, assignments, parallel)
+        assignments = resolve_strategy(model, strategy, allow_unmatched=True)
+    experts = _shard_experts_and_splits(model, assignments, parallel)
+    reducers, wrap = [], None
+    module = model
+    if parallel.mesh is not None:
+        module, reducers, wrap = _replicate(
+            model,
+            parallel,
+            assignments,
+            experts,
+            replica,
+            cpu_offload,
+            comm_hook,
+            pipelined=stages is not None,
+        )
+    pipeline = None
+    if stages is not None:
+        from moetrain.pipeline import Pipeline
+
+        chunks, stage_ids, ranges, moe_layers = stages
+        device = next(model.parameters()).device
+        pipeline = Pipeline(model, chunks, stage_ids, ranges, parallel, device, moe_layers)
+    result = Parallelized(model, module, parallel, assignments, replica, reducers, wrap, pipeline)
+    log.debug("%s", result.summary())
+    return result
+
+
+def _replica_options(
+    parallel: ParallelContext, replica: str | None, cpu_offload: bool | None
+) -> tuple[str, bool]:
+    """``replica`` and ``cpu_offload`` of :func:`parallelize`, defaulted from the context's config
+    and checked."""
     replica = replica or parallel.config.replica
     if replica not in REPLICA_MODES:
         raise ValueError(f"replica must be one of {', '.join(map(repr, REPLICA_MODES))}, got {replica!r}")
     cpu_offload = parallel.config.fsdp_cpu_offload if cpu_offload is None else cpu_offload
     if cpu_offload and replica != "fsdp":
         raise ValueError("cpu_offload is FSDP2's offload policy: it needs replica = 'fsdp'")
+    return replica, cpu_offload
+
+
+def _chosen_strategy(model: nn.Module, parallel: ParallelContext, strategy: dict[str, str] | None, auto):
+    """The strategy given, else the model's scope marks for this mesh, else the plain default."""
     if strategy is None:
         marked = strategy_from_scopes(model, parallel, auto=auto) if has_marks(model) else {}
         if marked:
             log.debug("parallelize: the strategy of the model's scopes, %d module(s)", len(marked))
-        strategy = marked or _plain_default(model)
-    elif has_marks(model):
+        return marked or _plain_default(model)
+    if has_marks(model):
         log.debug("parallelize: the strategy given is applied as is, not the model's scope marks")
-    assignments = resolve_strategy(model, strategy)
-    chunks = None
-    stacks = [a.name for a in assignments if a.kind == "pipeline"]
-    if parallel.pp_size > 1:
-        if len(stacks) != 1:
-            raise ValueError(
-                f"pp_size = {parallel.pp_size} needs exactly one strategy entry 'pipeline' naming the layer "
-                f"stack (e.g. {{'blocks': 'pipeline'}}), the strategy marks {stacks or 'none'}"
-            )
-        from moetrain.pipeline import split_stages
+    return strategy
 
-        moe_layers = [name for name, m in model.named_modules() if isinstance(m, MoELayer)]
-        chunks, stage_ids, ranges = split_stages(model, stacks[0], parallel)
-        assignments = resolve_strategy(model, strategy, allow_unmatched=True)
+
+def _split_pipeline_stages(model: nn.Module, assignments, parallel: ParallelContext):
+    """Cuts the strategy's one ``pipeline`` layer stack into this rank's stages (``pp_size > 1``);
+    returns ``(chunks, stage_ids, ranges, moe_layers)``, ``moe_layers``: the MoE layers' names
+    before the cut."""
+    stacks = [a.name for a in assignments if a.kind == "pipeline"]
+    if len(stacks) != 1:
+        raise ValueError(
+            f"pp_size = {parallel.pp_size} needs exactly one strategy entry 'pipeline' naming the layer "
+            f"stack (e.g. {{'blocks': 'pipeline'}}), the strategy marks {stacks or 'none'}"
+        )
+    from moetrain.pipeline import split_stages
+
+    moe_layers = [name for name, m in model.named_modules() if isinstance(m, MoELayer)]
+    chunks, stage_ids, ranges = split_stages(model, stacks[0], parallel)
+    return chunks, stage_ids, ranges, moe_layers
+
+
+def _shard_experts_and_splits(model: nn.Module, assignments, parallel: ParallelContext) -> list:
+    """Checks the split modules against ``tp_size``, slices the experts over expert parallelism and
+    applies tensor parallelism to the split modules; returns the expert layers."""
     tp = parallel.tp_size
     splits = [a for a in assignments if a.kind in SPLIT_KINDS]
     if splits and tp == 1 and parallel.world_size > 1:
@@ -420,49 +472,44 @@ def parallelize(
         for a in splits:
             if isinstance(a.module, DenseFFN):
                 split_dense_ffn(a.module, tp_mesh)
+    return experts
 
+
+def _replicate(model, parallel, assignments, experts, replica, cpu_offload, comm_hook, *, pipelined: bool):
+    """Data parallelism over the mesh: FSDP2 in place, or gradient reducers (experts, split params,
+    and the replicated params of a pipeline) plus DDP, wrapped now or, for a model on ``meta`` or a
+    pipeline, left to later. Returns ``(module, reducers, wrap)``."""
     reducers, wrap = [], None
     module = model
-    if parallel.mesh is not None:
-        expert_params = [p for layer in experts for p in layer.experts.parameters()]
-        if replica == "fsdp":
-            _apply_fsdp(model, parallel, assignments, experts, cpu_offload)
-        else:
-            if expert_params:
-                reducers.append(
-                    GradReducer(
-                        expert_params, parallel.expert_dp_group, parallel.expert_dp_size, parallel.data_count
-                    )
-                )
-            split_params = [p for p in model.parameters() if is_dtensor(p)]
-            if split_params:
-                reducers.append(
-                    GradReducer(split_params, parallel.dense_group, parallel.data_count, parallel.data_count)
-                )
-            if chunks is not None:  # the schedule runs the stages: replicas averaged after it, no DDP
-                ignored = {id(p) for p in expert_params}
-                replicated = [p for p in model.parameters() if id(p) not in ignored and p.requires_grad]
-                reducers.append(
-                    GradReducer(replicated, parallel.dense_group, parallel.data_count, parallel.data_count)
-                )
+    expert_params = [p for layer in experts for p in layer.experts.parameters()]
+    if replica == "fsdp":
+        _apply_fsdp(model, parallel, assignments, experts, cpu_offload)
+        return module, reducers, wrap
+    if expert_params:
+        reducers.append(
+            GradReducer(expert_params, parallel.expert_dp_group, parallel.expert_dp_size, parallel.data_count)
+        )
+    split_params = [p for p in model.parameters() if is_dtensor(p)]
+    if split_params:
+        reducers.append(
+            GradReducer(split_params, parallel.dense_group, parallel.data_count, parallel.data_count)
+        )
+    if pipelined:  # the schedule runs the stages: replicas averaged after it, no DDP
+        ignored = {id(p) for p in expert_params}
+        replicated = [p for p in model.parameters() if id(p) not in ignored and p.requires_grad]
+        reducers.append(
+            GradReducer(replicated, parallel.dense_group, parallel.data_count, parallel.data_count)
+        )
 
-            def wrap():
-                return wrap_data_parallel(model, parallel, comm_hook, ignore=expert_params)
+    def wrap():
+        return wrap_data_parallel(model, parallel, comm_hook, ignore=expert_params)
 
-            on_meta = any(p.device.type == "meta" for p in model.parameters())
-            if chunks is not None:
-                wrap = None
-            elif not on_meta:
-                module, wrap = wrap(), None
-    pipeline = None
-    if chunks is not None:
-        from moetrain.pipeline import Pipeline
-
-        device = next(model.parameters()).device
-        pipeline = Pipeline(model, chunks, stage_ids, ranges, parallel, device, moe_layers)
-    result = Parallelized(model, module, parallel, assignments, replica, reducers, wrap, pipeline)
-    log.debug("%s", result.summary())
-    return result
+    on_meta = any(p.device.type == "meta" for p in model.parameters())
+    if pipelined:
+        wrap = None
+    elif not on_meta:
+        module, wrap = wrap(), None
+    return module, reducers, wrap
 
 
 def materialize(model: nn.Module, device) -> nn.Module:
