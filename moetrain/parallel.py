@@ -303,6 +303,18 @@ class ParallelContext:
         self.config = config
         self.timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
         initialized = dist.is_available() and dist.is_initialized()
+        self._set_sizes(initialized)
+        groups = self._set_rank_grid()
+        self.mesh = None
+        self.dp_group = self.ep_group = self.tp_group = self.expert_dp_group = self.dense_group = None
+        self.intra_node_group = self.inter_node_group = self.pp_group = self.stage_group = None
+        if not initialized:
+            return
+        self._create_groups(groups, mesh, device_type)
+
+    def _set_sizes(self, initialized: bool) -> None:
+        """World size and rank, the parallel sizes (checked against the world) and the node layout."""
+        config = self.config
         self.world_size = dist.get_world_size() if initialized else 1
         self.rank = dist.get_rank() if initialized else 0
         self.ep_size, self.tp_size, self.pp_size = config.ep_size, config.tp_size, config.pp_size
@@ -325,11 +337,15 @@ class ParallelContext:
         self.num_nodes = self.world_size // self.local_world_size
         self.node = self.rank // self.local_world_size
         self.local_rank = self.rank % self.local_world_size
+
+    def _set_rank_grid(self) -> dict[str, list[list[int]]]:
+        """This rank's place in the rank grid (its coordinates and the ranks of its groups) and the
+        all-to-all algorithm; returns every group's ranks by dimension, for :meth:`_create_groups`."""
         stage_world = self.world_size // self.pp_size
         self.dp_size = stage_world // (self.ep_size * self.tp_size)
         self.expert_dp_size = self.dp_size
         self.pp_rank = self.rank // stage_world
-        stage_grid = rank_grid(stage_world, self.ep_size, self.tp_size, config.ep_layout)
+        stage_grid = rank_grid(stage_world, self.ep_size, self.tp_size, self.config.ep_layout)
         self.pipeline_grid = torch.stack([stage_grid + s * stage_world for s in range(self.pp_size)])
         self.grid = self.pipeline_grid[self.pp_rank]
         groups = grid_groups(self.pipeline_grid[0])
@@ -352,12 +368,10 @@ class ParallelContext:
         uniform = all(node_grid(g, self.local_world_size) == grid for g in groups["ep"])
         self.ep_node_grid = grid if uniform else None
         self.all_to_all = self._choose_algorithm()
+        return groups
 
-        self.mesh = None
-        self.dp_group = self.ep_group = self.tp_group = self.expert_dp_group = self.dense_group = None
-        self.intra_node_group = self.inter_node_group = self.pp_group = self.stage_group = None
-        if not initialized:
-            return
+    def _create_groups(self, groups: dict[str, list[list[int]]], mesh, device_type: str | None) -> None:
+        """The mesh (made from ``groups`` unless given) and every process group; a collective."""
         dims = PIPELINE_MESH_DIMS if self.pp_size > 1 else MESH_DIMS
         if mesh is None:
             made = {
