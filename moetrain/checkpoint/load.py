@@ -139,14 +139,7 @@ def load_checkpoint(
     started = time.perf_counter()
     model = unwrap(model)
     layout = rank_layout(parallel, model)
-    error, path = None, None
-    if layout.is_coordinator:
-        try:
-            path = _resolve(Path(directory), step)
-        except (FileNotFoundError, ValueError) as caught:
-            error = caught
-    agree(error, layout)
-    path = Path(broadcast(str(path) if path is not None else None, layout))
+    path = _agreed_path(Path(directory), step, layout)
 
     manifest = _verified_manifest(path, layout)
     if layout.is_coordinator:
@@ -158,29 +151,13 @@ def load_checkpoint(
     files = set(manifest["files"])
 
     experts = expert_params(model)
-    names = parameter_names(model)
-    request, plans, error = None, None, None
     own = layout.rank < manifest["world_size"]  # this rank existed at save time
     wanted = layout.rank if extra_state_rank is None else extra_state_rank
     extra_rank = wanted if wanted < manifest["world_size"] else 0
     one_stage = getattr(parallel, "pp_size", 1) > 1  # the model holds one pipeline stage's part
-    try:
-        request = Request(read_metadata(path, files).state_dict_metadata, path)
-        request_model(request, model, experts, manifest, layout.ep_size, stage=one_stage)
-        if optimizer is not None:
-            if not manifest["optimizer"]:
-                raise ValueError(f"optimizer: checkpoint {path} was saved without an optimizer")
-            plans = request_optimizer(request, optimizer, names, experts)
-        if scheduler is not None:
-            if not manifest["scheduler"]:
-                raise ValueError(f"scheduler: checkpoint {path} was saved without a scheduler")
-            request.as_saved("scheduler", "scheduler")
-        request.as_saved(f"extra_state/rank_{extra_rank}", "extra_state")
-        if own:
-            request.as_saved(f"rng/rank_{layout.rank}", "RNG state")
-    except (ValueError, CheckpointError) as caught:
-        error = caught
-    agree(error, layout)
+    request, plans = _request_entries(
+        path, files, manifest, layout, model, optimizer, scheduler, experts, extra_rank, own, one_stage
+    )
 
     error = None
     try:
@@ -189,28 +166,12 @@ def load_checkpoint(
         error = caught
     agree(error, layout)
 
-    error, optimizer_state, values = None, None, {}
-    try:
-        if optimizer is not None:
-            optimizer_state = optimizer_state_dict(request, plans, optimizer, path, stage=one_stage)
-        if scheduler is not None:
-            values["scheduler"] = request.value("scheduler")
-        values["extra_state"] = request.value(f"extra_state/rank_{extra_rank}")
-        if own:
-            values["rng"] = request.value(f"rng/rank_{layout.rank}")
-    except ValueError as caught:
-        error = caught
-    agree(error, layout)
-
-    model_state = {}
-    for name in model.state_dict():
-        model_state[name] = request.assembled[name] if name in experts else request.value("model/" + name)
-    model.load_state_dict(model_state, strict=True)
-    if optimizer is not None:
-        optimizer.load_state_dict(optimizer_state)
-    if scheduler is not None:
-        scheduler.load_state_dict(values["scheduler"])
-    rng_restored = restore_rng(values["rng"]) if own else []
+    optimizer_state, values = _assembled_values(
+        request, plans, optimizer, scheduler, path, layout, extra_rank, own, one_stage
+    )
+    rng_restored = _set_loaded_state(
+        request, model, experts, optimizer, optimizer_state, scheduler, values, own
+    )
     barrier(layout)
     if layout.is_coordinator:
         log.info(
@@ -226,3 +187,75 @@ def load_checkpoint(
         "saved_ep_size": manifest["ep_size"],
         "rng_restored": rng_restored,
     }
+
+
+def _agreed_path(directory: Path, step: int | None, layout: RankLayout) -> Path:
+    """The checkpoint directory of ``step``, resolved by the coordinator and broadcast; a missing
+    checkpoint or a bad step raises on every rank."""
+    error, path = None, None
+    if layout.is_coordinator:
+        try:
+            path = _resolve(directory, step)
+        except (FileNotFoundError, ValueError) as caught:
+            error = caught
+    agree(error, layout)
+    return Path(broadcast(str(path) if path is not None else None, layout))
+
+
+def _request_entries(
+    path, files, manifest, layout, model, optimizer, scheduler, experts, extra_rank, own, one_stage
+):
+    """Checks the checkpoint's DCP metadata against what this rank needs and requests it: the model,
+    the optimizer, the scheduler, the extra state of ``extra_rank`` and this rank's RNG (``own``).
+    Returns ``(request, optimizer plans)``; a mismatch raises on every rank."""
+    request, plans, error = None, None, None
+    try:
+        request = Request(read_metadata(path, files).state_dict_metadata, path)
+        request_model(request, model, experts, manifest, layout.ep_size, stage=one_stage)
+        if optimizer is not None:
+            if not manifest["optimizer"]:
+                raise ValueError(f"optimizer: checkpoint {path} was saved without an optimizer")
+            plans = request_optimizer(request, optimizer, parameter_names(model), experts)
+        if scheduler is not None:
+            if not manifest["scheduler"]:
+                raise ValueError(f"scheduler: checkpoint {path} was saved without a scheduler")
+            request.as_saved("scheduler", "scheduler")
+        request.as_saved(f"extra_state/rank_{extra_rank}", "extra_state")
+        if own:
+            request.as_saved(f"rng/rank_{layout.rank}", "RNG state")
+    except (ValueError, CheckpointError) as caught:
+        error = caught
+    agree(error, layout)
+    return request, plans
+
+
+def _assembled_values(request, plans, optimizer, scheduler, path, layout, extra_rank, own, one_stage):
+    """The read entries other than the model's: ``(optimizer state dict or None, {"scheduler",
+    "extra_state", "rng": values})``; a bad entry raises on every rank."""
+    error, optimizer_state, values = None, None, {}
+    try:
+        if optimizer is not None:
+            optimizer_state = optimizer_state_dict(request, plans, optimizer, path, stage=one_stage)
+        if scheduler is not None:
+            values["scheduler"] = request.value("scheduler")
+        values["extra_state"] = request.value(f"extra_state/rank_{extra_rank}")
+        if own:
+            values["rng"] = request.value(f"rng/rank_{layout.rank}")
+    except ValueError as caught:
+        error = caught
+    agree(error, layout)
+    return optimizer_state, values
+
+
+def _set_loaded_state(request, model, experts, optimizer, optimizer_state, scheduler, values, own) -> list:
+    """Loads the read state into the model, the optimizer and the scheduler and restores this
+    rank's RNG (``own``: it existed at save time); returns what of the RNG was restored."""
+    model_state = {}
+    for name in model.state_dict():
+        model_state[name] = request.assembled[name] if name in experts else request.value("model/" + name)
+    model.load_state_dict(model_state, strict=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(optimizer_state)
+    if scheduler is not None:
+        scheduler.load_state_dict(values["scheduler"])
+    return restore_rng(values["rng"]) if own else []
