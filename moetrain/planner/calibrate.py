@@ -233,57 +233,16 @@ def calibrate(
         )
     kernels = kernels or ("cuda" if run.peak_allocated is not None else "cpu")
     plan = make_plan(model, cluster, settings, kernels)
-    t, notes = plan.time, []
-    phases = run.phases
-    if "step" in phases:
-        step = phases["step"]
-    elif run.tokens_per_s:
-        step = t["tokens_per_step"] / run.tokens_per_s
-    else:
-        raise ValueError(f"--calibrate {run.run_dir}: the records have neither time/step_s nor tokens_per_s")
-    e0 = settings.compute_efficiency
-    compute = t["compute_s"] + t["recompute_s"]
-    measured = {
-        "step_s": step,
-        "tokens_per_s": t["tokens_per_step"] / step,
-        "compute_s": None,
-        "all_to_all_s": phases.get("all_to_all"),
-        "grad_sync_s": phases.get("grad_sync"),
-        "optimizer_s": phases.get("optimizer"),
-        "peak_allocated_bytes": run.peak_allocated,
-        "peak_reserved_bytes": run.peak_reserved,
-    }
-    if "forward" in phases and "backward" in phases:
-        measured["compute_s"] = phases["forward"] + phases["backward"] - phases.get("all_to_all", 0.0)
-        efficiency = e0 * compute / measured["compute_s"] if measured["compute_s"] > 0 else None
-    else:
-        rest = t["step_s"] - compute
-        efficiency = e0 * compute / (step - rest) if step > rest else None
-        notes.append(
-            "no time/forward_s and time/backward_s in the records: compute_efficiency is fitted to the whole "
-            "step, with the plan's other terms taken as they are"
-        )
-        if efficiency is None:
-            notes.append(
-                f"the measured step ({step:.4g} s) is not longer than the plan's non-compute terms "
-                f"({rest:.4g} s): those are too pessimistic for this run"
-            )
-    link = _link_factor(plan, cluster, phases)
+    notes: list[str] = []
+    measured = _measured(run, plan.time)
+    efficiency = _fitted_efficiency(measured, run.phases, plan.time, settings.compute_efficiency, notes)
+    link = _link_factor(plan, cluster, run.phases)
     if link is None and cluster.world_size > 1:
         notes.append(
             "no time/all_to_all_s or time/grad_sync_s in the records (or not longer than the latencies): "
             "the link constants stay as given"
         )
-    allocated = plan.gpu_total - plan.gpu_memory["reserved"]
-    predicted = {
-        "step_s": t["step_s"],
-        "tokens_per_s": t["tokens_per_s"],
-        "compute_s": compute,
-        "all_to_all_s": t["all_to_all_s"] - t["all_to_all_hidden_s"],
-        "grad_sync_s": t["grad_sync_s"],
-        "optimizer_exposed_s": t["optimizer_exposed_s"],
-        "allocated_bytes": allocated,
-    }
+    predicted = _predicted(plan)
     constants = {"compute_efficiency": efficiency}
     calibrated_cluster = cluster
     if link is not None:
@@ -295,6 +254,84 @@ def calibrate(
         constants["link_bandwidth_factor"] = link
         constants["intra_node_gbs"] = calibrated_cluster.intra_node_bandwidth / 1e9
         constants["inter_node_gbps"] = calibrated_cluster.inter_node_bandwidth * 8 / 1e9
+    constants.update(_memory_constants(run, plan, predicted["allocated_bytes"], notes))
+    calibrated_settings = settings
+    if efficiency is not None:
+        calibrated_settings = settings.replace(compute_efficiency=min(efficiency, 1.0))
+        if efficiency > 1:
+            notes.append(
+                f"compute_efficiency {efficiency:.3g} > 1: the run computed faster than the cluster's peak "
+                "FLOP/s allow (give this machine's --peak-tflops); planned again at 1"
+            )
+    calibrated_plan = make_plan(model, calibrated_cluster, calibrated_settings, kernels)
+    return Calibration(plan, calibrated_plan, run, kernels, measured, predicted, constants, notes)
+
+
+def _measured(run: RunRecords, t: dict) -> dict:
+    """The run's step time, throughput, phases and peak memory (``compute_s`` filled in by
+    :func:`_fitted_efficiency`); ValueError when the records have no step time."""
+    phases = run.phases
+    if "step" in phases:
+        step = phases["step"]
+    elif run.tokens_per_s:
+        step = t["tokens_per_step"] / run.tokens_per_s
+    else:
+        raise ValueError(f"--calibrate {run.run_dir}: the records have neither time/step_s nor tokens_per_s")
+    return {
+        "step_s": step,
+        "tokens_per_s": t["tokens_per_step"] / step,
+        "compute_s": None,
+        "all_to_all_s": phases.get("all_to_all"),
+        "grad_sync_s": phases.get("grad_sync"),
+        "optimizer_s": phases.get("optimizer"),
+        "peak_allocated_bytes": run.peak_allocated,
+        "peak_reserved_bytes": run.peak_reserved,
+    }
+
+
+def _fitted_efficiency(
+    measured: dict, phases: dict[str, float], t: dict, e0: float, notes: list[str]
+) -> float | None:
+    """The compute efficiency that makes the plan's compute take the measured time: from the
+    forward and backward phases when logged (sets ``measured["compute_s"]``), else from the whole
+    step with the plan's other terms as they are; None when it cannot be fitted."""
+    compute = t["compute_s"] + t["recompute_s"]
+    step = measured["step_s"]
+    if "forward" in phases and "backward" in phases:
+        measured["compute_s"] = phases["forward"] + phases["backward"] - phases.get("all_to_all", 0.0)
+        return e0 * compute / measured["compute_s"] if measured["compute_s"] > 0 else None
+    rest = t["step_s"] - compute
+    efficiency = e0 * compute / (step - rest) if step > rest else None
+    notes.append(
+        "no time/forward_s and time/backward_s in the records: compute_efficiency is fitted to the whole "
+        "step, with the plan's other terms taken as they are"
+    )
+    if efficiency is None:
+        notes.append(
+            f"the measured step ({step:.4g} s) is not longer than the plan's non-compute terms "
+            f"({rest:.4g} s): those are too pessimistic for this run"
+        )
+    return efficiency
+
+
+def _predicted(plan: Plan) -> dict:
+    """The plan's figures that the run measures."""
+    t = plan.time
+    return {
+        "step_s": t["step_s"],
+        "tokens_per_s": t["tokens_per_s"],
+        "compute_s": t["compute_s"] + t["recompute_s"],
+        "all_to_all_s": t["all_to_all_s"] - t["all_to_all_hidden_s"],
+        "grad_sync_s": t["grad_sync_s"],
+        "optimizer_exposed_s": t["optimizer_exposed_s"],
+        "allocated_bytes": plan.gpu_total - plan.gpu_memory["reserved"],
+    }
+
+
+def _memory_constants(run: RunRecords, plan: Plan, allocated: float, notes: list[str]) -> dict:
+    """``allocated_memory_ratio`` (measured / planned peak allocated memory) and ``fragmentation``
+    (reserved - allocated, over the step's dynamic memory), where the run logged them."""
+    constants = {}
     if run.peak_allocated is not None:
         constants["allocated_memory_ratio"] = run.peak_allocated / allocated
     else:
@@ -306,16 +343,7 @@ def calibrate(
         fragmentation = (run.peak_reserved - run.peak_allocated) / dynamic if dynamic else None
         constants["fragmentation"] = fragmentation
         notes.append(f"the plan assumes fragmentation {FRAGMENTATION:g} of the step's dynamic memory")
-    calibrated_settings = settings
-    if efficiency is not None:
-        calibrated_settings = settings.replace(compute_efficiency=min(efficiency, 1.0))
-        if efficiency > 1:
-            notes.append(
-                f"compute_efficiency {efficiency:.3g} > 1: the run computed faster than the cluster's peak "
-                "FLOP/s allow (give this machine's --peak-tflops); planned again at 1"
-            )
-    calibrated_plan = make_plan(model, calibrated_cluster, calibrated_settings, kernels)
-    return Calibration(plan, calibrated_plan, run, kernels, measured, predicted, constants, notes)
+    return constants
 
 
 def _link_factor(plan: Plan, cluster: ClusterSpec, phases: dict[str, float]) -> float | None:
