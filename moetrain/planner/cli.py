@@ -73,6 +73,15 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_cluster_arguments(plan)
+    _add_training_arguments(plan)
+    _add_mode_arguments(plan)
+    plan.set_defaults(run=run_plan)
+    return plan
+
+
+def _add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
+    """``--model`` and the cluster: GPU type and count, memory, FLOP/s, links."""
     plan.add_argument(
         "--model",
         help="a registered model's preset (<model>-<preset>: m6-1T, ...) or a YAML/JSON config file "
@@ -117,6 +126,11 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
         type=float,
         help=f"fraction of GPU memory kept free, in [0, 1) (default {DEFAULT_MEMORY_HEADROOM:g})",
     )
+
+
+def _add_training_arguments(plan: argparse.ArgumentParser) -> None:
+    """The training settings planned: parallel sizes, batch, precision, offload, recompute, all-to-all,
+    routing."""
     plan.add_argument("--ep-size", type=int)
     plan.add_argument("--pp-size", type=int, help="pipeline stages (micro-batches: --grad-accum)")
     plan.add_argument("--pp-schedule", choices=PP_SCHEDULES)
@@ -157,6 +171,10 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
         help="node-limited routing: a token's experts on at most this many nodes of the EP group; the plan "
         "reports the nodes reached and inter-node bytes (0: no limit; default: the model's)",
     )
+
+
+def _add_mode_arguments(plan: argparse.ArgumentParser) -> None:
+    """What the command does besides the plan: --recommend, --mixed, --calibrate, and --json."""
     plan.add_argument("--efficiency", type=float, help="fraction of peak FLOP/s reached (default 0.4)")
     plan.add_argument(
         "--recommend",
@@ -179,8 +197,6 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
         "that make them agree",
     )
     plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    plan.set_defaults(run=run_plan)
-    return plan
 
 
 def settings_from_args(args, defaults: dict) -> PlanSettings:
