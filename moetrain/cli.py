@@ -29,6 +29,25 @@ log = logging.getLogger("moetrain.cli")
 INPUT_ERRORS = (ValueError, CheckpointError, OSError, ImportError)
 
 
+def _auto_split(config):
+    """The planner's decision for ``scope.auto()`` modules when ``parallel.auto_gpu`` names the GPU
+    type (the run's nodes and GPUs per node complete the cluster), else None."""
+    if config.parallel.auto_gpu is None:
+        return None
+    from moetrain.planner.auto import RunAutoSplit
+    from moetrain.planner.model import describe, train_seq_len
+    from moetrain.planner.settings import PlanSettings
+
+    model = describe(config.model, None, config)
+    settings = PlanSettings(  # the costs at the run's batch and precision, as `moetrain plan` takes them
+        micro_batch=config.data.micro_batch_size,
+        seq_len=train_seq_len(model, config.data.seq_len),
+        precision=config.precision,
+        autocast=config.precision != "fp32" and config.param_dtype == "fp32",
+    )
+    return RunAutoSplit(config.parallel.auto_gpu, model, settings)
+
+
 def _train(args) -> int:
     import signal
 
@@ -65,7 +84,9 @@ def _train(args) -> int:
     previous = signal.signal(signal.SIGTERM, interrupt)
     trainer = watchdog = None
     try:
-        trainer = Trainer(config, position=position, on_out_dir_locked=start_log_file)
+        trainer = Trainer(
+            config, position=position, on_out_dir_locked=start_log_file, auto=_auto_split(config)
+        )
         trainer.train()
         trainer.close()
         code = EXIT_PREEMPTED if trainer.preempted else EXIT_FINISHED

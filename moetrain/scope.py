@@ -401,7 +401,7 @@ def strategy_from_scopes(model: nn.Module, parallel=None, *, auto=None) -> dict[
             raise ValueError(
                 f"scope.auto() marks {len(autos)} module(s) ({shown}) decided from the mesh and a cluster: "
                 "pass both, as parallelize(model, mesh, auto=AutoSplit(cluster, description)) "
-                "(moetrain.planner.auto) does"
+                "(moetrain.planner.auto) does; under `moetrain train`, set parallel.auto_gpu"
             )
         else:
             chosen = dict(auto(model, parallel, list(autos)))

@@ -31,12 +31,14 @@ import torch
 import torch.distributed as dist
 
 from moetrain.comm.compression import decode_rows, encode_rows
+from moetrain.comm.timing import exchange_span
 from moetrain.kernels import kernel
 
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    out, x = x.new_empty((sum(recv), *x.shape[1:])), x.contiguous()
+    with exchange_span():
+        dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
     return out
 
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from moetrain.comm.buffers import CommBufferPool
 from moetrain.comm.compression import WIRE_DTYPES, decode_rows, encode_rows
+from moetrain.comm.timing import exchange_span
 from moetrain.kernels.native import transpose_chunks_index
 
 
@@ -95,7 +96,8 @@ class Trip:
         )
 
     def advance(self) -> None:
-        self._work.wait()
+        with exchange_span():
+            self._work.wait()
         self.pool.give(self._send)
         self._rows = self._recv
         self.stage += 1

@@ -36,6 +36,7 @@ from moetrain.config.optim import OPTIM_OVERLAPS, OPTIMIZERS, OptimConfig
 from moetrain.config.options import option
 from moetrain.config.parallel import (
     ALL_TO_ALL_ALGORITHMS,
+    AUTO_GPUS,
     COMM_DTYPES,
     EP_LAYOUTS,
     PP_SCHEDULES,
@@ -72,6 +73,7 @@ __all__ = [
     "OPTIM_OVERLAPS",
     "PP_SCHEDULES",
     "PRECISIONS",
+    "AUTO_GPUS",
     "REPLICA_MODES",
     "RESUME_CHOICES",
     "SCORE_FUNCTIONS",

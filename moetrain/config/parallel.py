@@ -46,6 +46,11 @@ def validate_strategy(name: str, strategy) -> dict[str, str]:
     return dict(strategy)
 
 
+# The planner's GPU presets (moetrain.planner.hardware.GPU_PRESETS; a test keeps the two equal): the
+# machines `moetrain train` can describe to the planner for scope.auto() (``auto_gpu``).
+AUTO_GPUS = ("v100-32gb", "a100-80gb", "h100-80gb", "p100-16gb")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How ranks are arranged: a mesh of ``dp x ep x tp`` ranks (see :mod:`moetrain.parallel`);
@@ -153,6 +158,14 @@ class ParallelConfig:
             " match wins); None: the model's default strategy"
         ),
     )
+    auto_gpu: str | None = option(
+        None,
+        (
+            "the GPU type scope.auto() modules are decided for when `moetrain train` parallelizes a model"
+            " built under scopes (a planner preset: " + ", ".join(map(repr, AUTO_GPUS)) + "; the nodes and"
+            " GPUs per node are the run's); None: scope.auto() is an error there"
+        ),
+    )
     pp_size: int = option(1, "pipeline stages (outermost mesh dimension: world = pp x dp x ep x tp); 1: none")
     pp_schedule: str = option("1f1b", "pipeline schedule: 'gpipe', '1f1b' or 'interleaved_1f1b'")
     pp_virtual: int = option(1, "pipeline stages per rank (> 1 only with pp_schedule 'interleaved_1f1b')")
@@ -171,6 +184,8 @@ class ParallelConfig:
         if self.a2a_links is not None:
             _require_links(self.a2a_links)
         require_int("tp_size", self.tp_size, 1)
+        if self.auto_gpu is not None:
+            require_choice("auto_gpu", self.auto_gpu, AUTO_GPUS)
         require_choice("replica", self.replica, REPLICA_MODES)
         require_bool("fsdp_cpu_offload", self.fsdp_cpu_offload)
         if self.fsdp_cpu_offload and self.replica != "fsdp":

@@ -169,7 +169,7 @@ class RunSetUp:
         self.loss_weight = 1.0  # hardware-aware balancing: W * n_r / N
         self.global_batch = config.data.micro_batch_size * self.parallel.data_count
         self.strategy = run_strategy(config, spec, self.model)
-        self.trained = parallelize(self.model, self.parallel, self.strategy)
+        self.trained = parallelize(self.model, self.parallel, self.strategy, auto=self.auto)
         self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_at(step, config))
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)

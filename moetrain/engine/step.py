@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from moetrain.comm.timing import recording_exchanges
 from moetrain.engine.setup import to_device
 from moetrain.layers import MoELayer, discard_routed_counts, set_aux_loss_scale, update_score_biases
 from moetrain.layers.experts import local_tensor
@@ -109,13 +110,14 @@ class TrainingStep:
         loss_scale = self.scaler.get_scale() if self.scaler is not None else 1.0
         self.optimizer.zero_grad(set_to_none=True)
         losses, auxes = [], []
-        if self.trained.pipeline is not None:
-            losses, auxes = self._pipeline_step(loss_scale)
-        else:
-            for micro in range(config.grad_accum):
-                loss, aux, share = self._micro_step(micro == config.grad_accum - 1, loss_scale)
-                losses.append(loss * share)
-                auxes.append(aux)
+        with recording_exchanges(self.phases):  # time/all_to_all_s: inside forward and backward
+            if self.trained.pipeline is not None:
+                losses, auxes = self._pipeline_step(loss_scale)
+            else:
+                for micro in range(config.grad_accum):
+                    loss, aux, share = self._micro_step(micro == config.grad_accum - 1, loss_scale)
+                    losses.append(loss * share)
+                    auxes.append(aux)
         self.position.phase = "gradient sync"
         with self.phases.phase("grad_sync"):
             self.trained.reduce_gradients()

@@ -28,13 +28,18 @@ class Trainer(TrainingLoop, TrainingStep, StepMetrics, RunSetUp):
     :class:`~moetrain.engine.loop.TrainingLoop` (the loop, checkpoints, resuming).
     """
 
-    def __init__(self, config: TrainConfig, position: RunPosition | None = None, on_out_dir_locked=None):
+    def __init__(
+        self, config: TrainConfig, position: RunPosition | None = None, on_out_dir_locked=None, auto=None
+    ):
         """``on_out_dir_locked(rank)``: called once this run owns ``out_dir`` (the command line
-        then starts the rank's log file there). When set-up fails at any stage (or is interrupted:
-        any exception, ``KeyboardInterrupt`` included) what it had started is released before the
+        then starts the rank's log file there). ``auto``: the decision for modules built under
+        ``scope.auto()`` (``parallelize``'s ``auto``; the command line passes the planner's
+        ``RunAutoSplit`` when ``parallel.auto_gpu`` is set). When set-up fails at any stage (or is
+        interrupted: any exception, ``KeyboardInterrupt`` included) what it had started is released before the
         exception propagates: the ``out_dir`` lock, the watchdog, the data loader, the checkpoint
         writer."""
         self.config = config
+        self.auto = auto
         self.position = position if position is not None else RunPosition()
         self.lock = self.watchdog = self.writer = self.batches = None
         try:

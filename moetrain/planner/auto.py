@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from moetrain.planner.hardware import ClusterSpec
+from moetrain.planner.hardware import ClusterSpec, cluster_preset
 from moetrain.planner.model import ModelDescription
 from moetrain.planner.plan import resolve_seq_len
 from moetrain.planner.settings import PlanSettings
@@ -82,3 +82,19 @@ class AutoSplit:
 
 
 __all__ = ["AutoSplit"]
+
+
+class RunAutoSplit:
+    """:class:`AutoSplit` for a run whose machines are known only once its process groups exist
+    (``moetrain train`` with ``parallel.auto_gpu``): at ``parallelize`` time the cluster is
+    ``cluster_preset(gpu, nodes=parallel.num_nodes, gpus_per_node=parallel.local_world_size)``, the
+    run's own node layout, and the decision is :class:`AutoSplit`'s. ``last`` is that AutoSplit."""
+
+    def __init__(self, gpu: str, model: ModelDescription, settings: PlanSettings | None = None):
+        self.gpu, self.model, self.settings = gpu, model, settings
+        self.last: AutoSplit | None = None
+
+    def __call__(self, module: nn.Module, parallel, names: Sequence[str]) -> dict[str, str]:
+        cluster = cluster_preset(self.gpu, nodes=parallel.num_nodes, gpus_per_node=parallel.local_world_size)
+        self.last = AutoSplit(cluster, self.model, self.settings)
+        return self.last(module, parallel, names)

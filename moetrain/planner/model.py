@@ -19,6 +19,7 @@ the terms saved outside its layers (``ModelArch.outside``; see :mod:`moetrain.pl
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -29,6 +30,8 @@ from torch import nn
 
 from moetrain.config import MoEConfig
 from moetrain.layers.experts import GroupedExperts
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -283,6 +286,34 @@ def train_seq_len(model: ModelDescription, data_seq_len: int) -> int:
     return data_seq_len if model.seq_len_from_data is None else model.seq_len_from_data(data_seq_len)
 
 
+def strategy_from_marks(model: ModelDescription, tp_size: int, pp_size: int = 1) -> dict[str, str] | None:
+    """The strategy the scopes of a model built under Whale's annotations give at ``tp_size``
+    (:func:`moetrain.scope.strategy_from_scopes`, the model built on ``meta``), None when it has no
+    marks. ``scope.auto()`` parts are planned replicated, with a warning: their split is decided at
+    run time (``parallel.auto_gpu``), and ``moetrain plan --recommend`` searches it."""
+    from types import SimpleNamespace
+
+    from moetrain.scope import has_marks, strategy_from_scopes
+
+    module = build_on_meta(model.build)
+    if not has_marks(module):
+        return None
+    autos: list[str] = []
+
+    def replicate(_module, _parallel, names):
+        autos.extend(names)
+        return {}
+
+    layout = SimpleNamespace(tp_size=tp_size, pp_size=pp_size)
+    strategy = strategy_from_scopes(module, layout, auto=replicate)
+    if autos:
+        log.warning(
+            "%s: %d module(s) built under scope.auto() planned replicated (their split is decided at run "
+            "time; --recommend searches it)", model.name, len(autos),
+        )  # fmt: skip
+    return strategy
+
+
 def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
     import yaml
 
@@ -327,6 +358,8 @@ def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
 
             hook = spec_for_config(train.model).strategy
             strategy = train.parallel.strategy or (hook(train) if hook is not None else None)
+            if strategy is None:
+                strategy = strategy_from_marks(model, train.parallel.tp_size, train.parallel.pp_size)
             defaults.update(tp_size=train.parallel.tp_size, strategy=strategy)
         return model, defaults
     classes = model_config_classes()

@@ -12,6 +12,8 @@ scopes' marks) against ``parallelize(model, mesh, pattern_table)`` on the same m
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -295,3 +297,50 @@ def test_auto_scopes_split_what_plan_recommend_splits_and_train_alike():
         assert auto_kinds == rec_kinds and auto_kinds["embed"] == "split", r["kinds"]
         assert auto_kinds["head"] == "split.head" and auto_kinds["blocks.0.ffn"] == "expert"
         assert r["losses"][0] == r["losses"][1] and r["weights_equal"], r["losses"]
+
+
+def train_auto_worker(rank, world, out_dir):
+    """``moetrain train``'s way in: the config (``auto_lm``, registered by ``imports``) with
+    ``parallel.auto_gpu``, the command line's decision object handed to the Trainer."""
+    from moetrain.cli import _auto_split
+    from moetrain.config import TrainConfig, config_from_dict
+    from moetrain.engine import Trainer
+    from tests.unit.engine.test_engine import tiny
+
+    def config(**extra):
+        data = tiny(f"{out_dir}/run{len(extra)}", steps=2, precision="bf16")
+        data["imports"] = ["tests.helpers.scoped_lm"]
+        data["model"] = {"name": "auto_lm", "vocab_size": AUTO.vocab_size, "d_model": AUTO.d_model,
+                         "num_layers": 1, "num_heads": 4, "max_seq_len": 16,
+                         "moe": {"d_ff": 128, "num_experts": 4, "top_k": 2}}  # fmt: skip
+        data["data"] = {"micro_batch_size": 2, "seq_len": 16}
+        data["parallel"] = {"tp_size": 2, "local_world_size": 2, **extra}
+        return config_from_dict(TrainConfig, data)
+
+    try:
+        Trainer(config())
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    chosen = config(auto_gpu="a100-80gb")
+    trainer = Trainer(chosen, auto=_auto_split(chosen))
+    try:
+        history = trainer.train()
+        kinds = {a.name: a.kind for a in trainer.trained.assignments if a.kind != "replica"}
+    finally:
+        trainer.close()
+    return refused, kinds, [m["loss"] for m in history]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_moetrain_train_decides_auto_scopes_for_the_gpu_the_config_names(tmp_path):
+    """A registered model built under scope.auto() through ``moetrain train`` on 4 ranks (2 nodes x
+    2, tp2): without ``parallel.auto_gpu`` one error naming it; with ``a100-80gb`` the units split
+    are those of the direct parallelize(..., auto=AutoSplit(...)) test above (embedding, head), and
+    it trains."""
+    for refused, kinds, losses in run_distributed(train_auto_worker, 4, str(tmp_path)):
+        assert refused is not None and "parallel.auto_gpu" in refused, refused
+        assert kinds["embed"] == "split" and kinds["head"] == "split.head", kinds
+        assert kinds["blocks.0.ffn"] == "expert", kinds
+        assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses), losses

@@ -5,7 +5,8 @@
   config's ``imports: [tests.helpers.scoped_lm]``); its registry entry has no strategy hook, so a run applies
   the scopes' marks.
 - :func:`auto_lm`: the LM's modules with no scope inside, built under ``set_default("auto")``: the
-  planner decides every unit."""
+  planner decides every unit. Registered as ``auto_lm`` (its describe hook is the LM's), for
+  ``moetrain train`` with ``parallel.auto_gpu``."""
 
 from __future__ import annotations
 
@@ -111,3 +112,36 @@ def build_staged_lm(config, shard):
 
 
 register_model("staged_lm", StagedLMConfig, build_staged_lm)
+
+
+@dataclass(frozen=True)
+class AutoLMConfig:
+    """:class:`LMConfig`'s keys, for :func:`auto_lm` registered as ``auto_lm``."""
+
+    vocab_size: int = 256
+    d_model: int = 32
+    num_layers: int = 2
+    num_heads: int = 2
+    max_seq_len: int = 16
+    moe: MoEConfig = field(default_factory=lambda: MoEConfig(d_model=32, d_ff=32, num_experts=4, top_k=2))
+
+    def lm(self) -> LMConfig:
+        return LMConfig(**{f.name: getattr(self, f.name) for f in fields(LMConfig)})
+
+
+def build_auto_lm(config, shard):
+    corpus = load_text_corpus(config.data.source, config.data.seq_len + 2)
+    model = auto_lm(config.model.lm(), seed=config.seed)
+    batches = TextBatches(corpus, config.data.micro_batch_size, config.data.seq_len, config.seed, shard.index)
+    return model, batches, lm_loss
+
+
+def describe_auto_lm(config: AutoLMConfig, name: str):
+    import dataclasses
+
+    from moe_lm import describe_lm
+
+    return dataclasses.replace(describe_lm(config.lm(), name), build=lambda: auto_lm(config.lm()))
+
+
+register_model("auto_lm", AutoLMConfig, build_auto_lm, describe=describe_auto_lm)

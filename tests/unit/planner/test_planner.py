@@ -534,3 +534,12 @@ def test_the_commands_at_the_top_of_docs_planner_md_run(capsys, monkeypatch):
     for words in commands:
         assert _run(words[1:]) == 0, capsys.readouterr().out[-2000:]
         assert capsys.readouterr().out
+
+
+def test_the_configs_auto_gpu_choices_are_the_planners_gpu_presets():
+    """``parallel.auto_gpu`` (the config, which must not import the planner) lists the planner's
+    GPU presets by name: the two lists are one."""
+    from moetrain.config import AUTO_GPUS
+    from moetrain.planner.hardware import GPU_PRESETS
+
+    assert set(AUTO_GPUS) == set(GPU_PRESETS)

@@ -158,7 +158,14 @@ def test_calibrating_on_a_cpu_run(ranks, tmp_path, capsys):
     )
     assert result["measured"]["step_s"] == pytest.approx(step)
     forward, backward = (statistics.median(r[f"time/{p}_s"] for r in used) for p in ("forward", "backward"))
-    assert result["measured"]["compute_s"] == pytest.approx(forward + backward)  # no all-to-all phase logged
+    if ranks == 1:  # no exchange, no all-to-all phase
+        assert not any("time/all_to_all_s" in r for r in records)
+        assert result["measured"]["compute_s"] == pytest.approx(forward + backward)
+    else:  # the exchanges inside forward and backward, logged apart
+        a2a = statistics.median(r["time/all_to_all_s"] for r in used)
+        assert 0 < a2a < forward + backward
+        assert result["measured"]["all_to_all_s"] == pytest.approx(a2a)
+        assert result["measured"]["compute_s"] == pytest.approx(forward + backward - a2a)
     assert not any("fitted to the whole step" in note for note in result["notes"])
     efficiency = result["calibrated"]["compute_efficiency"]
     assert 0 < efficiency < 1

@@ -116,3 +116,43 @@ def test_plan_then_train_in_two_commands(tmp_path):
     )
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
+
+
+def test_a_model_built_with_scopes_is_planned_with_its_marks_at_tp2(tmp_path, caplog):
+    """``moetrain plan`` on a config whose model is written with Whale's annotations (no strategy
+    hook, no strategy key) takes the marks' strategy at ``tp_size`` 2 (split embedding, head by
+    heads, experts); ``scope.auto()`` parts are planned replicated, with a warning saying so."""
+    import yaml
+
+    from moetrain.planner.model import resolve_model
+    from moetrain.planner.settings import PlanSettings
+
+    def write(name: str, model: dict) -> str:
+        config = {
+            "imports": ["tests.helpers.scoped_lm"],
+            "model": model,
+            "data": {"micro_batch_size": 2, "seq_len": 16},
+            "parallel": {"tp_size": 2},
+        }
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return str(path)
+
+    staged = write("staged", {"name": "staged_lm", "stages": [0, 0]})
+    model, defaults = resolve_model(staged)
+    strategy = defaults["strategy"]
+    assert strategy["embed"] == "split" and strategy["head"] == "split.head", strategy
+    assert strategy["blocks.0.ffn"] == "expert", strategy
+    plan = make_plan(model, cluster_preset("a100-80gb", 1, gpus_per_node=2), PlanSettings(**defaults))
+    unsplit = make_plan(
+        model,
+        cluster_preset("a100-80gb", 1, gpus_per_node=2),
+        PlanSettings(**{**defaults, "strategy": {"embed": "replica", "head": "replica"}}),
+    )
+    assert (
+        plan.params["per_rank"] < unsplit.params["per_rank"]
+    )  # the split halves embedding and head per rank
+    with caplog.at_level("WARNING", logger="moetrain.planner.model"):
+        _, auto_defaults = resolve_model(write("auto", {"name": "auto_lm"}))
+    assert "scope.auto() planned replicated" in caplog.text
+    assert not any(kind.startswith("split") for kind in auto_defaults["strategy"].values())
