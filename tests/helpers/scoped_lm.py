@@ -82,9 +82,9 @@ class AutoLM(MoETransformerLM):
         self.reset_parameters()
 
 
-def auto_lm(config: LMConfig, seed: int = 0) -> AutoLM:
-    """:class:`AutoLM` built under ``scope.set_default("auto")``."""
-    with scope.set_default("auto"):
+def auto_lm(config: LMConfig, seed: int = 0, default_scope: str = "auto") -> AutoLM:
+    """:class:`AutoLM` built under ``scope.set_default(default_scope)``."""
+    with scope.set_default(default_scope):
         return AutoLM(config, seed)
 
 
@@ -116,8 +116,11 @@ register_model("staged_lm", StagedLMConfig, build_staged_lm)
 
 @dataclass(frozen=True)
 class AutoLMConfig:
-    """:class:`LMConfig`'s keys, for :func:`auto_lm` registered as ``auto_lm``."""
+    """:class:`LMConfig`'s keys and ``default_scope``, the scope the model is built under (so its
+    fields are not the LM's alone: a run directory's config names no model, and tools tell models
+    apart by their fields), for :func:`auto_lm` registered as ``auto_lm``."""
 
+    default_scope: str = "auto"
     vocab_size: int = 256
     d_model: int = 32
     num_layers: int = 2
@@ -131,7 +134,7 @@ class AutoLMConfig:
 
 def build_auto_lm(config, shard):
     corpus = load_text_corpus(config.data.source, config.data.seq_len + 2)
-    model = auto_lm(config.model.lm(), seed=config.seed)
+    model = auto_lm(config.model.lm(), seed=config.seed, default_scope=config.model.default_scope)
     batches = TextBatches(corpus, config.data.micro_batch_size, config.data.seq_len, config.seed, shard.index)
     return model, batches, lm_loss
 
@@ -141,7 +144,8 @@ def describe_auto_lm(config: AutoLMConfig, name: str):
 
     from moe_lm import describe_lm
 
-    return dataclasses.replace(describe_lm(config.lm(), name), build=lambda: auto_lm(config.lm()))
+    build = lambda: auto_lm(config.lm(), default_scope=config.default_scope)  # noqa: E731
+    return dataclasses.replace(describe_lm(config.lm(), name), build=build)
 
 
 register_model("auto_lm", AutoLMConfig, build_auto_lm, describe=describe_auto_lm)
