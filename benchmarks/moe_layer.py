@@ -190,21 +190,23 @@ def build_case(name: str, capacity_factor, skewed: bool, args) -> dict:
         F.gelu(floor_x @ floor_w1).matmul(floor_w2).backward(floor_grad)
         floor_x.grad = floor_w1.grad = floor_w2.grad = None
 
-    def plain():
-        x.grad = None
-        for p in plain_weights:
-            p.grad = None
-        plain_pytorch_moe(x, *plain_weights, args.top_k, capacity).backward(grad_out)
+    def reference(moe):  # a reference MoE's forward + backward on the layer's weights (copies)
+        def run():
+            x.grad = None
+            for p in plain_weights:
+                p.grad = None
+            moe(x, *plain_weights, args.top_k, capacity).backward(grad_out)
 
-    def titan():
-        x.grad = None
-        for p in plain_weights:
-            p.grad = None
-        titan_style_moe(x, *plain_weights, args.top_k, capacity).backward(grad_out)
+        return run
 
     return {
         "case": name,
-        "candidates": {"ours": ours, "floor": floor, "plain": plain, "titan": titan},
+        "candidates": {
+            "ours": ours,
+            "floor": floor,
+            "plain": reference(plain_pytorch_moe),
+            "titan": reference(titan_style_moe),
+        },
         "rows": rows,
         "capacity": capacity,
         "share": share,

@@ -35,16 +35,11 @@ def _auto_split(config):
     if config.parallel.auto_gpu is None:
         return None
     from moetrain.planner.auto import RunAutoSplit
-    from moetrain.planner.model import describe, train_seq_len
+    from moetrain.planner.model import describe, run_batch_settings
     from moetrain.planner.settings import PlanSettings
 
     model = describe(config.model, None, config)
-    settings = PlanSettings(  # the costs at the run's batch and precision, as `moetrain plan` takes them
-        micro_batch=config.data.micro_batch_size,
-        seq_len=train_seq_len(model, config.data.seq_len),
-        precision=config.precision,
-        autocast=config.precision != "fp32" and config.param_dtype == "fp32",
-    )
+    settings = PlanSettings(**run_batch_settings(config, model))  # the costs at the run's batch, as `plan`
     return RunAutoSplit(config.parallel.auto_gpu, model, settings)
 
 

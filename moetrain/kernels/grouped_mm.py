@@ -30,16 +30,26 @@ def uses_torch_grouped_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, transpose_w: 
     """Whether torch's grouped GEMM takes this call: CUDA, bf16 operands, row sizes that are
     multiples of 16 bytes (8 bf16 values), a GPU of compute capability >= 8.0 and a torch that has
     the kernel. Everything else runs the per-expert loop."""
-    if not (x_NI.is_cuda and x_NI.dtype == torch.bfloat16 and w_EIO.dtype == torch.bfloat16):
+    return _torch_grouped_gemm_takes((x_NI, w_EIO), (x_NI.shape[1], w_EIO.shape[1], w_EIO.shape[2]))
+
+
+def uses_torch_grouped_weight_grad(a_NA: torch.Tensor, b_NB: torch.Tensor) -> bool:
+    """The weight gradient's counterpart of :func:`uses_torch_grouped_mm`: the same conditions on
+    ``a`` and ``b`` and their widths (16-byte strides of ``a^T`` and ``b``)."""
+    return _torch_grouped_gemm_takes((a_NA, b_NB), (a_NA.shape[1], b_NB.shape[1]))
+
+
+def _torch_grouped_gemm_takes(operands: tuple[torch.Tensor, ...], widths: tuple[int, ...]) -> bool:
+    if not (operands[0].is_cuda and all(t.dtype == torch.bfloat16 for t in operands)):
         return False
-    if (
-        not _torch_compat.grouped_mm_available()
-        or x_NI.shape[1] % 8
-        or w_EIO.shape[1] % 8
-        or w_EIO.shape[2] % 8
-    ):
+    if not _torch_compat.grouped_mm_available() or any(width % 8 for width in widths):
         return False
-    return torch.cuda.get_device_capability(x_NI.device) >= (8, 0)
+    return torch.cuda.get_device_capability(operands[0].device) >= (8, 0)
+
+
+def _int32_offsets(counts_E: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Each expert's end row, ``cumsum(counts)``, as the int32 device tensor torch's kernel takes."""
+    return torch.cumsum(counts_E.to(device=device), 0).to(torch.int32)
 
 
 def _offsets(counts_E: torch.Tensor) -> list[int]:
@@ -65,7 +75,7 @@ def torch_grouped_mm(x_NI, w_EIO, counts_E, transpose_w: bool, padded: bool) -> 
     """torch's grouped GEMM (one kernel for every expert); rows after ``sum(counts)`` are zeroed
     only for a ``padded`` plan (torch leaves them unwritten)."""
     weights = w_EIO.transpose(1, 2) if transpose_w else w_EIO
-    offsets_E = torch.cumsum(counts_E.to(device=x_NI.device), 0).to(torch.int32)
+    offsets_E = _int32_offsets(counts_E, x_NI.device)
     out_NO = _torch_compat.grouped_mm(x_NI, weights, offsets_E)
     if padded:
         beyond_N1 = torch.arange(x_NI.shape[0], device=x_NI.device).unsqueeze(1) >= offsets_E[-1:]
@@ -92,7 +102,7 @@ def torch_grouped_weight_grad(a_NA, b_NB, counts_E) -> torch.Tensor:
     """``out[e] = a[rows_e]^T @ b[rows_e]`` as one grouped GEMM. An expert without rows gets zeros:
     where the kernel is not known to write them (:func:`empty_groups_come_out_zero`), they are
     written here, after one host check whether any expert is empty."""
-    offsets_E = torch.cumsum(counts_E.to(device=a_NA.device), 0).to(torch.int32)
+    offsets_E = _int32_offsets(counts_E, a_NA.device)
     out_EAB = _torch_compat.grouped_mm(a_NA.t(), b_NB, offsets_E)
     if not empty_groups_come_out_zero(a_NA.device):
         empty_E = counts_E == 0
@@ -139,16 +149,6 @@ def loop_weight_grad(a_NA, b_NB, counts_E) -> torch.Tensor:
         else:
             out_EAB[e].zero_()
     return out_EAB
-
-
-def uses_torch_grouped_weight_grad(a_NA: torch.Tensor, b_NB: torch.Tensor) -> bool:
-    """The weight gradient's counterpart of :func:`uses_torch_grouped_mm`: CUDA, bf16, both widths
-    multiples of 8 (16-byte strides of ``a^T`` and ``b``), compute capability >= 8.0."""
-    if not (a_NA.is_cuda and a_NA.dtype == torch.bfloat16 and b_NB.dtype == torch.bfloat16):
-        return False
-    if not _torch_compat.grouped_mm_available() or a_NA.shape[1] % 8 or b_NB.shape[1] % 8:
-        return False
-    return torch.cuda.get_device_capability(a_NA.device) >= (8, 0)
 
 
 @torch.library.custom_op("moetrain::grouped_mm_weight_grad", mutates_args=())

@@ -95,36 +95,29 @@ def build_dispatch_plan(
     routed_E = expert_S.new_zeros(num_experts).scatter_add_(0, expert_S.clamp(0, num_experts - 1), ones_S)
     kept_E = routed_E.clone() if capacity < 0 else routed_E.clamp_max(capacity)
     if ids_in_range and capacity < 0 and priority_order_S is None:
-        return _dropless_plan(expert_S, queue_Q, routed_E, kept_E, tokens, k, num_rows)
-    *failed, rows = torch.stack([*(bad.any().long() for bad in checks.values()), kept_E.sum()]).tolist()
-    for message, bad in zip(checks, failed, strict=True):
-        if bad:
-            raise ValueError(message)
+        rows = slots  # nothing to check, every slot kept: no host copy
+    else:
+        *failed, rows = torch.stack([*(bad.any().long() for bad in checks.values()), kept_E.sum()]).tolist()
+        for message, bad in zip(checks, failed, strict=True):
+            if bad:
+                raise ValueError(message)
     if num_rows is not None and num_rows < rows:
         raise ValueError(f"num_rows = {num_rows} is less than the {rows} rows the plan keeps")
 
     expert_Q = expert_S[queue_Q]  # expert of each slot, in priority order
     order_Q = torch.sort(expert_Q, stable=True).indices
     sorted_slot_Q, sorted_expert_Q = queue_Q[order_Q], expert_Q[order_Q]
-    routed_before_E = torch.cumsum(routed_E, 0) - routed_E
-    rank_Q = torch.arange(slots, device=device) - routed_before_E[sorted_expert_Q]
-    dropped_Q = (rank_Q >= kept_E[sorted_expert_Q]).long()
-    kept_first_Q = torch.sort(dropped_Q, stable=True).indices  # kept slots first, in sorted order
-    slot_of_row_N = sorted_slot_Q[kept_first_Q[:rows]]
+    if capacity < 0:  # dropless: every slot is kept, in sorted order
+        slot_of_row_N = sorted_slot_Q
+    else:
+        routed_before_E = torch.cumsum(routed_E, 0) - routed_E
+        rank_Q = torch.arange(slots, device=device) - routed_before_E[sorted_expert_Q]
+        dropped_Q = (rank_Q >= kept_E[sorted_expert_Q]).long()
+        kept_first_Q = torch.sort(dropped_Q, stable=True).indices  # kept slots first, in sorted order
+        slot_of_row_N = sorted_slot_Q[kept_first_Q[:rows]]
     row_of_slot_S = inverse_index(slot_of_row_N, slots)
     if num_rows is not None and num_rows > rows:
         slot_of_row_N = torch.cat([slot_of_row_N, slot_of_row_N.new_full((num_rows - rows,), -1)])
-    return row_of_slot_S.view(tokens, k), slot_of_row_N, kept_E, routed_E
-
-
-def _dropless_plan(expert_S, queue_Q, routed_E, kept_E, tokens: int, k: int, num_rows: int | None):
-    """The plan when every slot is kept: ``slot_of_row`` is the slots stably sorted by expert."""
-    slots = tokens * k
-    order_Q = torch.sort(expert_S[queue_Q], stable=True).indices
-    slot_of_row_N = queue_Q[order_Q]
-    row_of_slot_S = inverse_index(slot_of_row_N, slots)
-    if num_rows is not None and num_rows > slots:
-        slot_of_row_N = torch.cat([slot_of_row_N, slot_of_row_N.new_full((num_rows - slots,), -1)])
     return row_of_slot_S.view(tokens, k), slot_of_row_N, kept_E, routed_E
 
 

@@ -286,6 +286,18 @@ def train_seq_len(model: ModelDescription, data_seq_len: int) -> int:
     return data_seq_len if model.seq_len_from_data is None else model.seq_len_from_data(data_seq_len)
 
 
+def run_batch_settings(train, model: ModelDescription) -> dict:
+    """The :class:`~moetrain.planner.settings.PlanSettings` a training config's batch and precision
+    give: ``micro_batch``, ``seq_len`` (:func:`train_seq_len`), ``precision`` and ``autocast``."""
+    return {
+        "micro_batch": train.data.micro_batch_size,
+        "seq_len": train_seq_len(model, train.data.seq_len),
+        "precision": train.precision,
+        # the engine: fp32 weights with autocast compute, unless param_dtype stores them low
+        "autocast": train.precision != "fp32" and train.param_dtype == "fp32",
+    }
+
+
 def strategy_from_marks(model: ModelDescription, tp_size: int, pp_size: int = 1) -> dict[str, str] | None:
     """The strategy the scopes of a model built under Whale's annotations give at ``tp_size``
     (:func:`moetrain.scope.strategy_from_scopes`, the model built on ``meta``), None when it has no
@@ -334,12 +346,8 @@ def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
         train = build_train_config(str(path), [])
         model = describe(train.model, path.stem, train)
         defaults = {
-            "micro_batch": train.data.micro_batch_size,
-            "seq_len": train_seq_len(model, train.data.seq_len),
+            **run_batch_settings(train, model),
             "grad_accum": train.grad_accum,
-            "precision": train.precision,
-            # the engine: fp32 weights with autocast compute, unless param_dtype stores them low
-            "autocast": train.precision != "fp32" and train.param_dtype == "fp32",
             "ep_size": train.parallel.ep_size,
             "all_to_all": train.parallel.all_to_all,
             "ep_layout": train.parallel.ep_layout,

@@ -89,8 +89,8 @@ def auto_lm(config: LMConfig, seed: int = 0, default_scope: str = "auto") -> Aut
 
 
 @dataclass(frozen=True)
-class StagedLMConfig:
-    """:class:`LMConfig`'s keys and ``stages``: each layer's pipeline stage."""
+class SmallLMKeys:
+    """:class:`LMConfig`'s keys with small defaults, the base of the scoped models' configs."""
 
     vocab_size: int = 256
     d_model: int = 32
@@ -98,45 +98,44 @@ class StagedLMConfig:
     num_heads: int = 2
     max_seq_len: int = 16
     moe: MoEConfig = field(default_factory=lambda: MoEConfig(d_model=32, d_ff=32, num_experts=4, top_k=2))
-    stages: tuple = (0, 1)
 
     def lm(self) -> LMConfig:
         return LMConfig(**{f.name: getattr(self, f.name) for f in fields(LMConfig)})
 
 
-def build_staged_lm(config, shard):
+def _text_run(model: nn.Module, config, shard):
+    """``(model, batches, loss)`` of a registry builder: the config's text corpus, this shard's batches."""
     corpus = load_text_corpus(config.data.source, config.data.seq_len + 2)
-    model = StagedLM(config.model.lm(), config.model.stages, seed=config.seed)
     batches = TextBatches(corpus, config.data.micro_batch_size, config.data.seq_len, config.seed, shard.index)
     return model, batches, lm_loss
+
+
+@dataclass(frozen=True)
+class StagedLMConfig(SmallLMKeys):
+    """:class:`LMConfig`'s keys and ``stages``: each layer's pipeline stage."""
+
+    stages: tuple = (0, 1)
+
+
+def build_staged_lm(config, shard):
+    return _text_run(StagedLM(config.model.lm(), config.model.stages, seed=config.seed), config, shard)
 
 
 register_model("staged_lm", StagedLMConfig, build_staged_lm)
 
 
 @dataclass(frozen=True)
-class AutoLMConfig:
+class AutoLMConfig(SmallLMKeys):
     """:class:`LMConfig`'s keys and ``default_scope``, the scope the model is built under (so its
     fields are not the LM's alone: a run directory's config names no model, and tools tell models
     apart by their fields), for :func:`auto_lm` registered as ``auto_lm``."""
 
     default_scope: str = "auto"
-    vocab_size: int = 256
-    d_model: int = 32
-    num_layers: int = 2
-    num_heads: int = 2
-    max_seq_len: int = 16
-    moe: MoEConfig = field(default_factory=lambda: MoEConfig(d_model=32, d_ff=32, num_experts=4, top_k=2))
-
-    def lm(self) -> LMConfig:
-        return LMConfig(**{f.name: getattr(self, f.name) for f in fields(LMConfig)})
 
 
 def build_auto_lm(config, shard):
-    corpus = load_text_corpus(config.data.source, config.data.seq_len + 2)
     model = auto_lm(config.model.lm(), seed=config.seed, default_scope=config.model.default_scope)
-    batches = TextBatches(corpus, config.data.micro_batch_size, config.data.seq_len, config.seed, shard.index)
-    return model, batches, lm_loss
+    return _text_run(model, config, shard)
 
 
 def describe_auto_lm(config: AutoLMConfig, name: str):
