@@ -25,7 +25,7 @@ step() { printf '\n== torch floor: %s (%s)\n' "$1" "$(date +%H:%M:%S)"; }
 
 step "virtualenv with $torch_requirement"
 [[ -x $venv/bin/python ]] || "$python" -m venv "$venv"
-deps=("$torch_requirement" "setuptools>=77,<82" wheel ninja pybind11 pytest pytest-timeout numpy pyyaml
+deps=("$torch_requirement" "setuptools>=77,<82" wheel ninja pybind11 pytest pytest-timeout pytest-xdist numpy pyyaml
       pillow "sacrebleu>=2.6")
 stamp=$venv/.deps-$(printf '%s ' "${deps[@]}" | md5sum | cut -c1-12)
 if [[ ! -f $stamp ]]; then
@@ -71,4 +71,5 @@ tests=(tests/gpu/test_build.py tests/gpu/test_extension_jit.py tests/gpu/test_cu
        tests/unit/kernels/test_cpu_adam.py tests/unit/layers/test_compile.py tests/unit/layers/test_moe_layer.py
        tests/unit/machinery/test_offload_optimizer.py tests/unit/foundation/test_torch_compat.py
        tests/unit/engine/test_engine.py)
-(cd "$copy" && OMP_NUM_THREADS=2 "$OLDPWD/$venv/bin/python" -m pytest -q --durations=10 -m "not slow or build" "${tests[@]}")
+(cd "$copy" && OMP_NUM_THREADS=2 "$OLDPWD/$venv/bin/python" -m pytest -q --durations=10 -n 2 --dist loadfile \
+    -m "not slow or build" "${tests[@]}")
