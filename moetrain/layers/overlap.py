@@ -18,12 +18,15 @@ The rows the experts need again (inputs, hidden rows, activations, and in the ba
 gradients for the weights) are kept in buffers of all ``N_r`` rows in the unchunked order, so the
 weight-gradient GEMMs see exactly the matrices of the unchunked layer: outputs and every gradient are
 bit-identical to ``a2a_chunks = 1`` (on the CPU, in fp32 and fp64, with every wire dtype; see
-``tests/distributed/test_a2a_chunks.py``). With recompute replay the record keeps the received rows (the
-experts' input buffer) and the returned rows; a replayed forward computes the experts again and
-communicates nothing.
+``tests/distributed/test_a2a_chunks.py``). A forward given the rows of an earlier identical trip
+(:class:`TripRows`: the received rows, i.e. the experts' input buffer, and the returned rows)
+computes the experts again and communicates nothing; given an empty :class:`TripRows`, it fills it
+(recompute replay, :mod:`moetrain.layers.replay`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -69,13 +72,21 @@ def _pieces(order: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
 
 
 class OverlapSettings:
-    """What the autograd function needs besides tensors: the chunks, the wire format, the experts'
-    activation and weight-gradient storage, the pool, and the replay record (or None)."""
+    """What a dispatcher's chunked trips need besides tensors: the chunks, the wire format and the
+    pool; ``peak_bytes`` is measured into it."""
 
-    def __init__(self, chunks: ChunkedExchange, comm_dtype, activation: str, grad_buffers, pool, record):
-        self.chunks, self.comm_dtype, self.activation = chunks, comm_dtype, activation
-        self.grad_buffers, self.pool, self.record = grad_buffers, pool, record
+    def __init__(self, chunks: ChunkedExchange, comm_dtype, pool):
+        self.chunks, self.comm_dtype, self.pool = chunks, comm_dtype, pool
         self.peak_bytes = 0  # most pool bytes held by this layer's forward or backward
+
+
+@dataclass(eq=False)
+class TripRows:
+    """The rows one chunked trip delivered: ``received_ND`` (``N_r`` rows, the unchunked expert
+    order) and ``returned_ND`` (``N_s`` rows, send order); both None until a trip fills them."""
+
+    received_ND: torch.Tensor | None = None
+    returned_ND: torch.Tensor | None = None
 
 
 def _gather_padded(full: torch.Tensor, index: torch.Tensor, padded: int) -> torch.Tensor:
@@ -92,14 +103,15 @@ def _measure(pool: CommBufferPool):
 
 class _ChunkedExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND, w1_EDF, w2_EFD, b1_EF, b2_ED, settings: OverlapSettings):
-        chunks, pool, activation = settings.chunks, settings.pool, settings.activation
-        record = settings.record
+    def forward(
+        ctx, x_ND, w1_EDF, w2_EFD, b1_EF, b2_ED, settings: OverlapSettings, activation, grad_buffers, rows
+    ):
+        chunks, pool = settings.chunks, settings.pool
         d_model, inner = x_ND.shape[1], w1_EDF.shape[2]
         hidden = w2_EFD.shape[1]
         received = chunks.rows_received
-        replay = record is not None and record.replayed
-        x_full = record.received_rows if replay else x_ND.new_empty(received, d_model)
+        replay = rows is not None and rows.received_ND is not None
+        x_full = rows.received_ND if replay else x_ND.new_empty(received, d_model)
         h_full = x_ND.new_empty(received, inner)
         a_full = x_ND.new_empty(received, hidden)
         s_full = x_ND.new_empty(received, hidden) if activation == "swiglu" else None
@@ -116,7 +128,7 @@ class _ChunkedExperts(torch.autograd.Function):
         if replay:
             for c in range(chunks.chunks):
                 experts(c, x_full.index_select(0, chunks.recv_index[c]))
-            y_ND = record.returned_rows.view_as(record.returned_rows)
+            y_ND = rows.returned_ND.view_as(rows.returned_ND)
         else:
             y_ND = x_ND.new_empty(chunks.rows_sent, d_model)
             base = _measure(pool)
@@ -131,17 +143,17 @@ class _ChunkedExperts(torch.autograd.Function):
 
             _run(ctx, settings, x_ND, y_ND, receive, compute, None)
             settings.peak_bytes = max(settings.peak_bytes, pool.peak - base)
-            if record is not None:
-                record.received_rows, record.returned_rows = x_full.detach(), y_ND.detach()
-        ctx.settings = settings
+            if rows is not None:
+                rows.received_ND, rows.returned_ND = x_full.detach(), y_ND.detach()
+        ctx.settings, ctx.activation, ctx.grad_buffers = settings, activation, grad_buffers
         ctx.save_for_backward(x_full, h_full, a_full, s_full, w1_EDF, w2_EFD)
         ctx.biases = (b1_EF is not None, b2_ED is not None)
         return y_ND
 
     @staticmethod
     def backward(ctx, grad_y_ND):
-        settings = ctx.settings
-        chunks, pool, activation = settings.chunks, settings.pool, settings.activation
+        settings, activation = ctx.settings, ctx.activation
+        chunks, pool = settings.chunks, settings.pool
         x_full, h_full, a_full, s_full, w1_EDF, w2_EFD = ctx.saved_tensors
         grad_y_ND = grad_y_ND.contiguous()
         received, d_model = x_full.shape
@@ -171,7 +183,7 @@ class _ChunkedExperts(torch.autograd.Function):
             return regroup_chunks(grad_x_c, chunks.recv_PE[c].t(), chunks.plan.kernels)
 
         def weights():
-            buffers = settings.grad_buffers
+            buffers = ctx.grad_buffers
             weight_grads.extend(
                 expert_weight_grads(
                     x_full,
@@ -188,7 +200,7 @@ class _ChunkedExperts(torch.autograd.Function):
         base = _measure(pool)
         _run(ctx, settings, grad_y_ND, grad_x_ND, receive, compute, weights)
         settings.peak_bytes = max(settings.peak_bytes, pool.peak - base)
-        return grad_x_ND, *weight_grads, None
+        return grad_x_ND, *weight_grads, None, None, None, None
 
 
 def _run(ctx, settings: OverlapSettings, source_ND, target_ND, receive, compute, before_drain) -> None:
@@ -218,7 +230,10 @@ def _run(ctx, settings: OverlapSettings, source_ND, target_ND, receive, compute,
     pool.end_round()
 
 
-def chunked_experts(x_ND, w1_EDF, w2_EFD, b1_EF, b2_ED, settings: OverlapSettings) -> torch.Tensor:
-    """``y_ND`` (send order, as the unchunked exchange -> experts -> return exchange gives it) for the
-    permuted rows ``x_ND`` (send order, ``N_s`` rows); differentiable in the rows and the weights."""
-    return _ChunkedExperts.apply(x_ND, w1_EDF, w2_EFD, b1_EF, b2_ED, settings)
+def chunked_experts(x_ND, experts, settings: OverlapSettings, rows: TripRows | None = None) -> torch.Tensor:
+    """``y_ND`` (send order, as the unchunked exchange -> ``experts`` (a
+    :class:`~moetrain.layers.experts.GroupedExperts`) -> return exchange gives it) for the permuted
+    rows ``x_ND`` (send order, ``N_s`` rows); differentiable in the rows and the weights. ``rows``:
+    filled rows are reused instead of communicating, empty ones are filled (module docstring)."""
+    w1, w2, b1, b2, grad_buffers = experts.weights_for(x_ND.dtype)
+    return _ChunkedExperts.apply(x_ND, w1, w2, b1, b2, settings, experts.activation, grad_buffers, rows)
