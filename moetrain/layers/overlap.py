@@ -94,8 +94,8 @@ class _ChunkedExperts(torch.autograd.Function):
         chunks, pool = settings.chunks, settings.pool
         weights = (w1_EDF, w2_EFD, b1_EF, b2_ED)
         d_model, received = x_ND.shape[1], chunks.rows_received
-        replay = rows is not None and rows.received_ND is not None
-        x_full = rows.received_ND if replay else x_ND.new_empty(received, d_model)
+        reused = rows is not None and rows.received_ND is not None
+        x_full = rows.received_ND if reused else x_ND.new_empty(received, d_model)
         kept = math.new_activations(received, weights, x_ND)
 
         def experts(c: int, x_c: torch.Tensor) -> torch.Tensor:
@@ -103,7 +103,7 @@ class _ChunkedExperts(torch.autograd.Function):
             math.keep_activations(kept, chunks.recv_index[c], saved)
             return y_c
 
-        if replay:
+        if reused:  # an earlier trip's rows: compute the experts again, communicate nothing
             for c in range(chunks.chunks):
                 experts(c, x_full.index_select(0, chunks.recv_index[c]))
             y_ND = rows.returned_ND.view_as(rows.returned_ND)
