@@ -328,6 +328,35 @@ def _move_gradient(ctx, grad: torch.Tensor) -> torch.Tensor:
     return decode_rows(move(wire), ctx.comm_dtype, grad.dtype, ctx.plan.kernels)
 
 
+class _ExchangeWithIds(torch.autograd.Function):
+    """Rows (in ``comm_dtype``) and their int32 ids in one message per peer (:func:`pack_rows`: each
+    row's bytes, its ids at the next multiple of 4 bytes, the row padded to the larger element
+    size); differentiable in the rows (the gradient takes the reverse trip, as :func:`all_to_all`'s)."""
+
+    @staticmethod
+    def forward(ctx, x_CD: torch.Tensor, ids_CK: torch.Tensor, plan, comm_dtype):
+        ctx.plan, ctx.comm_dtype, ctx.forward_direction = plan, comm_dtype, True
+        wire_CW = encode_rows(x_CD, comm_dtype, plan.kernels)
+        fields = [(wire_CW.dtype, wire_CW.shape[1]), (torch.int32, ids_CK.shape[1])]
+        packed_CB = pack_rows([wire_CW, ids_CK.to(torch.int32)])  # any row count, any row dtype
+        wire_RW, ids_RK = unpack_rows(plan.exchange(packed_CB), fields)
+        ids_RK = ids_RK.to(torch.int64)
+        ctx.mark_non_differentiable(ids_RK)
+        return decode_rows(wire_RW, comm_dtype, x_CD.dtype, plan.kernels), ids_RK
+
+    @staticmethod
+    def backward(ctx, grad_RD: torch.Tensor, _grad_ids):
+        return _move_gradient(ctx, grad_RD), None, None, None
+
+
+def all_to_all_with_ids(
+    x_CD: torch.Tensor, ids_CK: torch.Tensor, plan, comm_dtype: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`all_to_all` of the rows ``x_CD`` together with integer ids ``ids_CK`` (``[C, K]``, K
+    per row) in one message per peer -> (``x_RD``, ``ids_RK`` int64). Differentiable in the rows."""
+    return _ExchangeWithIds.apply(x_CD, ids_CK, plan, comm_dtype)
+
+
 class _ReplayedExchange(torch.autograd.Function):
     """Forward returns rows recorded by an earlier identical exchange (no communication); backward
     communicates the gradient exactly as :class:`_Exchange` does. Used when a checkpointed block

@@ -20,14 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moetrain.comm.all_to_all import (
-    all_to_all,
-    all_to_all_reverse,
-    exchange_counts,
-    exchange_counts_and_value,
-    regroup_chunks,
-    replay_all_to_all,
-)
+from moetrain.comm.all_to_all import exchange_counts, exchange_counts_and_value, regroup_chunks
 from moetrain.comm.buffers import comm_buffer_pool
 from moetrain.comm.chunk_cost import group_layout, layer_overlap_inputs, plan_chunks, run_links
 from moetrain.comm.chunking import unchunked_comm_bytes
@@ -36,8 +29,8 @@ from moetrain.kernels import kernel, native
 from moetrain.kernels.native import accumulate_dtype
 from moetrain.kernels.registration import most_kept_rows
 from moetrain.layers.eager import prepare_eager_methods, runs_eagerly
-from moetrain.layers.overlap import ChunkedExchange, OverlapSettings, chunked_experts
-from moetrain.layers.replay import DispatchRecord, RoutingReplay
+from moetrain.layers.exchange import DispatchRound, Exchanger
+from moetrain.layers.overlap import ChunkedExchange, OverlapSettings
 
 
 def compute_capacity(
@@ -148,37 +141,32 @@ class LocalTokenDispatcher:
     """Dispatcher for experts that all live on this rank: permute, then unpermute.
 
     ``dispatch`` returns the expert-ordered rows, the row count of each local expert ``[E]`` and
-    the round's :class:`~moetrain.layers.replay.DispatchRecord` (the replay record when the layer
-    records one); ``combine`` takes the experts' output rows and the record back to token order.
+    the round (:class:`~moetrain.layers.exchange.DispatchRound`, opened by the dispatcher's
+    ``exchanger``); ``combine`` takes the experts' output rows and the round back to token order and
+    closes the round. Every exchange of a dispatcher goes through ``exchanger``
+    (:mod:`moetrain.layers.exchange`; this one makes none).
     """
 
-    def __init__(self, num_experts: int, kernels: str = "auto", replay: RoutingReplay | None = None):
+    def __init__(self, num_experts: int, kernels: str = "auto", exchanger: Exchanger | None = None):
         self.num_experts = num_experts
         self.kernels = kernels
-        self.replay = replay
-
-    def _record(self, plan: DispatchPlan) -> DispatchRecord:
-        """The replay record of this call (eager), else a fresh record of the round."""
-        record = None if self.replay is None or torch.compiler.is_compiling() else self.replay.current
-        if record is None:
-            record = DispatchRecord()
-        record.plan = plan
-        return record
+        self.exchanger = Exchanger() if exchanger is None else exchanger
 
     def dispatch(
         self, x_TD: torch.Tensor, plan: DispatchPlan
-    ) -> tuple[torch.Tensor, torch.Tensor, DispatchRecord]:
-        return permute_tokens(x_TD, plan, self.kernels), plan.kept_per_expert_E, self._record(plan)
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchRound]:
+        rnd = self.exchanger.new_round(plan)
+        return permute_tokens(x_TD, plan, self.kernels), plan.kept_per_expert_E, rnd
 
-    def combine(self, y_ND: torch.Tensor, gates_TK: torch.Tensor, record: DispatchRecord) -> torch.Tensor:
-        return unpermute_tokens(y_ND, gates_TK, record.plan, self.kernels)
+    def combine(self, y_ND: torch.Tensor, gates_TK: torch.Tensor, rnd: DispatchRound) -> torch.Tensor:
+        return self.exchanger.close(rnd, unpermute_tokens(y_ND, gates_TK, rnd.plan, self.kernels))
 
     def compute(
         self, x_TD: torch.Tensor, plan: DispatchPlan, gates_TK: torch.Tensor, experts
     ) -> torch.Tensor:
         """dispatch -> ``experts(x_ND, rows_per_expert_E)`` -> combine: the layer's output ``y_TD``."""
-        x_ND, rows_per_expert_E, record = self.dispatch(x_TD, plan)
-        return self.combine(experts(x_ND, rows_per_expert_E), gates_TK, record)
+        x_ND, rows_per_expert_E, rnd = self.dispatch(x_TD, plan)
+        return self.combine(experts(x_ND, rows_per_expert_E), gates_TK, rnd)
 
     def comm_peak_bytes(self) -> int:
         """Bytes of communication buffers the last forward or backward held at once (none here)."""
@@ -194,16 +182,13 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
     exchange (with zero-row splits), so no rank can hang the group. ``dispatch`` and ``combine``
     run eagerly (``@runs_eagerly``, :mod:`moetrain.layers.eager`): a compiled layer breaks its
     graph around the exchanges and nowhere else (the permutations are opaque operators either
-    way). With recompute replay on, the round's record keeps the exchange plan and the received
-    rows, and a recompute replays them. ``ParallelConfig.a2a_chunks`` other than 1:
-    :meth:`compute` runs the exchange, the experts and the return exchange as one chunked,
-    overlapped pipeline (:mod:`moetrain.layers.overlap`) instead of dispatch -> experts -> combine.
+    way). ``ParallelConfig.a2a_chunks`` other than 1: :meth:`compute` runs the exchange, the
+    experts and the return exchange as one chunked, overlapped pipeline
+    (:mod:`moetrain.layers.overlap`) instead of dispatch -> experts -> combine.
     """
 
-    def __init__(
-        self, num_experts: int, parallel, kernels: str = "auto", replay: RoutingReplay | None = None
-    ):
-        super().__init__(num_experts, kernels, replay)
+    def __init__(self, num_experts: int, parallel, kernels: str = "auto", exchanger: Exchanger | None = None):
+        super().__init__(num_experts, kernels, exchanger)
         prepare_eager_methods(type(self))
         self.parallel = parallel
         self.comm_dtype = parallel.config.comm_dtype
@@ -232,32 +217,29 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
 
     @runs_eagerly
     def _compute_chunked(self, x_TD, plan, gates_TK, experts):
-        record = self.replay.current if self.replay is not None else None
-        recording = record is not None and not record.replayed
+        exchanger = self.exchanger
+        rnd = exchanger.new_round(plan)
         x_ND = permute_tokens(x_TD, plan, self.kernels)
-        if record is None or not record.replayed:
-            record = record if record is not None else DispatchRecord()
-            kept_PE = plan.kept_per_expert_E.view(self.parallel.ep_size, -1)
-            proposal = self._proposed_chunks(kept_PE, x_ND, experts) if self.a2a_chunks == "auto" else None
-            record.recv_counts_PE, record.a2a_plan, proposals = exchange_counts_and_value(
-                kept_PE, self.parallel, self.comm_kernels, proposal
-            )
-            record.chunks = self.a2a_chunks if proposals is None else int(proposals.max())
-        record.plan = plan
-        self.last_chunks = record.chunks
-        # (rows, D, bytes per element) the experts computed: the chunked path never calls the module
-        self.last_received = (record.a2a_plan.rows_received, x_ND.shape[1], x_ND.element_size())
-        w1, w2, b1, b2, buffers = experts.weights_for(x_ND.dtype)
-        self._overlap = OverlapSettings(
-            ChunkedExchange(record.a2a_plan, record.chunks),
-            self.comm_dtype,
-            experts.activation,
-            buffers,
-            comm_buffer_pool(),
-            record if (recording or record.replayed) else None,
+        rnd.recv_counts_PE, rnd.a2a_plan, chunks = exchanger.plans(
+            rnd, "chunked counts", lambda: self._chunked_counts(plan, x_ND, experts)
         )
-        y_ND = chunked_experts(x_ND[: record.a2a_plan.rows_sent], w1, w2, b1, b2, self._overlap)
-        return super().combine(y_ND, gates_TK, record)
+        self.last_chunks = chunks
+        # (rows, D, bytes per element) the experts computed: the chunked path never calls the module
+        self.last_received = (rnd.a2a_plan.rows_received, x_ND.shape[1], x_ND.element_size())
+        chunked = ChunkedExchange(rnd.a2a_plan, chunks)
+        self._overlap = OverlapSettings(chunked, self.comm_dtype, comm_buffer_pool())
+        y_ND = exchanger.chunked_trip(rnd, x_ND[: rnd.a2a_plan.rows_sent], experts, self._overlap)
+        return super().combine(y_ND, gates_TK, rnd)
+
+    def _chunked_counts(self, plan: DispatchPlan, x_ND: torch.Tensor, experts):
+        """(``recv_counts_PE``, the exchange plan, the chunk count) of a chunked round: one count
+        exchange, which also agrees on the count for ``a2a_chunks="auto"``."""
+        kept_PE = plan.kept_per_expert_E.view(self.parallel.ep_size, -1)
+        proposal = self._proposed_chunks(kept_PE, x_ND, experts) if self.a2a_chunks == "auto" else None
+        recv_counts_PE, a2a_plan, proposals = exchange_counts_and_value(
+            kept_PE, self.parallel, self.comm_kernels, proposal
+        )
+        return recv_counts_PE, a2a_plan, self.a2a_chunks if proposals is None else int(proposals.max())
 
     def _proposed_chunks(self, kept_PE, x_ND, experts) -> int:
         """This rank's choice for ``a2a_chunks="auto"`` (the EP group takes the largest): the count
@@ -277,37 +259,25 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
 
     @runs_eagerly
     def dispatch(self, x_TD, plan):
-        record = self.replay.current if self.replay is not None else None
+        exchanger = self.exchanger
+        rnd = exchanger.new_round(plan)
         x_ND = permute_tokens(x_TD, plan, self.kernels)
-        if record is not None and record.replayed:
-            received = replay_all_to_all(x_ND, record.received_rows, record.a2a_plan, self.comm_dtype, True)
-            record.received_rows = None  # replayed once: the rebuilt graph keeps what it needs
-        else:
-            record = record if record is not None else DispatchRecord()
-            kept_PE = plan.kept_per_expert_E.view(self.parallel.ep_size, -1)
-            counts_and_plan = exchange_counts(kept_PE, self.parallel, self.comm_kernels)
-            record.recv_counts_PE, record.a2a_plan = counts_and_plan
-            x_ND = x_ND[: record.a2a_plan.rows_sent]  # a padded plan's zero rows stay here
-            received = all_to_all(x_ND, record.a2a_plan, self.comm_dtype)  # [source rank][local expert]
-            self._overlap = None
-            self._unchunked_bytes = self._modelled_bytes(record.a2a_plan, x_ND)
-            if self.replay is not None and record is self.replay.current:
-                record.received_rows = received.detach()
-        record.plan = plan
-        regrouped = regroup_chunks(received, record.recv_counts_PE, self.comm_kernels)  # [expert][source]
-        return regrouped, record.recv_counts_PE.sum(0), record
+        kept_PE = plan.kept_per_expert_E.view(self.parallel.ep_size, -1)
+        rnd.recv_counts_PE, rnd.a2a_plan = exchanger.plans(
+            rnd, "counts", lambda: exchange_counts(kept_PE, self.parallel, self.comm_kernels)
+        )
+        x_ND = x_ND[: rnd.a2a_plan.rows_sent]  # a padded plan's zero rows stay here
+        received = exchanger.all_to_all(rnd, "received", x_ND, rnd.a2a_plan, self.comm_dtype)
+        self._overlap = None
+        self._unchunked_bytes = self._modelled_bytes(rnd.a2a_plan, x_ND)
+        regrouped = regroup_chunks(received, rnd.recv_counts_PE, self.comm_kernels)  # [expert][source]
+        return regrouped, rnd.recv_counts_PE.sum(0), rnd
 
     @runs_eagerly
-    def combine(self, y_ND, gates_TK, record):
-        returned = regroup_chunks(y_ND, record.recv_counts_PE.t().contiguous(), self.comm_kernels)
-        if record.replayed:
-            y_ND = replay_all_to_all(returned, record.returned_rows, record.a2a_plan, self.comm_dtype, False)
-            record.returned_rows = None
-        else:
-            y_ND = all_to_all_reverse(returned, record.a2a_plan, self.comm_dtype)
-            if self.replay is not None and record is self.replay.current:
-                record.returned_rows = y_ND.detach()
-        return super().combine(y_ND, gates_TK, record)
+    def combine(self, y_ND, gates_TK, rnd):
+        returned = regroup_chunks(y_ND, rnd.recv_counts_PE.t().contiguous(), self.comm_kernels)
+        y_ND = self.exchanger.all_to_all_reverse(rnd, "returned", returned, rnd.a2a_plan, self.comm_dtype)
+        return super().combine(y_ND, gates_TK, rnd)
 
     def _modelled_bytes(self, plan, x_ND: torch.Tensor) -> int:
         encoded = self.comm_dtype is not None and x_ND.dtype != WIRE_DTYPES[self.comm_dtype]

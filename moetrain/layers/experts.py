@@ -6,9 +6,11 @@ Legend: N routed rows in expert order, D model dim, F ffn hidden dim, E local ex
 multiplied, so skewed routing never pays for padding.
 
 Two paths, same math. Eager runs read the row counts once and use the autograd function here over
-the row-stable phases of :mod:`moetrain.layers.expert_math` (one GEMM per expert, in-place
-activation backward, reused gradient buffers: the speed of ``benchmarks/moe_layer.py``; each row's
-result independent of the other rows in the call, which the chunked all-to-all relies on).
+:class:`ExpertRowMath`, the row-stable phases of :mod:`moetrain.layers.expert_math` (one GEMM per
+expert, in-place activation backward, reused gradient buffers: the speed of
+``benchmarks/moe_layer.py``; each row's result independent of the other rows in the call). The
+chunked all-to-all (:mod:`moetrain.layers.overlap`) runs the same phases over chunks of rows
+(:meth:`GroupedExperts.row_math`).
 Compiled graphs and the ``meta`` device use the operators of :mod:`moetrain.kernels.grouped_mm`,
 whose row counts stay a tensor. Eager CUDA calls that torch's grouped GEMM can take run whichever of
 the two measured faster on that GPU for that shape class (:mod:`moetrain.layers.expert_path`).
@@ -30,6 +32,7 @@ from moetrain.layers.expert_math import (
     expert_forward,
     expert_input_grad,
     expert_weight_grads,
+    padded_rows,
     row_offsets,
 )
 
@@ -69,39 +72,109 @@ class ReusableGradBuffer:
         return self._buffer.view(like.shape)
 
 
-class _ExpertMLP(torch.autograd.Function):
-    """``y = act(x @ w1[e] + b1[e]) @ w2[e] + b2[e]`` over each expert's rows (biases optional), with
-    the row-stable phases of :mod:`moetrain.layers.expert_math`. Saves x, h, act(h) (and silu(gate)
-    for SwiGLU), like autograd would; its backward writes the activation's gradient into the buffer
-    of ``grad_a`` in place, sparing one [N, F] allocation per step."""
+class ExpertRowMath:
+    """The experts' math over rows in expert order (expert e owns rows ``[offsets[e],
+    offsets[e+1])``), in the three row-stable phases of :mod:`moetrain.layers.expert_math`: a
+    row's result does not depend on the other rows of the call. :meth:`forward` and
+    :meth:`input_grad` may run on any subset of each expert's rows (a chunk); :meth:`weight_grads`
+    runs once over all rows, in the unchunked order. ``weights`` is ``(w1_EDF, w2_EFD, b1_EF,
+    b2_ED)`` in the rows' dtype (biases None without ``bias``; the backward phases use w1 and w2
+    only): an argument, so that the autograd function running the phases saves the weights as its
+    inputs. Made by :meth:`GroupedExperts.row_math`; the module's eager path and the chunked
+    exchange (:mod:`moetrain.layers.overlap`) both run it."""
+
+    def __init__(self, activation: str, grad_buffers: tuple[ReusableGradBuffer, ReusableGradBuffer]):
+        self.activation, self.grad_buffers = activation, grad_buffers
+
+    def forward(
+        self, x_ND: torch.Tensor, weights, offsets: list[int]
+    ) -> tuple[torch.Tensor, ExpertActivations]:
+        """``y_ND = act(x @ w1[e] + b1[e]) @ w2[e] + b2[e]`` and what the backward needs."""
+        w1_EDF, w2_EFD, b1_EF, b2_ED = weights
+        return expert_forward(x_ND, w1_EDF, w2_EFD, b1_EF, b2_ED, offsets, self.activation)
+
+    def input_grad(
+        self, grad_y_ND: torch.Tensor, saved: ExpertActivations, weights, offsets: list[int], need_grad_x=True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``(d loss / d x [N, D]`` (None unless ``need_grad_x``), ``d loss / d h [P, F2])``."""
+        return expert_input_grad(
+            grad_y_ND, saved, weights[0], weights[1], offsets, self.activation, need_grad_x
+        )
+
+    def weight_grads(
+        self, x_ND, a_NF, grad_y_ND, grad_h_NF2, weights, offsets: list[int], needs: tuple[bool, ...]
+    ) -> tuple[torch.Tensor | None, ...]:
+        """``(dw1, dw2, db1, db2)`` over all rows (``needs``: which of the four; the others None),
+        the weights' into the reusable storage."""
+        return expert_weight_grads(
+            x_ND,
+            a_NF,
+            grad_y_ND,
+            grad_h_NF2,
+            offsets,
+            self.grad_buffers[0].get(weights[0]) if needs[0] else None,
+            self.grad_buffers[1].get(weights[1]) if needs[1] else None,
+            (needs[2], needs[3]),
+        )
+
+    def new_activations(self, rows: int, weights, like: torch.Tensor) -> ExpertActivations:
+        """Empty storage for what :meth:`forward` saves, for ``rows`` rows without padding (a
+        caller that computes the rows in chunks keeps them here, :meth:`keep_activations`)."""
+        inner, hidden = weights[0].shape[2], weights[1].shape[1]
+        h_NF2, a_NF = like.new_empty(rows, inner), like.new_empty(rows, hidden)
+        return ExpertActivations(
+            h_NF2, a_NF, like.new_empty(rows, hidden) if self.activation == "swiglu" else None
+        )
 
     @staticmethod
-    def forward(ctx, x_ND, w1_EDF, w2_EFD, b1_EF, b2_ED, offsets, activation, grad_buffers):
-        y_ND, saved = expert_forward(x_ND, w1_EDF, w2_EFD, b1_EF, b2_ED, offsets, activation)
+    def keep_activations(kept: ExpertActivations, index_R: torch.Tensor, saved: ExpertActivations) -> None:
+        """Copies what :meth:`forward` saved for R rows into the rows ``index_R`` of ``kept``."""
+        rows = index_R.numel()
+        kept.h_PF2.index_copy_(0, index_R, saved.h_PF2[:rows])
+        kept.a_PF.index_copy_(0, index_R, saved.a_PF[:rows])
+        if kept.s_PF is not None:
+            kept.s_PF.index_copy_(0, index_R, saved.s_PF[:rows])
+
+    def chunk_activations(self, kept: ExpertActivations, index_R: torch.Tensor) -> ExpertActivations:
+        """What :meth:`input_grad` needs for the rows ``index_R`` of ``kept``, laid out as
+        :meth:`forward` saves them (padded rows)."""
+        h_NF2 = kept.h_PF2
+        width = h_NF2.shape[1] // 2 if self.activation == "swiglu" else h_NF2.shape[1]
+        h_PF2 = _gather_padded(h_NF2, index_R, padded_rows(index_R.numel(), width))
+        s_PF = None if kept.s_PF is None else _gather_padded(kept.s_PF, index_R, h_PF2.shape[0])
+        return ExpertActivations(h_PF2, None, s_PF)
+
+
+def _gather_padded(full: torch.Tensor, index: torch.Tensor, padded: int) -> torch.Tensor:
+    out = full.new_empty(padded, full.shape[1])
+    torch.index_select(full, 0, index, out=out[: index.numel()])
+    out[index.numel() :].zero_()
+    return out
+
+
+class _ExpertMLP(torch.autograd.Function):
+    """``y = act(x @ w1[e] + b1[e]) @ w2[e] + b2[e]`` over each expert's rows (biases optional), with
+    :class:`ExpertRowMath`. Saves x, h, act(h) (and silu(gate) for SwiGLU), like autograd would; its
+    backward writes the activation's gradient into the buffer of ``grad_a`` in place, sparing one
+    [N, F] allocation per step."""
+
+    @staticmethod
+    def forward(ctx, x_ND, w1_EDF, w2_EFD, b1_EF, b2_ED, offsets, math: ExpertRowMath):
+        y_ND, saved = math.forward(x_ND, (w1_EDF, w2_EFD, b1_EF, b2_ED), offsets)
         ctx.save_for_backward(x_ND, w1_EDF, w2_EFD, saved.h_PF2, saved.a_PF, saved.s_PF)
-        ctx.offsets, ctx.activation, ctx.grad_buffers = offsets, activation, grad_buffers
+        ctx.offsets, ctx.math = offsets, math
         return y_ND
 
     @staticmethod
     def backward(ctx, grad_y_ND):
         x_ND, w1_EDF, w2_EFD, h_PF2, a_PF, s_PF = ctx.saved_tensors
-        offsets, buffers, needs = ctx.offsets, ctx.grad_buffers, ctx.needs_input_grad
+        offsets, math, needs = ctx.offsets, ctx.math, ctx.needs_input_grad
         grad_y_ND = grad_y_ND.contiguous()
+        weights = (w1_EDF, w2_EFD, None, None)
         saved = ExpertActivations(h_PF2, a_PF, s_PF)
-        grad_x, grad_h_PF2 = expert_input_grad(
-            grad_y_ND, saved, w1_EDF, w2_EFD, offsets, ctx.activation, needs[0]
-        )
-        grads = expert_weight_grads(
-            x_ND,
-            a_PF,
-            grad_y_ND,
-            grad_h_PF2,
-            offsets,
-            buffers[0].get(w1_EDF) if needs[1] else None,
-            buffers[1].get(w2_EFD) if needs[2] else None,
-            (needs[3], needs[4]),
-        )
-        return grad_x, *grads, None, None, None
+        grad_x, grad_h_PF2 = math.input_grad(grad_y_ND, saved, weights, offsets, needs[0])
+        grads = math.weight_grads(x_ND, a_PF, grad_y_ND, grad_h_PF2, weights, offsets, needs[1:5])
+        return grad_x, *grads, None, None
 
 
 def apply_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -207,7 +280,7 @@ class GroupedExperts(nn.Module):
 
     def _forward_per_expert(self, x_ND, w1, w2, b1, b2, rows_per_expert_E, buffers) -> torch.Tensor:
         offsets = row_offsets(rows_per_expert_E.tolist())
-        return _ExpertMLP.apply(x_ND, w1, w2, b1, b2, offsets, self.activation, buffers)
+        return _ExpertMLP.apply(x_ND, w1, w2, b1, b2, offsets, ExpertRowMath(self.activation, buffers))
 
     def _forward_by_operators(self, x_ND, w1, w2, b1, b2, rows_per_expert_E, padded: bool) -> torch.Tensor:
         if b1 is not None:
@@ -236,6 +309,13 @@ class GroupedExperts(nn.Module):
         key = expert_path.shape_class(x_ND, w1, w2, self.activation, b1 is not None)
         candidates = {"grouped": candidate(True), "per_expert": candidate(False)}
         return expert_path.CHOOSER.choose(key, x_ND.device, candidates) == "grouped"
+
+    def row_math(self, dtype: torch.dtype) -> tuple[tuple, ExpertRowMath]:
+        """(the weights ``(w1, w2, b1, b2)`` for rows of ``dtype``, :class:`ExpertRowMath` over
+        them): the experts in phases, for a caller that runs them over chunks of rows in one autograd
+        function (the chunked exchange, :mod:`moetrain.layers.overlap`)."""
+        w1, w2, b1, b2, buffers = self.weights_for(dtype)
+        return (w1, w2, b1, b2), ExpertRowMath(self.activation, buffers)
 
     def weights_for(self, dtype: torch.dtype):
         """``(w1, w2, b1, b2, grad_buffers)`` for rows of ``dtype``: the weights cast to it (biases

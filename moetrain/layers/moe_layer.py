@@ -27,15 +27,14 @@ from moetrain.layers.dispatch import (
     AllToAllTokenDispatcher,
     DispatchPlan,
     LocalTokenDispatcher,
-    build_dispatch_plan,
     compute_capacity,
-    token_priority_order,
 )
 from moetrain.layers.experts import DenseFFN, GroupedExperts
 from moetrain.layers.losses import attach_aux_loss, load_balancing_loss, router_z_loss, sequence_balance_loss
 from moetrain.layers.node_dispatch import NodeDedupTokenDispatcher
 from moetrain.layers.precision import autocast_off, compute_dtype
-from moetrain.layers.replay import RoutingReplay, attach_to_graph, input_digest
+from moetrain.layers.replay import ReplayedRoute, RoutingReplay, with_replay
+from moetrain.layers.route import RouteStep
 from moetrain.layers.router import RouterOutput, TopKRouter
 from moetrain.validation import require_nonneg_float
 
@@ -123,11 +122,11 @@ class MoELayer(nn.Module):
             if config.shared_expert_d_ff
             else None
         )
-        self.replay = RoutingReplay()
-        self.dispatcher = LocalTokenDispatcher(config.num_experts, config.kernels, self.replay)
+        self.route = RouteStep(self.router, config)
+        self.dispatcher = LocalTokenDispatcher(config.num_experts, config.kernels)
+        self.replay = RoutingReplay()  # the records of recompute replay, used once it is on
         self.last_stats: MoEStats | None = None
         self.aux_loss_scale = 1.0
-        self.recompute_replay = False
 
     def set_recompute_replay(self, enabled: bool) -> None:
         """For activation checkpointing: when enabled, each forward that builds a graph records its
@@ -137,9 +136,18 @@ class MoELayer(nn.Module):
         and expert outputs are recomputed as usual. A forward whose graph is dropped without
         backward leaves nothing behind (compiled: see :mod:`moetrain.layers.replay`). Backward
         passes of graphs that are alive at the same time must run in the order of their forwards.
-        Calling this drops every record."""
-        self.recompute_replay = bool(enabled)
+        Calling this drops every record. Replay is two wrappers (:mod:`moetrain.layers.replay`),
+        around the route step and around the dispatcher's exchanger; enabling installs them and
+        disabling removes them."""
         self.replay.clear()
+        self.route, self.dispatcher.exchanger = with_replay(
+            self.route, self.dispatcher.exchanger, self.replay, bool(enabled)
+        )
+
+    @property
+    def recompute_replay(self) -> bool:
+        """Whether recompute replay is on (:meth:`set_recompute_replay`)."""
+        return isinstance(self.route, ReplayedRoute)
 
     def replay_record_bytes(self) -> int:
         """Bytes held by the replay records of this layer's live graphs (0 without replay)."""
@@ -173,12 +181,12 @@ class MoELayer(nn.Module):
         return x.reshape(-1, d_model)
 
     def forward(self, x: torch.Tensor, sequence_lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [..., d_model]`` -> ``y [..., d_model]``: route -> plan -> dispatch / experts /
-        combine (the dispatcher) + the shared expert. ``sequence_lengths``: for tokens of several
-        sequences flattened to ``x [T, d_model]`` in sequence-major order (e.g. the real tokens of
-        padded samples), the integer ``[B]`` lengths of the sequences (summing to T); only the
-        sequence-level balance loss uses them, which needs them or inputs ``[..., seq_len, d_model]``
-        (then ``seq_len = x.shape[-2]``)."""
+        """``x [..., d_model]`` -> ``y [..., d_model]``: route (the router's decision and the
+        dispatch plan) -> dispatch -> experts -> combine (the dispatcher) + the shared expert.
+        ``sequence_lengths``: for tokens of several sequences flattened to ``x [T, d_model]`` in
+        sequence-major order (e.g. the real tokens of padded samples), the integer ``[B]`` lengths of
+        the sequences (summing to T); only the sequence-level balance loss uses them, which needs them
+        or inputs ``[..., seq_len, d_model]`` (then ``seq_len = x.shape[-2]``)."""
         cfg = self.config
         x_TD = self._tokens(x)
         seq_len = x.shape[-2] if x.dim() >= 3 else None
@@ -188,7 +196,7 @@ class MoELayer(nn.Module):
                 f"is per sequence), got shape {tuple(x.shape)}"
             )
         capacity = self.capacity(x_TD.shape[0])
-        routing, plan = self._route(x_TD, capacity)
+        routing, plan = self.route(x_TD, capacity, self.training)
         # The aux loss rides on the gates (they feed the output, and under expert parallelism a
         # compiled graph ends at the exchange, so a tensor made before it must carry the loss).
         gates_TK = self._attach_losses(routing, plan, capacity, seq_len, sequence_lengths)
@@ -197,70 +205,7 @@ class MoELayer(nn.Module):
             y_TD = self.dispatcher.compute(x_TD.to(dtype), plan, gates_TK, self.experts)
             if self.shared_expert is not None:
                 y_TD = y_TD + self.shared_expert(x_TD.to(dtype))
-        if self.recompute_replay:
-            self._hand_over_record(y_TD)
         return y_TD.view(*x.shape[:-1], cfg.d_model)
-
-    def _route(self, x_TD: torch.Tensor, capacity: int | None) -> tuple[RouterOutput, DispatchPlan]:
-        """(the router's output for ``x_TD [T, D]``, with the gates ``[T, K]`` of the experts used;
-        the dispatch plan). With recompute replay on, the decision is recorded for a recompute, or
-        a recompute reuses the recorded one: eagerly :meth:`_replay_eagerly`, in a compiled graph
-        :meth:`_replay_in_graph`."""
-        replay_on, compiling = self.recompute_replay, torch.compiler.is_compiling()
-        if replay_on and not compiling and self.replay.in_recompute():
-            return self._replay_eagerly(x_TD)
-        routing = self.router(x_TD)
-        priority_S = self._priority_order(routing) if self.config.batch_prioritized_routing else None
-        if replay_on and compiling:
-            routing, priority_S = self._replay_in_graph(x_TD, routing, priority_S)
-        elif replay_on and torch.is_grad_enabled():
-            self.replay.record([routing.expert_ids_TK], digest=None)  # the dispatcher adds the plan
-        return routing, self._plan(routing, capacity, priority_S)
-
-    def _priority_order(self, routing: RouterOutput) -> torch.Tensor:
-        """Batch-prioritised routing's slot order ``[S]``: tokens by descending top probability."""
-        with torch.no_grad():
-            token_score_T = routing.probs_TE.max(dim=-1).values
-            return token_priority_order(token_score_T.shape[0], self.config.top_k, token_score_T)
-
-    def _plan(self, routing: RouterOutput, capacity: int | None, priority_S) -> DispatchPlan:
-        """The dispatch plan of ``routing.expert_ids_TK`` (padded to a routing-independent row count
-        in compiled graphs and on ``meta``); in training, the routed counts feed the score biases."""
-        cfg = self.config
-        expert_ids_TK = routing.expert_ids_TK
-        padded = torch.compiler.is_compiling() or expert_ids_TK.device.type == "meta"
-        plan = build_dispatch_plan(
-            expert_ids_TK, cfg.num_experts, capacity, priority_S, cfg.kernels, padded, ids_in_range=True
-        )
-        if self.training and cfg.score_bias_rate > 0:
-            self.router.observe(plan.routed_per_expert_E)
-        return plan
-
-    def _replay_eagerly(self, x_TD: torch.Tensor) -> tuple[RouterOutput, DispatchPlan]:
-        """A recompute (eager): the router's gates for the recorded experts, and the recorded plan."""
-        record = self.replay.take()
-        return self.router(x_TD, record.decision[0]), record.plan
-
-    def _replay_in_graph(self, x_TD: torch.Tensor, routing: RouterOutput, priority_S):
-        """In a compiled graph: the decision (expert ids ``[T, K]``, the priority order ``[S]`` or
-        None) through the ``moetrain::replay_routing`` operator, which records it in a forward and
-        returns the recorded one in a recompute (it decides when the graph runs); the gates are
-        taken again for the experts it returns."""
-        decision = [routing.expert_ids_TK] if priority_S is None else [routing.expert_ids_TK, priority_S]
-        decision = torch.ops.moetrain.replay_routing(
-            decision, input_digest(x_TD), self.replay.id, torch.is_grad_enabled()
-        )
-        gates_TK = self.router.gates(routing.probs_TE, decision[0])
-        routing = RouterOutput(routing.logits_TE, routing.probs_TE, decision[0], gates_TK)
-        return routing, (decision[1] if priority_S is not None else None)
-
-    def _hand_over_record(self, y_TD: torch.Tensor) -> None:
-        """End of a forward with recompute replay: an eager recorded forward's record goes to the
-        autograd graph of ``y_TD`` (it lives as long as that graph); compiled, the replay keeps it."""
-        record = self.replay.current
-        if not torch.compiler.is_compiling() and record is not None and not record.replayed:
-            attach_to_graph(y_TD, record)
-        self.replay.current = None
 
     def _attach_losses(
         self,
@@ -325,7 +270,8 @@ def shard_experts(layer: MoELayer, parallel) -> MoELayer:
     layer.parallel = parallel
     if parallel.ep_size > 1:
         kind = NodeDedupTokenDispatcher if parallel.all_to_all == "node_dedup" else AllToAllTokenDispatcher
-        layer.dispatcher = kind(layer.config.num_experts, parallel, layer.config.kernels, layer.replay)
+        exchanger = layer.dispatcher.exchanger  # with recompute replay's wrapper, when it is on
+        layer.dispatcher = kind(layer.config.num_experts, parallel, layer.config.kernels, exchanger)
     return layer
 
 

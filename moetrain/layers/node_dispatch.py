@@ -48,10 +48,12 @@ two roundings on the way back, docs/expert_parallel.md states the bound) before 
 nodes: outputs and gradients equal the flat algorithm within floating-point tolerance (fp32: ~1e-7
 relative; fp64: ~1e-15), not bit for bit.
 
-**Recompute replay** is supported: a recorded round keeps its plans (``DispatchRecord.a2a_plan``,
-a :class:`NodeDedupRound`) and the rows each of its four forward exchanges delivered
-(``DispatchRecord.exchanged``); a recompute replays them without communicating and its backward
-communicates the gradients as usual.
+**Exchanges.** Every count and row exchange goes through the dispatcher's exchanger
+(:mod:`moetrain.layers.exchange`), each under its own name: the count exchanges of steps 2 and 4
+(``plans``: the inter-node plan; the node plan and the intra-node plan, which depend on the received
+ids) and the row exchanges ``copies``, ``node_rows``, ``node_returned``, ``gates`` and ``partials``.
+Recompute replay (:mod:`moetrain.layers.replay`) thereby replays a recorded round without
+communicating; its backward communicates the gradients as usual.
 
 **Cost per round**, beside the flat algorithm's one row per kept slot: C copies (one per token
 and node reached) cross, plus 8K bytes of ids and gates per copy (fp32 gates; and at most 4 bytes
@@ -69,16 +71,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moetrain.comm.all_to_all import (
-    FlatAllToAllPlan,
-    all_to_all,
-    all_to_all_reverse,
-    pack_rows,
-    regroup_chunks,
-    replay_all_to_all,
-    unpack_rows,
-)
-from moetrain.comm.compression import decode_rows, encode_rows
+from moetrain.comm.all_to_all import FlatAllToAllPlan, regroup_chunks
 from moetrain.kernels import kernel
 from moetrain.layers.dispatch import (
     DispatchPlan,
@@ -88,7 +81,7 @@ from moetrain.layers.dispatch import (
     unpermute_tokens,
 )
 from moetrain.layers.eager import prepare_eager_methods, runs_eagerly
-from moetrain.layers.replay import DispatchRecord, RoutingReplay
+from moetrain.layers.exchange import Exchanger
 
 
 @dataclass(eq=False)
@@ -171,41 +164,16 @@ def exchange_counts_in(send_AE: torch.Tensor, group, kernels: str = "auto"):
     return recv_AE, FlatAllToAllPlan(send_AE, recv_AE, group, kernels)
 
 
-class _CopiesExchange(torch.autograd.Function):
-    """The inter-node exchange of step 2: rows (in ``comm_dtype``) and their int32 slot ids in one
-    message per peer (:func:`~moetrain.comm.all_to_all.pack_rows`: each row's bytes, its ids at the
-    next multiple of 4 bytes, the row padded to the larger element size); differentiable in the rows
-    (the gradient takes the reverse trip, as :func:`moetrain.comm.all_to_all.all_to_all`'s)."""
-
-    @staticmethod
-    def forward(ctx, x_CD: torch.Tensor, ids_CK: torch.Tensor, plan: FlatAllToAllPlan, comm_dtype):
-        ctx.plan, ctx.comm_dtype = plan, comm_dtype
-        wire_CW = encode_rows(x_CD, comm_dtype, plan.kernels)
-        fields = [(wire_CW.dtype, wire_CW.shape[1]), (torch.int32, ids_CK.shape[1])]
-        packed_CB = pack_rows([wire_CW, ids_CK.to(torch.int32)])  # any row count, any row dtype
-        wire_RW, ids_RK = unpack_rows(plan.exchange(packed_CB), fields)
-        ids_RK = ids_RK.to(torch.int64)
-        ctx.mark_non_differentiable(ids_RK)
-        return decode_rows(wire_RW, comm_dtype, x_CD.dtype, plan.kernels), ids_RK
-
-    @staticmethod
-    def backward(ctx, grad_RD: torch.Tensor, _grad_ids):
-        plan, comm_dtype = ctx.plan, ctx.comm_dtype
-        wire = encode_rows(grad_RD.contiguous(), comm_dtype, plan.kernels)
-        return decode_rows(plan.reverse(wire), comm_dtype, grad_RD.dtype, plan.kernels), None, None, None
-
-
 class NodeDedupTokenDispatcher(LocalTokenDispatcher):
     """Expert-parallel dispatcher of ``all_to_all="node_dedup"`` (module docstring): ``dispatch``
     returns the rows of this rank's experts ordered [local expert][source local rank], the row
-    count of each local expert and the round's record; ``combine`` returns ``y_TD``. Like
+    count of each local expert and the round (its ``a2a_plan`` a :class:`NodeDedupRound`);
+    ``combine`` returns ``y_TD``. Like
     :class:`~moetrain.layers.dispatch.AllToAllTokenDispatcher`, both run eagerly under
     ``torch.compile`` (``@runs_eagerly``) and every rank joins every exchange, rows or none."""
 
-    def __init__(
-        self, num_experts: int, parallel, kernels: str = "auto", replay: RoutingReplay | None = None
-    ):
-        super().__init__(num_experts, kernels, replay)
+    def __init__(self, num_experts: int, parallel, kernels: str = "auto", exchanger: Exchanger | None = None):
+        super().__init__(num_experts, kernels, exchanger)
         if parallel.ep_node_grid is None or parallel.inter_node_group is None:
             raise ValueError(
                 "all_to_all = 'node_dedup' needs a node grid and its node groups (ParallelContext with "
@@ -222,60 +190,52 @@ class NodeDedupTokenDispatcher(LocalTokenDispatcher):
 
     @runs_eagerly
     def dispatch(self, x_TD, plan):
-        record = self.replay.current if self.replay is not None else None
-        if record is not None and record.replayed:
-            rnd, rows = record.a2a_plan, record.exchanged
-            x_CD = permute_tokens(x_TD, rnd.copy_plan, self.kernels)
-            x_RD = replay_all_to_all(x_CD, rows["copies"], rnd.inter_plan, self.comm_dtype, True)
-            x_ND = permute_tokens(x_RD, rnd.node_plan, self.kernels)
-            received = replay_all_to_all(x_ND, rows["node_rows"], rnd.intra_plan, self.comm_dtype, True)
-        else:
-            recording = self.replay is not None and record is not None
-            record = record if record is not None else DispatchRecord()
-            copy_plan, ids_CK = copies_of_tokens(plan, self.nodes, self.kernels)
-            _, inter_plan = exchange_counts_in(
-                copy_plan.kept_per_expert_E.view(-1, 1), self.parallel.inter_node_group, self.comm_kernels
-            )
-            x_CD = permute_tokens(x_TD, copy_plan, self.kernels)
-            x_RD, ids_RK = _CopiesExchange.apply(x_CD, ids_CK, inter_plan, self.comm_dtype)
-            per_node_experts = self.per_node * self.local_experts
-            node_plan = plan_of_real_slots(
-                torch.where(ids_RK >= 0, ids_RK, per_node_experts), per_node_experts, self.kernels
-            )
-            recv_counts_LE, intra_plan = exchange_counts_in(
-                node_plan.kept_per_expert_E.view(self.per_node, self.local_experts),
-                self.parallel.intra_node_group,
-                self.comm_kernels,
-            )
-            x_ND = permute_tokens(x_RD, node_plan, self.kernels)
-            received = all_to_all(x_ND, intra_plan, self.comm_dtype)  # [source local rank][expert]
-            rnd = NodeDedupRound(self.node, copy_plan, inter_plan, node_plan, intra_plan, recv_counts_LE)
-            record.a2a_plan = rnd
-            if recording:
-                record.exchanged.update(copies=x_RD.detach(), node_rows=received.detach())
-        record.plan = plan
-        self.last_round_rows = (rnd.inter_plan.rows_sent, sum(rnd.inter_plan.recv), rnd.node_plan.num_rows)
-        regrouped = regroup_chunks(received, rnd.recv_counts_LE, self.comm_kernels)  # [expert][source]
-        return regrouped, rnd.recv_counts_LE.sum(0), record
+        exchanger, wire = self.exchanger, self.comm_dtype
+        rnd = exchanger.new_round(plan)
+        copy_plan, ids_CK = copies_of_tokens(plan, self.nodes, self.kernels)
+        inter_plan = exchanger.plans(rnd, "inter-node counts", lambda: self._inter_node_plan(copy_plan))
+        x_CD = permute_tokens(x_TD, copy_plan, self.kernels)
+        x_RD, ids_RK = exchanger.all_to_all_with_ids(rnd, "copies", x_CD, ids_CK, inter_plan, wire)
+        node_plan, recv_counts_LE, intra_plan = exchanger.plans(
+            rnd, "node rows", lambda: self._node_rows_plans(ids_RK)
+        )
+        x_ND = permute_tokens(x_RD, node_plan, self.kernels)
+        # [source local rank][expert]
+        received = exchanger.all_to_all(rnd, "node_rows", x_ND, intra_plan, wire)
+        rnd.a2a_plan = NodeDedupRound(self.node, copy_plan, inter_plan, node_plan, intra_plan, recv_counts_LE)
+        self.last_round_rows = (inter_plan.rows_sent, sum(inter_plan.recv), node_plan.num_rows)
+        regrouped = regroup_chunks(received, recv_counts_LE, self.comm_kernels)  # [expert][source]
+        return regrouped, recv_counts_LE.sum(0), rnd
+
+    def _inter_node_plan(self, copy_plan: DispatchPlan) -> FlatAllToAllPlan:
+        """The plan of step 2 (module docstring): the copies to each node, after a count exchange."""
+        counts_M1 = copy_plan.kept_per_expert_E.view(-1, 1)
+        return exchange_counts_in(counts_M1, self.parallel.inter_node_group, self.comm_kernels)[1]
+
+    def _node_rows_plans(self, ids_RK: torch.Tensor):
+        """(``node_plan``, ``recv_counts_LE``, ``intra_plan``) of steps 3-4 (module docstring) from
+        the received copies' node-local expert ids ``ids_RK`` (-1: not on this node)."""
+        per_node_experts = self.per_node * self.local_experts
+        node_plan = plan_of_real_slots(
+            torch.where(ids_RK >= 0, ids_RK, per_node_experts), per_node_experts, self.kernels
+        )
+        recv_counts_LE, intra_plan = exchange_counts_in(
+            node_plan.kept_per_expert_E.view(self.per_node, self.local_experts),
+            self.parallel.intra_node_group,
+            self.comm_kernels,
+        )
+        return node_plan, recv_counts_LE, intra_plan
 
     @runs_eagerly
-    def combine(self, y_ND, gates_TK, record):
-        rnd, rows, wire = record.a2a_plan, record.exchanged, self.comm_dtype
-        returned = regroup_chunks(y_ND, rnd.recv_counts_LE.t().contiguous(), self.comm_kernels)
-        gates_CK = permute_tokens(gates_TK, rnd.copy_plan, self.kernels)
-        if record.replayed:
-            y_node = replay_all_to_all(returned, rows["node_returned"], rnd.intra_plan, wire, False)
-            gates_RK = replay_all_to_all(gates_CK, rows["gates"], rnd.inter_plan, None, True)
-        else:
-            y_node = all_to_all_reverse(returned, rnd.intra_plan, wire)
-            gates_RK = all_to_all(gates_CK, rnd.inter_plan, None)  # uncompressed: K numbers per copy
-        partial_RD = unpermute_tokens(y_node, gates_RK, rnd.node_plan, self.kernels)
-        if record.replayed:
-            partial_CD = replay_all_to_all(partial_RD, rows["partials"], rnd.inter_plan, wire, False)
-        else:
-            partial_CD = all_to_all_reverse(partial_RD, rnd.inter_plan, wire)
-            if self.replay is not None and record is self.replay.current:
-                rows.update(node_returned=y_node.detach(), gates=gates_RK.detach())
-                rows.update(partials=partial_CD.detach())
+    def combine(self, y_ND, gates_TK, rnd):
+        exchanger, wire, round_plans = self.exchanger, self.comm_dtype, rnd.a2a_plan
+        returned = regroup_chunks(y_ND, round_plans.recv_counts_LE.t().contiguous(), self.comm_kernels)
+        gates_CK = permute_tokens(gates_TK, round_plans.copy_plan, self.kernels)
+        y_node = exchanger.all_to_all_reverse(rnd, "node_returned", returned, round_plans.intra_plan, wire)
+        # the gates travel uncompressed: K numbers per copy
+        gates_RK = exchanger.all_to_all(rnd, "gates", gates_CK, round_plans.inter_plan, None)
+        partial_RD = unpermute_tokens(y_node, gates_RK, round_plans.node_plan, self.kernels)
+        partial_CD = exchanger.all_to_all_reverse(rnd, "partials", partial_RD, round_plans.inter_plan, wire)
         unpermute = kernel("unpermute_rows", partial_CD.device, self.kernels)
-        return unpermute(partial_CD.contiguous(), rnd.copy_plan.row_of_slot_TK, None)
+        y_TD = unpermute(partial_CD.contiguous(), round_plans.copy_plan.row_of_slot_TK, None)
+        return exchanger.close(rnd, y_TD)

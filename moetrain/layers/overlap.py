@@ -9,7 +9,8 @@ rows for expert e are a subset of e's rows, in order. One autograd function span
 
 - forward, per chunk (scheduled by :func:`moetrain.comm.overlap.run_pipeline`, chunk c + 1 travels
   while chunk c is computed and c - 1 returns): receive, regroup ``[p][e] -> [e][p]``, the experts
-  (:mod:`moetrain.layers.expert_math`, whose rows do not depend on the call), regroup back, return;
+  (the phases of :class:`~moetrain.layers.experts.ExpertRowMath`, the experts' own math, whose rows
+  do not depend on the call), regroup back, return;
 - backward, mirrored: the output gradient's chunk travels, the experts' backward to their inputs
   runs on it, its result returns; the weight gradients are computed once, over all rows in the
   unchunked order, after the last chunk (while its return travels).
@@ -18,12 +19,15 @@ The rows the experts need again (inputs, hidden rows, activations, and in the ba
 gradients for the weights) are kept in buffers of all ``N_r`` rows in the unchunked order, so the
 weight-gradient GEMMs see exactly the matrices of the unchunked layer: outputs and every gradient are
 bit-identical to ``a2a_chunks = 1`` (on the CPU, in fp32 and fp64, with every wire dtype; see
-``tests/distributed/test_a2a_chunks.py``). With recompute replay the record keeps the received rows (the
-experts' input buffer) and the returned rows; a replayed forward computes the experts again and
-communicates nothing.
+``tests/distributed/test_a2a_chunks.py``). A forward given the rows of an earlier identical trip
+(:class:`TripRows`: the received rows, i.e. the experts' input buffer, and the returned rows)
+computes the experts again and communicates nothing; given an empty :class:`TripRows`, it fills it
+(recompute replay, :mod:`moetrain.layers.replay`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -31,14 +35,7 @@ from moetrain.comm.all_to_all import regroup_chunks
 from moetrain.comm.buffers import CommBufferPool
 from moetrain.comm.chunking import chunk_major_order, split_counts
 from moetrain.comm.overlap import Trip, encode_into, run_pipeline
-from moetrain.layers.expert_math import (
-    ExpertActivations,
-    expert_forward,
-    expert_input_grad,
-    expert_weight_grads,
-    padded_rows,
-    row_offsets,
-)
+from moetrain.layers.expert_math import ExpertActivations, row_offsets
 
 
 class ChunkedExchange:
@@ -69,20 +66,21 @@ def _pieces(order: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
 
 
 class OverlapSettings:
-    """What the autograd function needs besides tensors: the chunks, the wire format, the experts'
-    activation and weight-gradient storage, the pool, and the replay record (or None)."""
+    """What a dispatcher's chunked trips need besides tensors: the chunks, the wire format and the
+    pool; ``peak_bytes`` is measured into it."""
 
-    def __init__(self, chunks: ChunkedExchange, comm_dtype, activation: str, grad_buffers, pool, record):
-        self.chunks, self.comm_dtype, self.activation = chunks, comm_dtype, activation
-        self.grad_buffers, self.pool, self.record = grad_buffers, pool, record
+    def __init__(self, chunks: ChunkedExchange, comm_dtype, pool):
+        self.chunks, self.comm_dtype, self.pool = chunks, comm_dtype, pool
         self.peak_bytes = 0  # most pool bytes held by this layer's forward or backward
 
 
-def _gather_padded(full: torch.Tensor, index: torch.Tensor, padded: int) -> torch.Tensor:
-    out = full.new_empty(padded, full.shape[1])
-    torch.index_select(full, 0, index, out=out[: index.numel()])
-    out[index.numel() :].zero_()
-    return out
+@dataclass(eq=False)
+class TripRows:
+    """The rows one chunked trip delivered: ``received_ND`` (``N_r`` rows, the unchunked expert
+    order) and ``returned_ND`` (``N_s`` rows, send order); both None until a trip fills them."""
+
+    received_ND: torch.Tensor | None = None
+    returned_ND: torch.Tensor | None = None
 
 
 def _measure(pool: CommBufferPool):
@@ -92,31 +90,23 @@ def _measure(pool: CommBufferPool):
 
 class _ChunkedExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND, w1_EDF, w2_EFD, b1_EF, b2_ED, settings: OverlapSettings):
-        chunks, pool, activation = settings.chunks, settings.pool, settings.activation
-        record = settings.record
-        d_model, inner = x_ND.shape[1], w1_EDF.shape[2]
-        hidden = w2_EFD.shape[1]
-        received = chunks.rows_received
-        replay = record is not None and record.replayed
-        x_full = record.received_rows if replay else x_ND.new_empty(received, d_model)
-        h_full = x_ND.new_empty(received, inner)
-        a_full = x_ND.new_empty(received, hidden)
-        s_full = x_ND.new_empty(received, hidden) if activation == "swiglu" else None
+    def forward(ctx, x_ND, w1_EDF, w2_EFD, b1_EF, b2_ED, settings: OverlapSettings, math, rows):
+        chunks, pool = settings.chunks, settings.pool
+        weights = (w1_EDF, w2_EFD, b1_EF, b2_ED)
+        d_model, received = x_ND.shape[1], chunks.rows_received
+        reused = rows is not None and rows.received_ND is not None
+        x_full = rows.received_ND if reused else x_ND.new_empty(received, d_model)
+        kept = math.new_activations(received, weights, x_ND)
 
         def experts(c: int, x_c: torch.Tensor) -> torch.Tensor:
-            y_c, saved = expert_forward(x_c, w1_EDF, w2_EFD, b1_EF, b2_ED, chunks.offsets[c], activation)
-            index, rows = chunks.recv_index[c], x_c.shape[0]
-            h_full.index_copy_(0, index, saved.h_PF2[:rows])
-            a_full.index_copy_(0, index, saved.a_PF[:rows])
-            if s_full is not None:
-                s_full.index_copy_(0, index, saved.s_PF[:rows])
+            y_c, saved = math.forward(x_c, weights, chunks.offsets[c])
+            math.keep_activations(kept, chunks.recv_index[c], saved)
             return y_c
 
-        if replay:
+        if reused:  # an earlier trip's rows: compute the experts again, communicate nothing
             for c in range(chunks.chunks):
                 experts(c, x_full.index_select(0, chunks.recv_index[c]))
-            y_ND = record.returned_rows.view_as(record.returned_rows)
+            y_ND = rows.returned_ND.view_as(rows.returned_ND)
         else:
             y_ND = x_ND.new_empty(chunks.rows_sent, d_model)
             base = _measure(pool)
@@ -131,25 +121,23 @@ class _ChunkedExperts(torch.autograd.Function):
 
             _run(ctx, settings, x_ND, y_ND, receive, compute, None)
             settings.peak_bytes = max(settings.peak_bytes, pool.peak - base)
-            if record is not None:
-                record.received_rows, record.returned_rows = x_full.detach(), y_ND.detach()
-        ctx.settings = settings
-        ctx.save_for_backward(x_full, h_full, a_full, s_full, w1_EDF, w2_EFD)
-        ctx.biases = (b1_EF is not None, b2_ED is not None)
+            if rows is not None:
+                rows.received_ND, rows.returned_ND = x_full.detach(), y_ND.detach()
+        ctx.settings, ctx.math = settings, math
+        ctx.save_for_backward(x_full, kept.h_PF2, kept.a_PF, kept.s_PF, w1_EDF, w2_EFD)
         return y_ND
 
     @staticmethod
     def backward(ctx, grad_y_ND):
-        settings = ctx.settings
-        chunks, pool, activation = settings.chunks, settings.pool, settings.activation
+        settings, math = ctx.settings, ctx.math
+        chunks, pool = settings.chunks, settings.pool
         x_full, h_full, a_full, s_full, w1_EDF, w2_EFD = ctx.saved_tensors
+        weights = (w1_EDF, w2_EFD, None, None)
         grad_y_ND = grad_y_ND.contiguous()
         received, d_model = x_full.shape
-        inner = w1_EDF.shape[2]
         grad_y_full = grad_y_ND.new_empty(received, d_model)
-        grad_h_full = grad_y_ND.new_empty(received, inner)
+        grad_h_full = grad_y_ND.new_empty(received, h_full.shape[1])
         grad_x_ND = grad_y_ND.new_empty(chunks.rows_sent, d_model)
-        needs = ctx.needs_input_grad
         weight_grads: list = []
 
         def receive(c, rows):
@@ -158,37 +146,21 @@ class _ChunkedExperts(torch.autograd.Function):
             return g_c
 
         def compute(c, g_c):
-            index, rows = chunks.recv_index[c], g_c.shape[0]
-            h_pad = _gather_padded(
-                h_full, index, padded_rows(rows, inner // 2 if s_full is not None else inner)
-            )
-            s_pad = None if s_full is None else _gather_padded(s_full, index, h_pad.shape[0])
-            saved = ExpertActivations(h_pad, None, s_pad)
-            grad_x_c, grad_h_pad = expert_input_grad(
-                g_c, saved, w1_EDF, w2_EFD, chunks.offsets[c], activation
-            )
-            grad_h_full.index_copy_(0, index, grad_h_pad[:rows])
+            index = chunks.recv_index[c]
+            saved = math.chunk_activations(ExpertActivations(h_full, a_full, s_full), index)
+            grad_x_c, grad_h_pad = math.input_grad(g_c, saved, weights, chunks.offsets[c])
+            grad_h_full.index_copy_(0, index, grad_h_pad[: g_c.shape[0]])
             return regroup_chunks(grad_x_c, chunks.recv_PE[c].t(), chunks.plan.kernels)
 
-        def weights():
-            buffers = settings.grad_buffers
-            weight_grads.extend(
-                expert_weight_grads(
-                    x_full,
-                    a_full,
-                    grad_y_full,
-                    grad_h_full,
-                    chunks.full_offsets,
-                    buffers[0].get(w1_EDF) if needs[1] else None,
-                    buffers[1].get(w2_EFD) if needs[2] else None,
-                    (needs[3], needs[4]),
-                )
-            )
+        def weights_grads():
+            needs = ctx.needs_input_grad[1:5]
+            full = (x_full, a_full, grad_y_full, grad_h_full)
+            weight_grads.extend(math.weight_grads(*full, weights, chunks.full_offsets, needs))
 
         base = _measure(pool)
-        _run(ctx, settings, grad_y_ND, grad_x_ND, receive, compute, weights)
+        _run(ctx, settings, grad_y_ND, grad_x_ND, receive, compute, weights_grads)
         settings.peak_bytes = max(settings.peak_bytes, pool.peak - base)
-        return grad_x_ND, *weight_grads, None
+        return grad_x_ND, *weight_grads, None, None, None
 
 
 def _run(ctx, settings: OverlapSettings, source_ND, target_ND, receive, compute, before_drain) -> None:
@@ -218,7 +190,10 @@ def _run(ctx, settings: OverlapSettings, source_ND, target_ND, receive, compute,
     pool.end_round()
 
 
-def chunked_experts(x_ND, w1_EDF, w2_EFD, b1_EF, b2_ED, settings: OverlapSettings) -> torch.Tensor:
-    """``y_ND`` (send order, as the unchunked exchange -> experts -> return exchange gives it) for the
-    permuted rows ``x_ND`` (send order, ``N_s`` rows); differentiable in the rows and the weights."""
-    return _ChunkedExperts.apply(x_ND, w1_EDF, w2_EFD, b1_EF, b2_ED, settings)
+def chunked_experts(x_ND, experts, settings: OverlapSettings, rows: TripRows | None = None) -> torch.Tensor:
+    """``y_ND`` (send order, as the unchunked exchange -> ``experts`` (a
+    :class:`~moetrain.layers.experts.GroupedExperts`) -> return exchange gives it) for the permuted
+    rows ``x_ND`` (send order, ``N_s`` rows); differentiable in the rows and the weights. ``rows``:
+    filled rows are reused instead of communicating, empty ones are filled (module docstring)."""
+    weights, math = experts.row_math(x_ND.dtype)
+    return _ChunkedExperts.apply(x_ND, *weights, settings, math, rows)

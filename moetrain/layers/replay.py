@@ -2,22 +2,31 @@
 routing decision, capacity cut and all-to-all results of its first forward instead of routing
 and communicating again.
 
-The decision passes through one operator, ``moetrain::replay_routing``, whose kernel runs at call
-time, also inside a compiled graph: in a forward it records the decision (expert ids, and the
-priority order for batch-prioritised routing) and returns it; in a forward that runs inside a
-backward pass (a recompute) it returns the recorded decision instead. Under expert parallelism the
-dispatcher adds the exchange plan and the rows each all-to-all delivered to the same
-:class:`DispatchRecord` (the node-deduplicating dispatcher, whose round has four exchanges, keeps
-its plans in ``a2a_plan`` and its rows in ``exchanged``).
+``MoELayer.set_recompute_replay(True)`` installs two wrappers, and ``False`` removes them; the
+layer's forward and its dispatcher stay as they are:
 
-Lifetime of a record. In eager mode the layer hangs the record on its output's autograd node, so
-it lives exactly as long as that forward's graph: a forward whose graph is dropped without
-backward leaves nothing behind. A compiled graph gives no such handle; there the record is kept
-by this object with a digest of the layer's input, and a recompute takes the oldest record whose
-digest matches the recomputed input (older records, whose backward never came, are dropped).
-``RoutingReplay.clear()`` (``MoELayer.set_recompute_replay``) drops every record. A record is
-replayed once: the dispatcher lets go of its all-to-all rows as the recompute uses them (the
-rebuilt graph keeps what its backward needs), so they do not wait for the end of the step.
+- :class:`ReplayedRoute` wraps the layer's route step (:class:`~moetrain.layers.route.RouteStep`):
+  a forward that builds a graph records the decision in a :class:`DispatchRecord`; a forward that
+  runs inside a backward pass (a recompute) takes the recorded one instead.
+- :class:`ReplayingExchanger` wraps the dispatcher's :class:`~moetrain.layers.exchange.Exchanger`:
+  the record is the round the dispatcher opens, so the exchanger keeps in it the plans and the rows
+  each exchange delivered, and in a recompute hands them back (rows through
+  :func:`~moetrain.comm.all_to_all.replay_all_to_all`, so that the backward still communicates the
+  gradients) without communicating.
+
+In a compiled graph the decision passes through one operator, ``moetrain::replay_routing``, whose
+kernel runs at call time: in a forward it records the decision (expert ids, and the priority order
+for batch-prioritised routing) and returns it; in a recompute it returns the recorded decision.
+
+Lifetime of a record. In eager mode the exchanger hangs the record on the autograd node of its
+round's output when the round closes, so it lives exactly as long as that forward's graph: a
+forward whose graph is dropped without backward leaves nothing behind. A compiled graph gives no
+such handle; there the record is kept by :class:`RoutingReplay` with a digest of the layer's input,
+and a recompute takes the oldest record whose digest matches the recomputed input (older records,
+whose backward never came, are dropped). ``RoutingReplay.clear()`` (``MoELayer.set_recompute_replay``)
+drops every record. A record is replayed once: the exchanger lets go of its rows as the recompute
+uses them (the rebuilt graph keeps what its backward needs), so they do not wait for the end of the
+step.
 """
 
 from __future__ import annotations
@@ -30,33 +39,31 @@ from dataclasses import dataclass, field
 import torch
 
 from moetrain._torch_compat import in_backward_pass
+from moetrain.comm.all_to_all import replay_all_to_all
+from moetrain.layers.exchange import DispatchRound, Exchanger
+from moetrain.layers.overlap import TripRows
+from moetrain.layers.router import RouterOutput
 
 
 @dataclass(eq=False)
-class DispatchRecord:
-    """One forward's dispatch round: the routing decision (``decision``: the expert ids ``[T, K]``,
-    in compiled graphs then the priority order ``[S]`` when batch-prioritised; empty when nothing
-    is recorded), the dispatch plan (an eager replay reuses it), and under expert parallelism the
-    exchange plan and the rows each all-to-all delivered. The dispatcher's ``dispatch`` returns
-    it and its ``combine`` takes it back."""
+class DispatchRecord(DispatchRound):
+    """A recorded forward's dispatch round: the routing decision (``decision``: the expert ids
+    ``[T, K]``, in compiled graphs then the priority order ``[S]`` when batch-prioritised), the
+    dispatch plan (an eager replay reuses it), and what the round's exchanges delivered: the plans
+    (``plans``) and rows (``exchanged``) by the name the dispatcher gave each exchange."""
 
     decision: list[torch.Tensor] = field(default_factory=list)
     digest: torch.Tensor | None = None
-    plan: object = None
-    recv_counts_PE: torch.Tensor | None = None
-    a2a_plan: object = None
-    received_rows: torch.Tensor | None = None
-    returned_rows: torch.Tensor | None = None
-    exchanged: dict[str, torch.Tensor] = field(default_factory=dict)  # other dispatchers' recorded rows
+    plans: dict[str, object] = field(default_factory=dict)
+    exchanged: dict[str, torch.Tensor] = field(default_factory=dict)
     replayed: bool = False
-    chunks: int = 1  # of a chunked exchange (moetrain.layers.overlap): its replay uses the same
 
     def nbytes(self) -> int:
         """Bytes a replay record keeps beyond the autograd graph's own tensors: the decision and
-        the all-to-all rows (the plan's index tensors are held by the graph with or without
+        the all-to-all rows (the plans' index tensors are held by the graph with or without
         replay)."""
-        tensors = [*self.decision, self.received_rows, self.returned_rows, *self.exchanged.values()]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        tensors = [*self.decision, *self.exchanged.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass(eq=False)
@@ -83,7 +90,8 @@ def input_digest(x_TD: torch.Tensor) -> torch.Tensor:
 
 class RoutingReplay:
     """The records of one layer's forwards that may still be recomputed; ``current`` is the record
-    of the layer's latest call (recorded or replayed), for the dispatcher of that call."""
+    of the layer's call in progress (recorded or replayed; None when it records nothing), which
+    the :class:`ReplayingExchanger` hands to the dispatcher as the call's round."""
 
     def __init__(self):
         self.id = next(_NEXT_ID)
@@ -112,9 +120,9 @@ class RoutingReplay:
         return in_backward_pass()
 
     def record(self, decision: list[torch.Tensor], digest: torch.Tensor | None) -> DispatchRecord:
-        """Keeps ``decision`` for a recompute: weakly when ``digest`` is None (eager: the layer
-        hands the record to its autograd graph), else here, matched by ``digest`` later."""
-        self.current = DispatchRecord([t.detach() for t in decision], digest)
+        """Keeps ``decision`` for a recompute: weakly when ``digest`` is None (eager: the
+        exchanger hands the record to its autograd graph), else here, matched by ``digest`` later."""
+        self.current = DispatchRecord(decision=[t.detach() for t in decision], digest=digest)
         if digest is None:
             self._entries.append(_Entry(ref=weakref.ref(self.current)))
         else:
@@ -177,3 +185,129 @@ def attach_to_graph(output: torch.Tensor, record: DispatchRecord) -> None:
     the graph of the forward that made it."""
     if output.grad_fn is not None:
         output.grad_fn.metadata["moetrain.dispatch_record"] = record
+
+
+class ReplayedRoute:
+    """The layer's route step with recompute replay (module docstring): ``(x_TD, capacity,
+    training)`` -> (the router's output, the dispatch plan), as ``route`` (a
+    :class:`~moetrain.layers.route.RouteStep`) gives them, but with the decision recorded in a
+    forward that builds a graph and the recorded one used in a recompute. Eager: a recompute takes
+    the recorded expert ids (the router recomputes their gates) and dispatch plan. Compiled: the
+    decision passes through ``moetrain::replay_routing``, which decides when the graph runs."""
+
+    def __init__(self, route, replay: RoutingReplay):
+        self.inner, self.replay = route, replay
+
+    def __call__(self, x_TD: torch.Tensor, capacity: int | None, training: bool):
+        route, replay = self.inner, self.replay
+        compiling = torch.compiler.is_compiling()
+        if not compiling and replay.in_recompute():
+            record = replay.take()
+            return route.router(x_TD, record.decision[0]), record.plan
+        routing, priority_S = route.decide(x_TD)
+        if compiling:
+            routing, priority_S = self._through_operator(x_TD, routing, priority_S)
+            return routing, route.plan(routing, capacity, priority_S, training)
+        record = replay.record([routing.expert_ids_TK], digest=None) if torch.is_grad_enabled() else None
+        replay.current = record
+        plan = route.plan(routing, capacity, priority_S, training)
+        if record is not None:
+            record.plan = plan
+        return routing, plan
+
+    def _through_operator(self, x_TD: torch.Tensor, routing: RouterOutput, priority_S):
+        """In a compiled graph: the decision (expert ids ``[T, K]``, the priority order ``[S]`` or
+        None) through ``moetrain::replay_routing``; the gates are taken again for the experts it
+        returns."""
+        decision = [routing.expert_ids_TK] if priority_S is None else [routing.expert_ids_TK, priority_S]
+        decision = torch.ops.moetrain.replay_routing(
+            decision, input_digest(x_TD), self.replay.id, torch.is_grad_enabled()
+        )
+        gates_TK = self.inner.router.gates(routing.probs_TE, decision[0])
+        routing = RouterOutput(routing.logits_TE, routing.probs_TE, decision[0], gates_TK)
+        return routing, (decision[1] if priority_S is not None else None)
+
+
+class ReplayingExchanger(Exchanger):
+    """A dispatcher's exchanger with recompute replay (module docstring): the round of a call that
+    records or replays is its :class:`DispatchRecord` (``RoutingReplay.current``); a recorded round
+    keeps what ``inner``'s exchanges delivered, a replayed one gets it back without communicating.
+    Other rounds (compiled graphs, forwards without a graph) go to ``inner`` untouched."""
+
+    def __init__(self, inner: Exchanger, replay: RoutingReplay):
+        self.inner, self.replay = inner, replay
+
+    def new_round(self, plan) -> DispatchRound:
+        record = None if torch.compiler.is_compiling() else self.replay.current
+        if record is None:
+            return self.inner.new_round(plan)
+        record.plan = plan
+        return record
+
+    def plans(self, rnd, name, make):
+        if not isinstance(rnd, DispatchRecord):
+            return self.inner.plans(rnd, name, make)
+        if rnd.replayed:
+            return rnd.plans[name]
+        rnd.plans[name] = made = self.inner.plans(rnd, name, make)
+        return made
+
+    def all_to_all(self, rnd, name, x_ND, plan, comm_dtype):
+        return self._rows(self.inner.all_to_all, rnd, name, x_ND, plan, comm_dtype, True)
+
+    def all_to_all_reverse(self, rnd, name, y_ND, plan, comm_dtype):
+        return self._rows(self.inner.all_to_all_reverse, rnd, name, y_ND, plan, comm_dtype, False)
+
+    def all_to_all_with_ids(self, rnd, name, x_CD, ids_CK, plan, comm_dtype):
+        if isinstance(rnd, DispatchRecord) and rnd.replayed:
+            return _replayed(rnd, name, x_CD, plan, comm_dtype, True), None
+        x_RD, ids_RK = self.inner.all_to_all_with_ids(rnd, name, x_CD, ids_CK, plan, comm_dtype)
+        if isinstance(rnd, DispatchRecord):
+            rnd.exchanged[name] = x_RD.detach()
+        return x_RD, ids_RK
+
+    def chunked_trip(self, rnd, x_ND, experts, settings, rows=None):
+        if not isinstance(rnd, DispatchRecord):
+            return self.inner.chunked_trip(rnd, x_ND, experts, settings, rows)
+        if rnd.replayed:
+            rows = TripRows(rnd.exchanged.pop("received"), rnd.exchanged.pop("returned"))
+            return self.inner.chunked_trip(rnd, x_ND, experts, settings, rows)
+        rows = TripRows()
+        y_ND = self.inner.chunked_trip(rnd, x_ND, experts, settings, rows)
+        rnd.exchanged.update(received=rows.received_ND, returned=rows.returned_ND)
+        return y_ND
+
+    def close(self, rnd, y_TD):
+        if isinstance(rnd, DispatchRecord) and not rnd.replayed and rnd.digest is None:
+            attach_to_graph(y_TD, rnd)  # compiled graphs' records (with a digest) stay in the replay
+        self.replay.current = None
+        return self.inner.close(rnd, y_TD)
+
+    @staticmethod
+    def _rows(send, rnd, name, x, plan, comm_dtype, forward_direction: bool) -> torch.Tensor:
+        """The rows ``send`` (an exchange of ``inner``) delivers, kept in a recorded round; in a
+        replayed round the kept rows instead."""
+        if not isinstance(rnd, DispatchRecord):
+            return send(rnd, name, x, plan, comm_dtype)
+        if rnd.replayed:
+            return _replayed(rnd, name, x, plan, comm_dtype, forward_direction)
+        rows = send(rnd, name, x, plan, comm_dtype)
+        rnd.exchanged[name] = rows.detach()
+        return rows
+
+
+def _replayed(
+    record: DispatchRecord, name: str, x, plan, comm_dtype, forward_direction: bool
+) -> torch.Tensor:
+    """The rows ``record`` kept under ``name``, standing in for the exchange of ``x`` (its backward
+    communicates the gradient); the record lets go of them."""
+    return replay_all_to_all(x, record.exchanged.pop(name), plan, comm_dtype, forward_direction)
+
+
+def with_replay(route, exchanger: Exchanger, replay: RoutingReplay, enabled: bool):
+    """(route step, exchanger) with the replay wrappers installed (``enabled``) or removed."""
+    route = route.inner if isinstance(route, ReplayedRoute) else route
+    exchanger = exchanger.inner if isinstance(exchanger, ReplayingExchanger) else exchanger
+    if enabled:
+        return ReplayedRoute(route, replay), ReplayingExchanger(exchanger, replay)
+    return route, exchanger

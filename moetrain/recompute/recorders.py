@@ -138,8 +138,9 @@ class _MoEReplayRecorder:
 
     ``N_received`` = rows the local experts computed; ``N_returned`` = slots of this rank's tokens
     kept by the capacity cut (``last_stats.kept_per_expert``); rows only count when the layer's
-    dispatcher communicates (:class:`AllToAllTokenDispatcher`; :class:`NodeDedupTokenDispatcher`
-    records the rows of its round's four exchanges, ``last_round_rows``)."""
+    dispatcher communicates (:class:`AllToAllTokenDispatcher`; for :class:`NodeDedupTokenDispatcher`
+    the replay keeps the rows of each of its round's row exchanges, counted from
+    ``last_round_rows``)."""
 
     def __init__(self, moe_layers: dict[str, MoELayer]):
         self.replay_bytes: dict[str, int] = dict.fromkeys(moe_layers, 0)

@@ -23,7 +23,7 @@ def test_moe_layer_runs_forward_and_backward_on_meta(capacity_factor, rows, monk
         plans.append(build(*args, **kwargs))
         return plans[-1]
 
-    monkeypatch.setattr("moetrain.layers.moe_layer.build_dispatch_plan", spy)
+    monkeypatch.setattr("moetrain.layers.route.build_dispatch_plan", spy)
     with torch.device("meta"):
         layer = MoELayer(
             d_model=16, d_ff=24, num_experts=4, top_k=2, capacity_factor=capacity_factor, shared_expert_d_ff=8

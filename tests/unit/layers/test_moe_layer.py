@@ -1,13 +1,17 @@
 """MoELayer against the per-token loop reference (fp64), dense equivalence, losses, config errors."""
 
 import dataclasses
+from copy import deepcopy
 
 import pytest
 import torch
 
 from moetrain import MoEConfig, MoELayer, collect_moe_stats
+from moetrain.layers.exchange import Exchanger
 from moetrain.layers.experts import DenseFFN
 from moetrain.layers.losses import load_balancing_loss
+from moetrain.layers.replay import ReplayedRoute, ReplayingExchanger
+from moetrain.layers.route import RouteStep
 from tests.helpers.reference import naive_moe_forward
 
 BASE = {
@@ -309,6 +313,36 @@ def test_recompute_replay_skips_records_of_forwards_that_never_ran_backward():
     replayed = _grads_of(layer, x, upstream, checkpointed=True)
     for a, b in zip(plain, replayed, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_recompute_replay_is_installed_and_removed_as_wrappers():
+    """set_recompute_replay wraps the route step and the dispatcher's exchanger (once, however often
+    it is called) and removing it restores the plain ones; the dispatcher itself stays. A copy of a
+    layer with replay on replays into its own records."""
+    layer = MoELayer(**{**BASE, "router_jitter": 0.3}).double()
+    dispatcher, route, exchanger = layer.dispatcher, layer.route, layer.dispatcher.exchanger
+    assert not layer.recompute_replay and type(exchanger) is Exchanger and type(route) is RouteStep
+    layer.set_recompute_replay(True)
+    layer.set_recompute_replay(True)
+    assert layer.recompute_replay and layer.dispatcher is dispatcher
+    assert isinstance(layer.route, ReplayedRoute) and layer.route.inner is route
+    assert isinstance(layer.dispatcher.exchanger, ReplayingExchanger)
+    assert layer.dispatcher.exchanger.inner is exchanger
+
+    copy = deepcopy(layer)
+    assert copy.route.replay is copy.replay is copy.dispatcher.exchanger.replay
+    assert copy.replay is not layer.replay and copy.route.inner.router is copy.router
+    x = torch.randn(9, BASE["d_model"], dtype=torch.float64, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(copy, x, use_reentrant=False)
+    assert copy.replay_record_bytes() > 0 and layer.replay_record_bytes() == 0
+    out.sum().backward()
+    assert copy.replay_record_bytes() == 0
+
+    layer.set_recompute_replay(False)
+    assert not layer.recompute_replay
+    assert layer.route is route and layer.dispatcher.exchanger is exchanger
+    out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+    assert layer.replay_record_bytes() == 0  # nothing records once the wrappers are gone
 
 
 def test_expert_weight_gradient_storage_is_reused_only_when_free():
