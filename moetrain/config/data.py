@@ -11,27 +11,32 @@ from moetrain.validation import require_int
 
 @dataclass(frozen=True)
 class DataConfig:
-    """``source``: ``"embedded"`` (the model's built-in data: the text corpus in ``models/moe_lm``
-    for ``moe_lm``, the generated image-caption dataset for ``m6_moe``), a path (a UTF-8 text file
-    for ``moe_lm``, a JSON-lines image-text manifest for ``m6_moe``) or, for ``m6_moe``, a list of
-    manifest paths and glob patterns (kept as a tuple); ``micro_batch_size`` sequences of up to
-    ``seq_len`` tokens per rank and micro-step; ``num_workers``: data-loader worker processes per
-    rank for models that load in workers (``m6_moe``), an integer >= 0 (0: load in the training
-    process) or ``"auto"`` (from the CPUs each rank may use, see :mod:`moetrain.cpus`)."""
+    """Model-agnostic: what ``source`` and ``seq_len`` mean for a model is its data hook's to say
+    and check (``models/moe_lm``: ``embedded`` or one UTF-8 text file; ``models/m6_moe``: also
+    JSON-lines image-text manifests and lists of them, ``seq_len`` bounding prefix and target each).
+
+    - ``source``: ``"embedded"`` (the model's built-in data), a path, or a non-empty list of paths /
+      glob patterns (kept as a tuple) for models that read several.
+    - ``micro_batch_size`` sequences of up to ``seq_len`` tokens per rank and micro-step.
+    - ``num_workers``: data-loader worker processes per rank for models that load in workers, an
+      integer >= 0 (0: load in the training process) or ``"auto"`` (from the CPUs each rank may
+      use, see :mod:`moetrain.cpus`)."""
 
     source: str | tuple[str, ...] = option(
         "embedded",
         (
-            "'embedded' (the model's built-in data), a file (text for moe_lm, a "
-            "JSON-lines manifest for m6_moe) or, for m6_moe, a list of manifests / "
-            "glob patterns"
+            "'embedded' (the model's built-in data), a path, or a list of paths / glob patterns "
+            "(the model's data hook checks which it takes)"
         ),
     )
     micro_batch_size: int = option(8, "sequences per rank and micro-step")
-    seq_len: int = option(64, ("tokens per sequence (m6_moe: the longest prefix and the longest target)"))
+    seq_len: int = option(64, "tokens per sequence, as the model's data hook counts them")
     num_workers: int | str = option(
         "auto",
-        ("data-loader worker processes per rank (m6_moe): an integer >= 0 or 'auto' (from the rank's CPUs)"),
+        (
+            "data-loader worker processes per rank (models that load in workers): an integer >= 0 or "
+            "'auto' (from the rank's CPUs)"
+        ),
     )
 
     def __post_init__(self) -> None:
