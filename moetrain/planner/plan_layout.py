@@ -14,10 +14,9 @@ from moetrain.planner.node_limit import nodes_reached_per_token
 from moetrain.planner.overlap import layer_overlap_inputs, plan_chunks
 from moetrain.planner.peak import layer_working_bytes, loss_working_bytes
 from moetrain.planner.pipeline import PipelinePlan, plan_pipeline
-from moetrain.planner.settings import MODEL_CAPACITY, PlanSettings
+from moetrain.planner.settings import ITEMSIZE, MODEL_CAPACITY, PlanSettings
 from moetrain.planner.split import split_plan_terms
 
-ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAM_STATE_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq, per parameter
 
 

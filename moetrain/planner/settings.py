@@ -18,6 +18,7 @@ from moetrain.config import (
 from moetrain.validation import is_finite_number, require_bool, require_choice, require_int, require_number
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per element of each precision
 RECOMPUTE_MODES = ("none", "full", "fraction", "budget", "auto")
 MODEL_CAPACITY = "model"
 DEFAULT_MEMORY_HEADROOM = 0.10  # fraction of GPU memory a plan leaves free (see PlanSettings)

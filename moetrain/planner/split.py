@@ -36,9 +36,8 @@ from moetrain.layers.moe_layer import MoELayer
 from moetrain.planner.comm import all_reduce_traffic, group_layout
 from moetrain.planner.hardware import ClusterSpec
 from moetrain.planner.model import ModelDescription, build_on_meta
-from moetrain.planner.settings import PlanSettings
+from moetrain.planner.settings import ITEMSIZE, PlanSettings
 
-ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 HEAD_STATS = 3  # all-reduces of per-row fp32 statistics in the parallel cross-entropy
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.m6_moe.config import M6Config
-from models.m6_moe.model import M6Model
+from m6_moe.config import M6Config
+from m6_moe.model import M6Model
 from moe_lm import LMConfig, MoETransformerLM
 from moetrain import MoELayer
 from moetrain.layers import dispatch
