@@ -54,7 +54,7 @@ def _entry(fn, rank, world_size, port, results, args, environ):
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> list:
-    """Calls ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; returns the
+    """Calls ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (processes); returns the
     per-rank results in rank order. Raises on any rank's exception or when ``timeout`` seconds
     pass (the ranks are killed, so a hang never blocks the suite)."""
     results = _CONTEXT.Queue()
