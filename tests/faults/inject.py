@@ -6,7 +6,8 @@ inf: an fp16 overflow in the backward); ``stop-in-moe@S`` (the first MoE layer's
 its all-to-all, waits 2 s, long enough for the watchdog to publish where the rank is, then stops
 the process with SIGSTOP); ``kill9-rank@R:S`` (the process of RANK R kills itself with SIGKILL at the
 loss of step S: for launches where every rank runs the same command); ``slow-build@N`` (the model
-builder sleeps N seconds first: set-up in progress, the out_dir lock held). Otherwise only this
+builder writes ``slow-build.started`` beside ``out_dir``, then sleeps N seconds: set-up in progress,
+the out_dir lock held). Otherwise only this
 process is affected (the tests pass the fault to one rank)."""
 
 import math
@@ -60,6 +61,9 @@ if fault != "none":
 
     def faulty_builder(config, shard):
         if kind == "slow-build":
+            cue = os.path.join(os.path.dirname(os.path.abspath(config.out_dir)), "slow-build.started")
+            with open(cue, "w"):
+                pass  # the test's cue: this rank is in the builder, past every earlier set-up stage
             time.sleep(start)
         model, batches, loss_fn = original_builder(config, shard)
         if kind in ("slow-build", "none"):

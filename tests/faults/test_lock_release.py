@@ -77,8 +77,9 @@ def test_sigterm_during_set_up_releases_the_lock_and_exits_as_pre_empted(tmp_pat
     config = write_config(tmp_path, tiny_config(out_dir, steps=2))
     (proc,) = start_ranks([config], faults={0: "slow-build@30"})  # the builder sleeps 30 s, lock held
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (out_dir / LOCK_NAME).exists():
-        time.sleep(0.1)
+    while time.monotonic() < deadline and not (tmp_path / "slow-build.started").exists():
+        time.sleep(0.1)  # the lock is taken in the start-up checks; the builder comes after them
+    assert (tmp_path / "slow-build.started").exists(), "set-up did not reach the model builder"
     assert (out_dir / LOCK_NAME).exists(), "set-up did not take the lock"
     proc.send_signal(signal.SIGTERM)
     ((code, err),) = finish([proc], timeout=30)
