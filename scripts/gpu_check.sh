@@ -23,6 +23,11 @@
 #   train_m6_bf16    moetrain train models/m6_moe/tiny.yaml on cuda, bf16 autocast
 #   train_m6_fp16    the same under fp16 autocast with loss scaling
 #   train_m6_offload bf16 weights with optim.name offload (fp32 masters and Adam on the host)
+#   calibrate_none   the planner against a measured run: a 0.57B-parameter LM (configs/tiny_lm.yaml at
+#                    d_model 1024, 8 layers, 8 experts of d_ff 4096; bf16 autocast; 32 x 512 tokens a
+#                    step; 12 steps), then `moetrain plan --calibrate` on it: planned vs measured step
+#                    time, peak allocated memory and the allocator's fragmentation
+#   calibrate_full   the same with full recompute (recompute_budget_mb=0)
 # OUT_DIR/gpu_check.json: the machine, every step's status and seconds, every benchmark's JSON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -82,6 +87,26 @@ moetrain_train train_lm configs/tiny_lm.yaml steps=30 checkpoint_every=30
 moetrain_train train_m6_bf16 models/m6_moe/tiny.yaml precision=bf16 steps=30
 moetrain_train train_m6_fp16 models/m6_moe/tiny.yaml precision=fp16 steps=30
 moetrain_train train_m6_offload models/m6_moe/tiny.yaml precision=bf16 param_dtype=bf16 optim.name=offload steps=30
+
+# The plan is made for this GPU: its planner preset when there is one, else the H100's with this GPU's memory.
+cluster=$("$python" -c "
+import torch
+name, gib = torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory / 2**30
+preset = next((p for key, p in (('H100', 'h100-80gb'), ('A100', 'a100-80gb'), ('V100', 'v100-32gb')) if key in name), None)
+print(f'--cluster {preset}' if preset else f'--cluster h100-80gb --gpu-memory-gib {gib:.1f}')
+")
+calibrate() {  # calibrate NAME OVERRIDES...: the calibration model trained on this GPU, then its plan against it
+    local name=$1
+    shift
+    moetrain_train "$name" configs/tiny_lm.yaml model.d_model=1024 model.num_layers=8 model.num_heads=16 \
+        model.max_seq_len=512 model.moe.d_ff=4096 model.moe.num_experts=8 data.micro_batch_size=32 \
+        data.seq_len=512 precision=bf16 steps=12 log_every=4 checkpoint_every=0 "$@"
+    # shellcheck disable=SC2086  # $cluster is several flags
+    run_step "${name}_plan" bash -c 'json=$1; shift; "$@" >"$json" && cat "$json"' _ "$out/$name.json" \
+        "$python" -m moetrain.cli plan --calibrate "$out/$name" $cluster --nodes 1 --gpus-per-node 1 --json
+}
+calibrate calibrate_none
+calibrate calibrate_full recompute_budget_mb=0
 
 "$python" - "$out" <<'EOF'
 import json, pathlib, platform, subprocess, sys

@@ -119,3 +119,24 @@ def test_the_benchmarks_reference_moes_compute_the_same_layer(capacity):
     torch.testing.assert_close(titan, plain, rtol=1e-12, atol=1e-12)
     if capacity is not None:
         assert not torch.allclose(plain, moe_layer.plain_pytorch_moe(x, router, w1, w2, 2, None))
+
+
+def _calibration_overrides() -> dict[str, list[str]]:
+    """The calibration runs' overrides: the calibrate function's training overrides plus each call's."""
+    lines = _logical_lines()
+    body = next(line for line in lines if line.strip().startswith('moetrain_train "$name" configs/tiny_lm.yaml'))
+    common = [word for word in shlex.split(body)[3:] if word != "$@"]
+    calls = [shlex.split(line)[1:] for line in lines if line.startswith("calibrate ")]
+    return {name: common + extra for name, *extra in calls}
+
+
+def test_the_calibration_runs_are_valid_configs_with_and_without_recompute(tmp_path):
+    runs = _calibration_overrides()
+    assert sorted(runs) == ["calibrate_full", "calibrate_none"]
+    configs = {
+        name: build_train_config(str(ROOT / "configs/tiny_lm.yaml"), ["device=cuda", f"out_dir={tmp_path}", *o])
+        for name, o in runs.items()
+    }
+    assert configs["calibrate_none"].recompute_budget_mb is None
+    assert configs["calibrate_full"].recompute_budget_mb == 0
+    assert configs["calibrate_none"].model.d_model == 1024 and configs["calibrate_none"].precision == "bf16"
