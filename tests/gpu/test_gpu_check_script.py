@@ -124,7 +124,8 @@ def test_the_benchmarks_reference_moes_compute_the_same_layer(capacity):
 def _calibration_overrides() -> dict[str, list[str]]:
     """The calibration runs' overrides: the calibrate function's training overrides plus each call's."""
     lines = _logical_lines()
-    body = next(line for line in lines if line.strip().startswith('moetrain_train "$name" configs/tiny_lm.yaml'))
+    train = 'moetrain_train "$name" configs/tiny_lm.yaml'
+    body = next(line for line in lines if line.strip().startswith(train))
     common = [word for word in shlex.split(body)[3:] if word != "$@"]
     calls = [shlex.split(line)[1:] for line in lines if line.startswith("calibrate ")]
     return {name: common + extra for name, *extra in calls}
@@ -133,10 +134,9 @@ def _calibration_overrides() -> dict[str, list[str]]:
 def test_the_calibration_runs_are_valid_configs_with_and_without_recompute(tmp_path):
     runs = _calibration_overrides()
     assert sorted(runs) == ["calibrate_full", "calibrate_none"]
-    configs = {
-        name: build_train_config(str(ROOT / "configs/tiny_lm.yaml"), ["device=cuda", f"out_dir={tmp_path}", *o])
-        for name, o in runs.items()
-    }
+    base = ["device=cuda", f"out_dir={tmp_path}"]
+    config = str(ROOT / "configs/tiny_lm.yaml")
+    configs = {name: build_train_config(config, [*base, *o]) for name, o in runs.items()}
     assert configs["calibrate_none"].recompute_budget_mb is None
     assert configs["calibrate_full"].recompute_budget_mb == 0
     assert configs["calibrate_none"].model.d_model == 1024 and configs["calibrate_none"].precision == "bf16"
