@@ -201,6 +201,8 @@ class RunSetUp:
         if config.recompute_budget_mb is not None:
             self.position.phase = "recompute planning"
             self._plan_recompute()
+            if self.device.type == "cuda":  # the profile's whole-model forward held more than a step will
+                torch.cuda.empty_cache()
         self.position.phase = "set-up"
 
     def _choose_threads(self) -> None:

@@ -44,7 +44,7 @@ from dataclasses import replace
 
 from moetrain.config import ALL_TO_ALL_ALGORITHMS, PP_SCHEDULES
 from moetrain.planner.hardware import GPU_PRESETS, ClusterSpec, GiB, GPUSpec, cluster_preset, gbps_to_bytes
-from moetrain.planner.model import resolve_model
+from moetrain.planner.model import resolve_model, run_recompute_settings
 from moetrain.planner.plan import make_plan
 from moetrain.planner.search import recommend
 from moetrain.planner.settings import DEFAULT_MEMORY_HEADROOM, RECOMPUTE_MODES, PlanSettings
@@ -202,6 +202,8 @@ def _add_mode_arguments(plan: argparse.ArgumentParser) -> None:
 def settings_from_args(args, defaults: dict) -> PlanSettings:
     """PlanSettings from the command line over the config file's ``defaults``."""
     values = dict(defaults)
+    if args.recompute is not None:  # the flag replaces the run's recompute (--calibrate)
+        values.pop("recompute_budget_bytes", None)
     options = {
         "ep_size": args.ep_size,
         "pp_size": args.pp_size,
@@ -354,6 +356,7 @@ def run_calibrate(args) -> int:
         )
     run = read_run(args.calibrate)
     model, defaults = resolve_model(args.model) if args.model is not None else run_model(run)
+    defaults = {**defaults, **run_recompute_settings(run.config.get("recompute_budget_mb"))}  # what the run did
     precision = args.precision or defaults.get("precision") or default_precision(GPU_PRESETS[args.cluster])
     cluster = cluster_from_args(args, precision)
     settings = settings_from_args(args, {**defaults, "precision": precision})

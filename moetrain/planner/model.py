@@ -298,6 +298,19 @@ def run_batch_settings(train, model: ModelDescription) -> dict:
     }
 
 
+def run_recompute_settings(recompute_budget_mb: float | None) -> dict:
+    """The recompute the engine applied for a training config's ``recompute_budget_mb``: None
+    recomputes nothing (``"none"``), 0 the least memory reachable (``"full"``), else the cheapest
+    blocks within that many MiB (``"budget"``). ``plan --calibrate`` plans what the run did;
+    ``plan --model CONFIG`` keeps ``"auto"``, the planner's own choice."""
+    budget_mb = recompute_budget_mb
+    if budget_mb is None:
+        return {"recompute": "none"}
+    if budget_mb == 0:
+        return {"recompute": "full"}
+    return {"recompute": "budget", "recompute_budget_bytes": int(budget_mb * 2**20)}
+
+
 def strategy_from_marks(model: ModelDescription, tp_size: int, pp_size: int = 1) -> dict[str, str] | None:
     """The strategy the scopes of a model built under Whale's annotations give at ``tp_size``
     (:func:`moetrain.scope.strategy_from_scopes`, the model built on ``meta``), None when it has no

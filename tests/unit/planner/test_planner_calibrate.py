@@ -38,11 +38,12 @@ TINY = {
 }
 
 
-def write_run(run_dir: Path, ranks: int, records: list[dict], ep_size: int = 1) -> None:
-    """A run directory as the engine writes it: config.json (its config's fields, no model name),
-    metrics.jsonl and one log per rank."""
+def write_run(run_dir: Path, ranks: int, records: list[dict], ep_size: int = 1, **top: object) -> None:
+    """A run directory as the engine writes it: config.json (its config's fields, no model name;
+    ``top``: top-level fields set), metrics.jsonl and one log per rank."""
     data = yaml.safe_load((ROOT / "configs" / "tiny_lm.yaml").read_text())
     data["parallel"]["ep_size"] = ep_size
+    data.update(top)
     run_dir.mkdir(parents=True)
     (run_dir / "config.json").write_text(json.dumps(asdict(config_from_dict(TrainConfig, data))))
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -103,6 +104,23 @@ def test_calibration_recovers_known_factors(tmp_path):
     table = result.format_table()
     assert "compute_efficiency" in table and "peak allocated memory per GPU" in table
     json.dumps(result.to_dict())
+
+
+@pytest.mark.parametrize(
+    "budget_mb, recompute, budget_bytes", [(None, "none", None), (0, "full", None), (1.5, "budget", 1572864)]
+)
+def test_the_plan_recomputes_what_the_run_did(budget_mb, recompute, budget_bytes, tmp_path, capsys):
+    """The run's ``recompute_budget_mb`` is the plan's recompute (not the planner's own "auto"
+    choice); ``--recompute`` replaces it."""
+    run_dir = tmp_path / "run"
+    write_run(run_dir, 1, [{"step": 1, "tokens_per_s": 100.0}], recompute_budget_mb=budget_mb)
+    cluster = ["--cluster", "a100-80gb", "--nodes", "1", "--gpus-per-node", "1"]
+    assert plan_command("--calibrate", str(run_dir), *cluster, "--json") == 0
+    settings = json.loads(capsys.readouterr().out)["settings"]
+    assert (settings["recompute"], settings["recompute_budget_bytes"]) == (recompute, budget_bytes)
+    assert plan_command("--calibrate", str(run_dir), *cluster, "--recompute", "auto", "--json") == 0
+    settings = json.loads(capsys.readouterr().out)["settings"]
+    assert (settings["recompute"], settings["recompute_budget_bytes"]) == ("auto", None)
 
 
 def test_world_size_and_missing_files_are_one_line_errors(tmp_path):
