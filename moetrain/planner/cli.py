@@ -356,7 +356,8 @@ def run_calibrate(args) -> int:
         )
     run = read_run(args.calibrate)
     model, defaults = resolve_model(args.model) if args.model is not None else run_model(run)
-    defaults = {**defaults, **run_recompute_settings(run.config.get("recompute_budget_mb"))}  # what the run did
+    # the plan recomputes what the run did
+    defaults = {**defaults, **run_recompute_settings(run.config.get("recompute_budget_mb"))}
     precision = args.precision or defaults.get("precision") or default_precision(GPU_PRESETS[args.cluster])
     cluster = cluster_from_args(args, precision)
     settings = settings_from_args(args, {**defaults, "precision": precision})
