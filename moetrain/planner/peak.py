@@ -55,6 +55,7 @@ class StepPeak:
     activations: int
     gradients: int
     working: int
+    backward_total: int | None = None  # at the optimizer step: the backward's peak, below it
 
 
 def _ffn_working(rows: int, d_model: int, d_ff: int, activation: str, b: int) -> int:
@@ -94,6 +95,23 @@ def replay_leftovers(arch, acts: ActivationModel, replayed) -> list[int]:
         else 0
         for layer, replays in zip(acts.layers, replayed, strict=True)
     ]
+
+
+def optimizer_step_peak(gradient_bytes: int, state_bytes: int, backward_total: int) -> StepPeak:
+    """The optimizer step of a GPU-resident torch AdamW (``foreach``), after the backward: every
+    gradient, plus the one temporary the multi-tensor step allocates (``sqrt(exp_avg_sq)`` of all
+    the parameters it steps at once: one optimizer state's bytes, ``state_bytes``). Where it
+    exceeds the backward's peak (little activation memory left, as with full recompute) it is the
+    step's peak. The offloaded optimizer steps on the host and has no such phase on the GPU.
+    ``backward_total``: the backward's peak, kept beside it."""
+    return StepPeak(
+        total=gradient_bytes + state_bytes,
+        where="optimizer step",
+        activations=0,
+        gradients=gradient_bytes,
+        working=state_bytes,
+        backward_total=backward_total,
+    )
 
 
 def step_peak(

@@ -11,7 +11,13 @@ from moetrain.comm.chunking import chunked_comm_bytes, unchunked_comm_bytes
 from moetrain.planner.activations import ActivationModel, ceil_fraction
 from moetrain.planner.hardware import ClusterSpec
 from moetrain.planner.model import ModelDescription
-from moetrain.planner.peak import StepPeak, layer_working_bytes, loss_working_bytes, step_peak
+from moetrain.planner.peak import (
+    StepPeak,
+    layer_working_bytes,
+    loss_working_bytes,
+    optimizer_step_peak,
+    step_peak,
+)
 from moetrain.planner.plan_layout import ADAM_STATE_BYTES, PlanLayout, nodes_reached, wire_row_bytes
 from moetrain.planner.reserve import FRAGMENTATION, Communicator, reserve_terms
 from moetrain.planner.settings import PlanSettings
@@ -201,6 +207,10 @@ def _step_peak(
         second_peak = peak_of(second)
         if second.feasible and second_peak.total <= room:
             recompute, memory_peak = second, second_peak
+    if not settings.offload:  # one temporary of one state's size (the state has the weight's dtype)
+        optimizer_peak = optimizer_step_peak(gradient_bytes, layout.per_rank * weight_b, memory_peak.total)
+        if optimizer_peak.total > memory_peak.total:
+            memory_peak = optimizer_peak
     pipeline = layout.pipeline
     if pipeline is not None:
         stage = pipeline.ranks[pipeline.largest]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from moetrain.planner.plan import GPU_MEMORY_TERMS
+from moetrain.planner.reserve import FRAGMENTATION
 
 GiB = 2**30
 
@@ -127,7 +128,7 @@ def step_peak_lines(plan) -> list[str]:
 
 _RESERVE_LABELS = {
     "cuda_context": "CUDA context, cuBLAS",
-    "fragmentation": "allocator fragmentation (5% of the step's)",
+    "fragmentation": f"allocator fragmentation ({FRAGMENTATION:.0%} of the step's)",
     "given": "as given (--gpu-reserved-gib)",
 }
 

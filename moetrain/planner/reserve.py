@@ -15,7 +15,7 @@ Per communicator (``P_in`` peers on the rank's node, ``P_out`` on other nodes, `
 
 The figures per GPU type (:data:`RESERVE_FIGURES`) and their sources are next to the constants;
 where no public measurement exists they are scaled from one that does, as stated. Fragmentation is
-an assumption (5% of the step's dynamic memory) until measured on a GPU.
+measured (:data:`FRAGMENTATION`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,13 @@ CUDA_CONTEXT_BYTES = 512 * MiB
 # peers"); its size is not documented: assumed as large as NET_POOL_PEERS peers' buffers.
 NCCL_NET_PEER_BYTES = 2 * 2 * 4 * MiB
 NET_POOL_PEERS = 8
-FRAGMENTATION = 0.05
+# What torch's caching allocator reserved beyond the allocated peak, as a share of the step's
+# dynamic memory (step peak + all-to-all buffers). Measured on one H100 (torch 2.11, 2026-11-26),
+# the 0.57B-parameter LM of scripts/gpu_check.sh (bf16 autocast, 32 x 512 tokens, torch AdamW):
+# 3.84 GiB = 0.43 of 9.0 GiB without recompute, 1.52 GiB = 0.36 of the planned 4.26 GiB with full
+# recompute (after the engine released the recompute profile's blocks). The larger is taken; the
+# GPU check measures both again (`moetrain plan --calibrate`, "fragmentation").
+FRAGMENTATION = 0.43
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,11 @@ against the peak measured on the CPU, for language models at three sizes with fu
 recompute, in fp32, bf16 weights and bf16 / fp16 autocast (fp32 weights), the M6 tiny preset with
 recompute, and a language model on 2 expert-parallel ranks (gloo) with every layer recomputed.
 
-Measured: :class:`moetrain.planner.measure.PeakStorageBytes` around forward, loss and backward
+Measured: :class:`moetrain.planner.measure.PeakStorageBytes` around a whole training step as the
+engine runs it: forward, loss, backward, gradient clipping and a torch AdamW (``foreach``) step
 (everything the step allocates: activations, rebuilt segments, MoE replay records, all-to-all
-buffers, gradients, working memory; not the weights and optimizer states that exist before).
+buffers, gradients, working memory, the optimizer's temporaries; not the weights and optimizer
+states, which exist before: a first step creates the states).
 Predicted: the plan's ``step_peak`` plus its ``all_to_all_buffers`` (0 at world 1), CPU saving
 rules, grad_accum 1, the recompute the plan chose applied to the model. Under expert parallelism
 the routing is fixed (token t picks experts ``(t*k + j) mod E``), so the rows are the plan's, and
@@ -25,6 +27,7 @@ from torch import nn
 
 from moe_lm import LMConfig, MoETransformerLM, describe_lm
 from moetrain.config import MoEConfig
+from moetrain.grad_sync import clip_grad_norm_
 from moetrain.layers import MoELayer, shard_experts
 from moetrain.planner import ClusterSpec, PlanSettings, make_plan
 from moetrain.planner.hardware import GPU_PRESETS
@@ -99,15 +102,20 @@ CASES = (
 
 @dataclass(frozen=True)
 class PeakResult:
-    """Bytes: ``predicted`` (step peak + all-to-all buffers) and ``measured`` peaks, where the plan
-    puts the peak; under expert parallelism also one row exchange's buffers, predicted and measured
-    (the most any exchange of the step held), else 0."""
+    """Bytes: ``predicted`` (the backward's peak + all-to-all buffers) and ``measured`` peaks of
+    forward, loss and backward, where the plan puts the step's peak (``"optimizer step"`` where the
+    optimizer's phase is above the backward's); under expert parallelism also one row exchange's
+    buffers, predicted and measured (the most any exchange of the step held), else 0; the optimizer
+    step's temporary, predicted (one state: the parameters at the weights' bytes) and measured
+    (what ``optimizer.step()`` allocated on top of what was live)."""
 
     predicted: int
     measured: int
     where: str
     exchange_predicted: int = 0
     exchange_measured: int = 0
+    optimizer_predicted: int = 0
+    optimizer_measured: int = 0
 
 
 def fixed_routing(model: nn.Module) -> None:
@@ -224,14 +232,39 @@ def measure_case(case: PeakCase, parallel=None) -> PeakResult:
         fixed_routing(model)
     apply_recompute_plan(model, list(plan.recompute.recomputed))
     dtype = torch.float16 if case.layout == "fp16-autocast" else torch.bfloat16
-    with ExchangeBuffers() as exchanges, PeakStorageBytes() as memory:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+    def step(memory: PeakStorageBytes | None = None) -> int:
+        """A step as the engine runs it (forward, loss, backward, clipping, the optimizer); under
+        ``memory``, what the optimizer step allocated on top of what was live when it started."""
         with torch.autocast("cpu", dtype=dtype, enabled=case.autocast):
             loss = F.cross_entropy(model(*inputs).float().flatten(0, 1), targets.flatten())
         loss.backward()
+        del loss
+        clip_grad_norm_(model, 1.0, parallel)
+        if memory is not None:
+            memory.peak = memory.live
+        before = memory.live if memory is not None else 0
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return memory.peak - before if memory is not None else 0
+
+    with ExchangeBuffers() as exchanges, PeakStorageBytes() as memory:  # the first step's backward
+        with torch.autocast("cpu", dtype=dtype, enabled=case.autocast):
+            loss = F.cross_entropy(model(*inputs).float().flatten(0, 1), targets.flatten())
+        loss.backward()
+        del loss
+    optimizer.step()  # creates the optimizer's states, which exist before a step, as the weights do
+    optimizer.zero_grad(set_to_none=True)
+    with PeakStorageBytes() as whole:
+        optimizer_temporary = step(whole)
     buffers = plan.gpu_memory["all_to_all_buffers"]
+    backward = plan.step_memory.backward_total or plan.gpu_memory["step_peak"]
     return PeakResult(
-        plan.gpu_memory["step_peak"] + buffers, memory.peak, plan.step_memory.where, buffers, exchanges.peak
-    )
+        backward + buffers, memory.peak, plan.step_memory.where, buffers, exchanges.peak,
+        optimizer_predicted=plan.params["per_rank"] * (2 if case.layout == "bf16" else 4),
+        optimizer_measured=optimizer_temporary,
+    )  # fmt: skip
 
 
 def _ep_worker(rank: int, world: int, case: PeakCase) -> PeakResult:
@@ -258,14 +291,17 @@ def run_case(case: PeakCase) -> PeakResult:
 
 def markdown_table() -> str:
     rows = [
-        "| case (model, micro-batch x tokens, recompute, layout, EP ranks) | predicted MiB "
-        "| measured MiB | predicted / measured | peak at |",
-        "|---|---:|---:|---:|---|",
+        "| case (model, micro-batch x tokens, recompute, layout, EP ranks) | backward predicted MiB "
+        "| measured MiB | predicted / measured | optimizer temporary predicted / measured MiB "
+        "| step peak at |",
+        "|---|---:|---:|---:|---:|---|",
     ]
     for case in CASES:
         result = run_case(case)
         mib = f"{result.predicted / 2**20:.1f} | {result.measured / 2**20:.1f}"
-        rows.append(f"| {case.name} | {mib} | {result.predicted / result.measured:.3f} | {result.where} |")
+        optimizer = f"{result.optimizer_predicted / 2**20:.1f} / {result.optimizer_measured / 2**20:.1f}"
+        ratio = result.predicted / result.measured
+        rows.append(f"| {case.name} | {mib} | {ratio:.3f} | {optimizer} | {result.where} |")
     return "\n".join(rows)
 
 

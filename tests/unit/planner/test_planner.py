@@ -442,7 +442,7 @@ def test_cli_cluster_flags_out_of_range_name_the_flag_and_range(tmp_path, flag, 
 def test_fit_check_and_auto_recompute_keep_the_memory_headroom():
     model = describe_lm(one_t_like_lm())
     cluster = m6_cluster()
-    settings = M6_SETTINGS.replace(seq_len=708, autocast=True, micro_batch=24)
+    settings = M6_SETTINGS.replace(seq_len=708, autocast=True, micro_batch=12)
     unguarded = make_plan(model, cluster, settings.replace(memory_headroom=0.0))
     assert unguarded.fits and unguarded.gpu_total > 0.9 * 32 * GiB  # fits only with < 10% free
     plan = make_plan(model, cluster, settings)  # default headroom 10%
@@ -450,7 +450,7 @@ def test_fit_check_and_auto_recompute_keep_the_memory_headroom():
     assert not plan.fits and plan.gpu_total > plan.gpu_usable
     assert "GPU memory" in plan.overflow and "usable (32.00 GiB less 10% headroom) by" in plan.overflow
     assert "DOES NOT FIT" in plan.format_table() and plan.to_dict()["gpu_usable"] == plan.gpu_usable
-    for micro in (4, 8):  # auto recompute budgets against the usable memory, not the capacity
+    for micro in (2, 4):  # auto recompute budgets against the usable memory, not the capacity
         fitted = make_plan(model, cluster, settings.replace(micro_batch=micro))
         loose = make_plan(model, cluster, settings.replace(micro_batch=micro, memory_headroom=0.0))
         assert fitted.fits and fitted.gpu_total <= fitted.gpu_usable
@@ -463,10 +463,10 @@ def test_fit_check_and_auto_recompute_keep_the_memory_headroom():
         settings,
         ep_sizes=[480],
         offload=(True,),
-        micro_batches=[16, 24],
+        micro_batches=[8, 12],
     )
-    assert result.best.settings.micro_batch == 16 and result.best.settings.grad_accum == 1
-    assert {c.settings.micro_batch: c.status for c in result.candidates}[24] == "does not fit"
+    assert result.best.settings.micro_batch == 8 and result.best.settings.grad_accum == 1
+    assert {c.settings.micro_batch: c.status for c in result.candidates}[12] == "does not fit"
 
 
 def test_m6_1t_config_is_the_recommendation_with_headroom(capsys):
@@ -493,10 +493,10 @@ def test_m6_1t_config_is_the_recommendation_with_headroom(capsys):
     assert staged.host_memory["checkpoint_staging"] == per_node > 256 * GiB
     assert staged.checkpoint["rank_bytes"] == staged.params["per_rank"] * (4 + 12)  # fp32 weights + Adam
     assert not staged.fits and "host memory per node" in staged.overflow
-    # micro-batch 24 in one micro-step fits 32 GiB only within the 10% headroom
-    assert _run([*argv, "--micro-batch", "24", "--grad-accum", "1"]) == 1
+    # micro-batch 12 in one micro-step fits 32 GiB only within the 10% headroom
+    assert _run([*argv, "--micro-batch", "12", "--grad-accum", "1"]) == 1
     assert "does not fit: GPU memory" in capsys.readouterr().out
-    assert _run([*argv, "--micro-batch", "24", "--grad-accum", "1", "--memory-headroom", "0"]) == 0
+    assert _run([*argv, "--micro-batch", "12", "--grad-accum", "1", "--memory-headroom", "0"]) == 0
     capsys.readouterr()
     best = recommend(
         *_m6_1t_and_cluster(),
@@ -508,7 +508,7 @@ def test_m6_1t_config_is_the_recommendation_with_headroom(capsys):
     ).best
     assert (
         (best.settings.micro_batch, best.settings.grad_accum)
-        == (16, 1)
+        == (4, 4)
         == (
             config.data.micro_batch_size,
             config.grad_accum,

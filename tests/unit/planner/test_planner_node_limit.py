@@ -188,13 +188,14 @@ def test_the_m6_1t_section_of_docs_planner_md_is_the_planner_s_output(capsys, mo
     section = doc.split("### Node-limited routing and node_dedup on M6-1T", 1)[1].split("\n## ", 1)[0]
     command, quoted, top2_commands, top2_quoted = section.split("```\n")[1::2]
     words = shlex.split(command.replace("\\\n", " "))
-    assert _run(words[1:]) == 0
+    assert _run(words[1:]) == 1  # node_dedup's buffers leave it over the usable memory, as the section says
     out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out
     for line in quoted.strip("\n").splitlines():
         assert line in out, line
     with pytest.raises(ValueError, match="cannot be combined with num_prototypes = 2"):
         _run(words[1:-1] + ["1"])
-    assert _run([*words[1:], "--json"]) == 0
+    assert _run([*words[1:], "--json"]) == 1
     dedup = json.loads(capsys.readouterr().out)
     assert _run([*words[1:10], "--json"]) == 0  # the config's hierarchical all-to-all, no limit
     hier = json.loads(capsys.readouterr().out)

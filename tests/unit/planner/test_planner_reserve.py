@@ -111,10 +111,11 @@ def test_the_reserve_grows_with_the_communicators(gpu):
     assert total(32, 32, "hierarchical") > total(32, 32, "flat")
 
 
-def test_fragmentation_is_five_percent_of_the_dynamic_memory():
-    assert FRAGMENTATION == 0.05
+def test_fragmentation_is_the_measured_share_of_the_dynamic_memory():
+    """0.43: the larger of the two shares measured on an H100 (reserve.py says where)."""
+    assert FRAGMENTATION == 0.43
     terms = reserve_terms("V100-SXM2-32GB", 8, [], 10**9)
-    assert terms == {"cuda_context": CUDA_CONTEXT_BYTES, "fragmentation": 5 * 10**7}
+    assert terms == {"cuda_context": CUDA_CONTEXT_BYTES, "fragmentation": 43 * 10**7}
     # in a plan: of the step peak and the all-to-all buffers
     model, defaults = resolve_model("configs/m6_1t.yaml")
     plan = make_plan(model, cluster_preset("v100-32gb", 60), PlanSettings(**defaults))
