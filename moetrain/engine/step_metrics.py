@@ -72,17 +72,15 @@ class StepMetrics:
         return {**metrics, **self._data_metrics(), **self._expert_metrics()}
 
     def _peak_memory(self) -> dict:
-        """The largest allocated and reserved CUDA memory of any rank since the last logging step
-        (one MAX all-reduce), then the peaks are reset."""
-        peaks = torch.tensor(
-            [torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)],
-            dtype=torch.float64, device=self.device,
-        )  # fmt: skip
-        if self.parallel.world_size > 1:
-            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        allocated, reserved = peaks.tolist()
-        return {"memory/peak_allocated_bytes": int(allocated), "memory/peak_reserved_bytes": int(reserved)}
+        """The largest allocated and reserved CUDA memory of any rank since the last logging step,
+        overall and per phase (:meth:`PhaseTimer.window_peaks`; one MAX all-reduce)."""
+        peaks = self.phases.window_peaks()
+        values = torch.tensor(list(peaks.values()), dtype=torch.float64, device=self.device)
+        if self.parallel.world_size > 1:  # every rank has the same keys, in the same order
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        overall = ("memory/peak_allocated_bytes", "memory/peak_reserved_bytes")
+        reduced = zip(peaks, values.tolist(), strict=True)
+        return {key: int(value) for key, value in reduced if value or key in overall}  # phases that ran
 
     def _expert_metrics(self) -> dict:
         """Per MoE layer: coefficient of variation of the tokens routed to each expert, summed

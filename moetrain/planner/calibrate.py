@@ -31,7 +31,9 @@ The records' phase keys are the engine's per-step phase times (mean seconds per 
 logging window): ``time/step_s``, ``time/forward_s``, ``time/backward_s``, ``time/all_to_all_s``
 (inside forward and backward), ``time/grad_sync_s``, ``time/optimizer_s`` (the ``step()`` call:
 with the delayed update, its exposed part) and, on CUDA, ``memory/peak_allocated_bytes`` /
-``memory/peak_reserved_bytes`` since the previous logged step.
+``memory/peak_reserved_bytes`` since the previous logged step, with the allocated peak of each
+phase (``memory/peak_<phase>_bytes``): the backward's and the optimizer step's are compared with
+the plan's (its step peak is the larger of the two).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class RunRecords:
     phases: dict[str, float] = field(default_factory=dict)
     peak_allocated: int | None = None
     peak_reserved: int | None = None
+    phase_peaks: dict[str, int] = field(default_factory=dict)  # the allocated peak in each phase
 
 
 def read_run(run_dir: str | Path) -> RunRecords:
@@ -116,6 +119,11 @@ def read_run(run_dir: str | Path) -> RunRecords:
         phases={name: value for name, value in phases.items() if value is not None},
         peak_allocated=largest(PEAK_ALLOCATED),
         peak_reserved=largest(PEAK_RESERVED),
+        phase_peaks={
+            name: value
+            for name in ("backward", "optimizer")
+            if (value := largest(f"memory/peak_{name}_bytes")) is not None
+        },
     )
 
 
@@ -193,6 +201,9 @@ class Calibration:
             ("optimizer (in the step)", m.get("optimizer_s"), p["optimizer_exposed_s"], "s"),
             ("peak allocated memory per GPU", m.get("peak_allocated_bytes"), p["allocated_bytes"], "GiB"),
         ]
+        for phase, label in (("backward", "  in the backward"), ("optimizer", "  in the optimizer step")):
+            if m.get(f"peak_{phase}_bytes") is not None:  # CUDA runs log where the memory peaks
+                rows.append((label, m[f"peak_{phase}_bytes"], p[f"{phase}_allocated_bytes"], "GiB"))
         lines = [
             f"calibration of {self.run.run_dir} ({_count(self.plan.world_size, 'rank')}, "
             f"{_count(self.run.records, 'logged record')}, {self.kernels} kernels' activation rules)",
@@ -286,6 +297,8 @@ def _measured(run: RunRecords, t: dict) -> dict:
         "optimizer_s": phases.get("optimizer"),
         "peak_allocated_bytes": run.peak_allocated,
         "peak_reserved_bytes": run.peak_reserved,
+        "peak_backward_bytes": run.phase_peaks.get("backward"),
+        "peak_optimizer_bytes": run.phase_peaks.get("optimizer"),
     }
 
 
@@ -325,6 +338,20 @@ def _predicted(plan: Plan) -> dict:
         "grad_sync_s": t["grad_sync_s"],
         "optimizer_exposed_s": t["optimizer_exposed_s"],
         "allocated_bytes": plan.gpu_total - plan.gpu_memory["reserved"],
+        **_phase_allocated(plan),
+    }
+
+
+def _phase_allocated(plan: Plan) -> dict:
+    """The plan's allocated memory in the backward and in the optimizer step: what the GPU holds
+    besides the step peak, plus that phase's peak (None: the plan has no such phase)."""
+    step = plan.step_memory
+    fixed = plan.gpu_total - plan.gpu_memory["reserved"] - plan.gpu_memory["step_peak"]
+    backward = step.backward_total if step.backward_total is not None else step.total
+    optimizer = step.optimizer_total
+    return {
+        "backward_allocated_bytes": fixed + backward,
+        "optimizer_allocated_bytes": None if optimizer is None else fixed + optimizer,
     }
 
 

@@ -55,7 +55,8 @@ class StepPeak:
     activations: int
     gradients: int
     working: int
-    backward_total: int | None = None  # at the optimizer step: the backward's peak, below it
+    backward_total: int | None = None  # the backward's peak (the total unless the optimizer's is above)
+    optimizer_total: int | None = None  # the optimizer step's (None: no such phase on the GPU)
 
 
 def _ffn_working(rows: int, d_model: int, d_ff: int, activation: str, b: int) -> int:
@@ -111,6 +112,7 @@ def optimizer_step_peak(gradient_bytes: int, state_bytes: int, backward_total: i
         gradients=gradient_bytes,
         working=state_bytes,
         backward_total=backward_total,
+        optimizer_total=gradient_bytes + state_bytes,
     )
 
 

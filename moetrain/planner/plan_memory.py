@@ -5,7 +5,7 @@ allows, the reserve), host memory per node and the checkpoint sizes (:class:`Pla
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moetrain.comm.chunking import chunked_comm_bytes, unchunked_comm_bytes
 from moetrain.planner.activations import ActivationModel, ceil_fraction
@@ -211,6 +211,10 @@ def _step_peak(
         optimizer_peak = optimizer_step_peak(gradient_bytes, layout.per_rank * weight_b, memory_peak.total)
         if optimizer_peak.total > memory_peak.total:
             memory_peak = optimizer_peak
+        else:
+            memory_peak = replace(
+                memory_peak, backward_total=memory_peak.total, optimizer_total=optimizer_peak.total
+            )
     pipeline = layout.pipeline
     if pipeline is not None:
         stage = pipeline.ranks[pipeline.largest]

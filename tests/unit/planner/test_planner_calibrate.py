@@ -198,3 +198,31 @@ def test_calibrating_on_a_cpu_run(ranks, tmp_path, capsys):
             plan_command("--calibrate", str(out), *cluster[:-1], "1")
     assert plan_command("--calibrate", str(out), *cluster) == 0
     assert "constants that make them agree" in capsys.readouterr().out
+
+
+def test_the_backward_and_the_optimizer_step_are_compared_apart(tmp_path):
+    """CUDA runs log the allocated peak of each phase; the plan's step peak is the larger of its
+    backward's and its optimizer step's, and each is compared with its phase."""
+    run_dir = tmp_path / "run"
+    record = {
+        "step": 1,
+        "tokens_per_s": 100.0,
+        "memory/peak_allocated_bytes": 3 * 2**20,
+        "memory/peak_reserved_bytes": 4 * 2**20,
+        "memory/peak_backward_bytes": 2 * 2**20,
+        "memory/peak_optimizer_bytes": 3 * 2**20,
+    }
+    write_run(run_dir, 1, [record])
+    run = read_run(run_dir)
+    assert run.phase_peaks == {"backward": 2 * 2**20, "optimizer": 3 * 2**20}
+    model, defaults = run_model(run)
+    cluster = cluster_preset("a100-80gb", 1, gpus_per_node=1)
+    result = calibrate(model, cluster, PlanSettings(**defaults), run, kernels="cpu")
+    plan, step = result.plan, result.plan.step_memory
+    fixed = plan.gpu_total - plan.gpu_memory["reserved"] - plan.gpu_memory["step_peak"]
+    assert result.predicted["backward_allocated_bytes"] == fixed + step.backward_total
+    assert result.predicted["optimizer_allocated_bytes"] == fixed + step.optimizer_total
+    assert max(step.backward_total, step.optimizer_total) == step.total
+    assert result.measured["peak_optimizer_bytes"] == 3 * 2**20
+    table = result.format_table()
+    assert "  in the backward" in table and "  in the optimizer step" in table
