@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command that proves a GPU machine (`make gpu-check`): builds moetrain against the machine's own
 # torch, runs the GPU tests, the GPU benchmarks and `moetrain train` smokes, and writes one JSON and
-# one log. About 5 minutes on one H100. Needs torch with CUDA, nvcc (CUDA_HOME or PATH), setuptools
+# one log. About 10 minutes on one H100 (9.5 measured). Needs torch with CUDA, nvcc (CUDA_HOME or PATH), setuptools
 # >= 77, ninja and pybind11 in the Python it runs; pytest, pyyaml and numpy for the tests; pillow and
 # sacrebleu for the M6 smokes. Nothing is downloaded.
 #
