@@ -308,8 +308,29 @@ def test_cuda_kernels_reject_bad_arguments_by_name(cuda_ops, expected, call):
         "else:\n    print('NO ERROR')\n"
     )
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, f"{call} crashed the process (exit {done.returncode}): {done.stderr[-2000:]}"
+    assert done.returncode == 0, (
+        f"{call} crashed the process (exit {done.returncode}): {done.stderr[-2000:]}"
+        f"{_native_backtrace([sys.executable, '-c', program])}"
+    )
     assert done.stdout.startswith("RAISED RuntimeError") and expected in done.stdout, done.stdout
+
+
+def _native_backtrace(command: list[str]) -> str:
+    """The C++ backtrace of a command that crashes, from gdb or cuda-gdb where one is installed
+    (the GPU machines have cuda-gdb, which debugs host code too); empty otherwise."""
+    import shutil
+    import subprocess
+
+    debugger = shutil.which("gdb") or shutil.which("cuda-gdb")
+    if debugger is None:
+        return ""
+    script = ["-batch", "-ex", "run", "-ex", "bt 25", "--args", *command]
+    try:
+        done = subprocess.run([debugger, *script], capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        return f"\n{debugger}: timed out"
+    frames = [line for line in done.stdout.splitlines() if line.startswith("#")]
+    return f"\nbacktrace ({debugger}):\n" + "\n".join(frames[:25])
 
 
 @needs_cuda
