@@ -57,3 +57,11 @@ def progress_log():
         logger.removeHandler(handler)
     logger.setLevel(saved[0])
     logger.propagate = saved[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Test files with a test marked ``slow`` run first (otherwise in collection order): ``make
+    test`` spreads whole files over its workers (``--dist loadfile``), and a minutes-long file that
+    starts last keeps one worker busy after the other has finished."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items[:] = sorted(items, key=lambda item: item.path not in slow_files)  # stable: order kept within
