@@ -20,7 +20,8 @@ size). The plan is made for that model and those settings on the cluster given o
   measured one, ``f = bytes_time / (measured - latency_time)``, the plan's alpha-beta split of the
   same collectives (``latency_time = messages x latency``); reported as the calibrated
   ``intra_node_gbs`` and ``inter_node_gbps``.
-- **Memory**: ``memory/peak_allocated_bytes`` (the largest over the records) against the plan's GPU
+- **Memory**: ``memory/peak_allocated_bytes`` (the largest over the records used: the first, whose
+  window holds the start-up's one-time work, is left out as for the times) against the plan's GPU
   total less its reserve (what ``torch.cuda.max_memory_allocated`` counts); with
   ``memory/peak_reserved_bytes`` also the fragmentation ``(reserved - allocated) / (step peak +
   all-to-all buffers)`` the allocator showed, against the plan's assumed 5%.
@@ -105,8 +106,8 @@ def read_run(run_dir: str | Path) -> RunRecords:
         values = [r[key] for r in used if isinstance(r.get(key), (int, float))]
         return statistics.median(values) if values else None
 
-    def largest(key: str) -> int | None:
-        values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+    def largest(key: str) -> int | None:  # the step's peak: the start-up's one-time work left out too
+        values = [r[key] for r in used if isinstance(r.get(key), (int, float))]
         return int(max(values)) if values else None
 
     phases = {name: median(key) for name, key in PHASE_KEYS.items()}
