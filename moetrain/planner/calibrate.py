@@ -348,10 +348,9 @@ def _phase_allocated(plan: Plan) -> dict:
     besides the step peak, plus that phase's peak (None: the plan has no such phase)."""
     step = plan.step_memory
     fixed = plan.gpu_total - plan.gpu_memory["reserved"] - plan.gpu_memory["step_peak"]
-    backward = step.backward_total if step.backward_total is not None else step.total
     optimizer = step.optimizer_total
     return {
-        "backward_allocated_bytes": fixed + backward,
+        "backward_allocated_bytes": fixed + step.backward,
         "optimizer_allocated_bytes": None if optimizer is None else fixed + optimizer,
     }
 

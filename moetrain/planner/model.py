@@ -303,12 +303,11 @@ def run_recompute_settings(recompute_budget_mb: float | None) -> dict:
     recomputes nothing (``"none"``), 0 the least memory reachable (``"full"``), else the cheapest
     blocks within that many MiB (``"budget"``). ``plan --calibrate`` plans what the run did;
     ``plan --model CONFIG`` keeps ``"auto"``, the planner's own choice."""
-    budget_mb = recompute_budget_mb
-    if budget_mb is None:
+    if recompute_budget_mb is None:
         return {"recompute": "none"}
-    if budget_mb == 0:
+    if recompute_budget_mb == 0:
         return {"recompute": "full"}
-    return {"recompute": "budget", "recompute_budget_bytes": int(budget_mb * 2**20)}
+    return {"recompute": "budget", "recompute_budget_bytes": int(recompute_budget_mb * 2**20)}
 
 
 def strategy_from_marks(model: ModelDescription, tp_size: int, pp_size: int = 1) -> dict[str, str] | None:

@@ -58,6 +58,11 @@ class StepPeak:
     backward_total: int | None = None  # the backward's peak (the total unless the optimizer's is above)
     optimizer_total: int | None = None  # the optimizer step's (None: no such phase on the GPU)
 
+    @property
+    def backward(self) -> int:
+        """The backward's peak: ``backward_total`` where it was kept, else the total."""
+        return self.total if self.backward_total is None else self.backward_total
+
 
 def _ffn_working(rows: int, d_model: int, d_ff: int, activation: str, b: int) -> int:
     """An FFN backward over ``rows`` rows: at most the gradients of two of its tensors at once, the

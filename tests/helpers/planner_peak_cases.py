@@ -234,36 +234,25 @@ def measure_case(case: PeakCase, parallel=None) -> PeakResult:
     dtype = torch.float16 if case.layout == "fp16-autocast" else torch.bfloat16
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
 
-    def step(memory: PeakStorageBytes | None = None) -> int:
-        """A step as the engine runs it (forward, loss, backward, clipping, the optimizer); under
-        ``memory``, what the optimizer step allocated on top of what was live when it started."""
+    def forward_backward() -> None:
         with torch.autocast("cpu", dtype=dtype, enabled=case.autocast):
             loss = F.cross_entropy(model(*inputs).float().flatten(0, 1), targets.flatten())
         loss.backward()
-        del loss
-        clip_grad_norm_(model, 1.0, parallel)
-        if memory is not None:
-            memory.peak = memory.live
-        before = memory.live if memory is not None else 0
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return memory.peak - before if memory is not None else 0
 
     with ExchangeBuffers() as exchanges, PeakStorageBytes() as memory:  # the first step's backward
-        with torch.autocast("cpu", dtype=dtype, enabled=case.autocast):
-            loss = F.cross_entropy(model(*inputs).float().flatten(0, 1), targets.flatten())
-        loss.backward()
-        del loss
+        forward_backward()
     optimizer.step()  # creates the optimizer's states, which exist before a step, as the weights do
     optimizer.zero_grad(set_to_none=True)
-    with PeakStorageBytes() as whole:
-        optimizer_temporary = step(whole)
+    forward_backward()  # a second step as the engine runs it: backward, clipping, the optimizer
+    clip_grad_norm_(model, 1.0, parallel)
+    with PeakStorageBytes() as optimizer_memory:  # what optimizer.step() allocates on top
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     buffers = plan.gpu_memory["all_to_all_buffers"]
-    backward = plan.step_memory.backward_total or plan.gpu_memory["step_peak"]
     return PeakResult(
-        backward + buffers, memory.peak, plan.step_memory.where, buffers, exchanges.peak,
+        plan.step_memory.backward + buffers, memory.peak, plan.step_memory.where, buffers, exchanges.peak,
         optimizer_predicted=plan.params["per_rank"] * (2 if case.layout == "bf16" else 4),
-        optimizer_measured=optimizer_temporary,
+        optimizer_measured=optimizer_memory.peak,
     )  # fmt: skip
 
 
