@@ -77,7 +77,12 @@ import torch, moetrain._ext as ext
 print(torch.__version__, torch.cuda.get_device_name(), 'extension', ext.EXTENSION, 'CUDA kernels', ext.HAS_CUDA_KERNELS)
 assert ext.EXTENSION == 'prebuilt' and ext.HAS_CUDA_KERNELS
 "
-run_step tests "$python" -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_kernels.py tests/unit/layers/test_compile.py
+# Most of the tests' time is start-up: each bad-argument call runs in its own process, which
+# initialises CUDA. With pytest-xdist, TEST_WORKERS (default 4) processes share the GPU.
+workers=()
+"$python" -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-4}")
+run_step tests "$python" -m pytest -q -p no:cacheprovider "${workers[@]}" tests/gpu/test_cuda_kernels.py \
+    tests/unit/layers/test_compile.py
 run_step bench_layer_e8 "$python" benchmarks/moe_layer.py --device cuda --dtype bf16 --json "$out/moe_layer_e8.json"
 run_step bench_layer_e64 "$python" benchmarks/moe_layer.py --device cuda --dtype bf16 --tokens 16384 \
     --d-model 2048 --d-ff 1408 --experts 64 --top-k 6 --json "$out/moe_layer_e64.json"
