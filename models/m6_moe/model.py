@@ -8,9 +8,10 @@ T target length, S = P + L + T sequence length, D model dim, V vocabulary.
   [B, P, D]``. Without the norm the features' scale grows during training until the patch
   position embeddings are lost next to them (measured on the synthetic dataset: norm ~100 vs ~1
   after 3k steps, and the model did not learn where a shape is).
-- Embeddings: text tokens, learned positions (patch positions ``[P, D]``; text positions
-  ``[max_text_len, D]`` counted over each sample's real prefix then target tokens, so padding
-  never shifts them), and segments (0 image, 1 prefix, 2 target).
+- Embeddings: text tokens, learned positions (patch positions ``[P, D]``, initialised at the
+  patch features' unit scale; text positions ``[max_text_len, D]`` counted over each sample's
+  real prefix then target tokens, so padding never shifts them), and segments (0 image, 1
+  prefix, 2 target).
 - Prefix-LM attention (:func:`prefix_lm_mask`): image and prefix attend to each other both ways;
   target token t sees the whole image and prefix and targets ``<= t``; padding is never attended.
 - Pre-norm blocks ``x + attn(norm(x))``, ``x + ffn(norm(x))``; the FFN is a ``MoELayer`` where
@@ -45,6 +46,7 @@ from moetrain.scope import pipeline, replica, split
 from moetrain.validation import require_int
 
 SEGMENT_IMAGE, SEGMENT_PREFIX, SEGMENT_TARGET = 0, 1, 2
+PATCH_POSITION_STD = 1.0  # the patch features' scale after the stem's LayerNorm (reset_parameters)
 TIED_PIPELINE_ERROR = (
     "model.tie_embeddings: true shares the text embedding (first pipeline stage) with the output "
     "projection (last stage), which parallel.pp_size > 1 cannot do: set model.tie_embeddings: false"
@@ -266,12 +268,17 @@ class M6Model(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """The embeddings and positions ``N(0, 0.02)`` (the model's own tensors; every submodule
-        resets its own; a pipeline stage after the first holds none of them)."""
+        """The text embedding, text positions and segments ``N(0, 0.02)``; the patch positions
+        ``N(0, 1)``, the scale of the patch features they are added to (the stem's LayerNorm
+        gives each feature element unit variance): at ``N(0, 0.02)`` they started at 2% of the
+        features, and on the demo's data the model learned where a shape is hundreds of steps
+        later, at a step that varied with the seed (docs/m6.md). The model's own tensors only:
+        every submodule resets its own; a pipeline stage after the first holds none of them."""
         if self.text_embed is None:
             return
-        for weight in (self.text_embed.weight, self.patch_pos, self.text_pos, self.segment_embed.weight):
+        for weight in (self.text_embed.weight, self.text_pos, self.segment_embed.weight):
             nn.init.normal_(weight, std=0.02)
+        nn.init.normal_(self.patch_pos, std=PATCH_POSITION_STD)
 
     def forward(
         self,
