@@ -78,11 +78,15 @@ def test_a_failed_setup_removes_what_it_made_and_nothing_else():
 @pytest.mark.skipif(PROBLEM is not None, reason=f"emulated cluster unavailable: {PROBLEM}")
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_launch_removes_the_namespaces(signum):
+    # SIGINT at its default, as Ctrl-C in a terminal finds it: a suite started in the background
+    # of a non-interactive shell inherits SIGINT ignored, and the launcher would not see it
     launcher = subprocess.Popen(
         [sys.executable, str(ROOT / "benchmarks" / "emulated_cluster.py"), "--ranks-per-node", "1", "--",
          "-c", "import time; time.sleep(120)"],
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
-    name = f"moe{launcher.pid % 100000}n1"
+    tag = f"moe{launcher.pid % 100000}"
+    name = f"{tag}n1"
     try:
         deadline = time.monotonic() + 30
         while name not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout:
@@ -94,8 +98,12 @@ def test_an_interrupted_launch_removes_the_namespaces(signum):
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert f"moe{launcher.pid % 100000}n" not in listed
+            launcher.wait()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    left = [ns for ns in (f"{tag}n0", f"{tag}n1") if ns in listed]
+    for ns in left:  # a failed run's namespaces must not outlive it
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+    assert not left
 
 
 SMALL = {  # appended to each documented command (argparse keeps the last value): a quick run
