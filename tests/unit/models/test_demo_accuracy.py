@@ -1,7 +1,7 @@
 """`make demo`'s config keeps learning the captions on more than one seed (issue #31).
 
-The demo (``models/m6_moe/demo.yaml``: 2 ranks, the experts split between them) trains for about
-5 minutes on 2 cores, too long for the suite twice over. This test trains the same config on the
+The demo (``models/m6_moe/demo.yaml``: 2 ranks, the experts split between them) trains for
+5 to 8 minutes on 2 cores, too long for the suite twice over. This test trains the same config on the
 same 2 ranks with only the run shortened: ``SHORT_STEPS`` steps with the same warm-up and a cosine
 decay that ends at the last step (the schedule's shape), on seeds 0 and 1, then captions held-out
 images greedily as ``scripts/demo.py`` does and asserts the floors below. They sit under what the
