@@ -24,7 +24,8 @@ size). The plan is made for that model and those settings on the cluster given o
   window holds the start-up's one-time work, is left out as for the times) against the plan's GPU
   total less its reserve (what ``torch.cuda.max_memory_allocated`` counts); with
   ``memory/peak_reserved_bytes`` also the fragmentation ``(reserved - allocated) / (step peak +
-  all-to-all buffers)`` the allocator showed, against the plan's assumed 5%.
+  all-to-all buffers)`` the allocator showed, against the plan's assumed share
+  (:data:`~moetrain.planner.reserve.FRAGMENTATION`).
 
 The calibrated plan (the efficiency and link constants found, capped at 1 and left as they were
 where nothing was measured) is planned again; its step time is reported beside the measured one.
