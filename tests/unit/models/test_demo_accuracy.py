@@ -48,15 +48,14 @@ def _caption_held_out(out_dir: Path) -> dict:
     resharded from 2 ranks to 1), greedy captions of the first held-out images."""
     import torch
 
-    from m6_moe import M6Model, load_tokenizer
+    from m6_moe import load_tokenizer
     from m6_moe.evaluate import evaluate_captioning
-    from moetrain.checkpoint import load_checkpoint
+    from m6_moe.trained_model import load_trained_model
     from moetrain.cli import build_train_config
 
-    config = build_train_config(str(DEMO), [f"out_dir={out_dir}"])
-    model = M6Model(config.model)
-    load_checkpoint(out_dir / "checkpoints", model=model)
-    model.eval()
+    # threads=null: the config's one thread per rank is not imposed on this test process
+    config = build_train_config(str(DEMO), [f"out_dir={out_dir}", "threads=null"])
+    model, _ = load_trained_model(config, out_dir / "checkpoints", device="cpu")
     with torch.no_grad():
         return evaluate_captioning(
             model, load_tokenizer(config.model.tokenizer), out_dir / "data", limit=HELD_OUT_IMAGES,
