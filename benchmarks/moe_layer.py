@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from moetrain import MoELayer
 from moetrain._ext import ops
 from moetrain.comm.all_to_all import transpose_chunks
+from moetrain.kernels import grouped_mm
+from moetrain.layers import expert_path
 from moetrain.layers.dispatch import build_dispatch_plan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -373,6 +375,10 @@ def main() -> None:
     }
     if args.device == "cuda":
         kernels = kernel_bandwidth(args)
+        # which expert-GEMM path each measured shape class took (the per-expert one reads the row
+        # counts on the host every call) and whether the grouped backward skips its host check
+        paths = {" ".join(map(str, key)): path for key, path in expert_path.CHOOSER.choices.items()}
+        empty_zero = grouped_mm.empty_groups_come_out_zero(torch.device("cuda", torch.cuda.current_device()))
         peak = peak_tflops(args.dtype)
         machine.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda, peak_tflops=peak)
         where = f"{torch.cuda.get_device_name()}, CUDA events"
@@ -408,12 +414,17 @@ def main() -> None:
             share = f"{100 * figures['of_copy']:.0f}%"
             print(f"{name:>36} | {figures['ms']:>8} | {figures['gb_per_s']:>8} | {share:>8}")
         print("target: every permutation kernel >= 70% of the copy_ bandwidth")
+        for shape, path in paths.items():
+            print(f"expert GEMMs, shape class {shape}: {path}")
+        print(f"grouped GEMM writes zeros for empty experts (no host sync in its backward): {empty_zero}")
     else:
         print("target: ours_over_floor <= 1.05 in every case")
     if args.json:
         report = {"benchmark": "moe_layer", "config": vars(args), "machine": machine, "results": results}
         if kernels is not None:
             report["kernels"] = kernels
+            report["expert_paths"] = paths
+            report["empty_groups_zero"] = empty_zero
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
 
