@@ -70,20 +70,18 @@ def train(out_dir: Path, steps: int | None, ranks: int, overrides: list[str] = (
 
 
 def evaluate(out_dir: Path, overrides: list[str] = (), ranks: int = 2, limit: int | None = None) -> None:
-    from m6_moe import M6Model, load_tokenizer
+    from m6_moe import load_tokenizer
     from m6_moe.evaluate import evaluate_captioning
+    from m6_moe.trained_model import load_trained_model
     from moetrain import MoELayer
-    from moetrain.checkpoint import load_checkpoint
     from moetrain.cli import build_train_config
     from moetrain.logs import configure_console
 
     configure_console("INFO")  # the captioning progress bar (a log record) on stderr
 
-    config = build_train_config(str(CONFIG), [f"out_dir={out_dir}", *overrides])
-    torch.manual_seed(0)
-    model = M6Model(config.model)
-    loaded = load_checkpoint(out_dir / "checkpoints", model=model)
-    model.eval()
+    # threads=null: the training ranks' one thread each is not imposed on the one evaluating process
+    config = build_train_config(str(CONFIG), [f"out_dir={out_dir}", *overrides, "threads=null"])
+    model, loaded = load_trained_model(config, out_dir / "checkpoints", device="cpu")
     if config.model.moe.max_nodes_per_token is not None:  # route as the training run's node layout did
         nodes = ranks // (config.parallel.local_world_size or ranks)
         for layer in model.modules():
