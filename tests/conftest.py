@@ -60,8 +60,17 @@ def progress_log():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Test files with a test marked ``slow`` run first (otherwise in collection order): ``make
-    test`` spreads whole files over its workers (``--dist loadfile``), and a minutes-long file that
-    starts last keeps one worker busy after the other has finished."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items[:] = sorted(items, key=lambda item: item.path not in slow_files)  # stable: order kept within
+    """Test files with a test marked ``slow`` run first, the one whose longest test is allowed the
+    longest (its ``timeout`` mark, a test's own estimate of its worst case) first; the other files
+    follow in collection order. ``make test`` spreads whole files over its workers (``--dist
+    loadfile``, with xdist's reordering by test count turned off: ``--no-loadscope-reorder``), and a
+    minutes-long file that starts last keeps one worker busy after the others have finished (xdist's
+    own order had put the 4-minute demo-accuracy file, 3 tests, last)."""
+    longest: dict = {}
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            timeout = item.get_closest_marker("timeout")
+            seconds = float(timeout.args[0]) if timeout is not None and timeout.args else 0.0
+            longest[item.path] = max(longest.get(item.path, 0.0), seconds)
+    rank = {path: index for index, path in enumerate(sorted(longest, key=lambda path: -longest[path]))}
+    items[:] = sorted(items, key=lambda item: rank.get(item.path, len(rank)))  # stable within a file

@@ -113,6 +113,7 @@ def two_rank_results(tmp_path_factory, manifest) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # the first case waits for two_rank_results (run_distributed's timeout)
 @pytest.mark.parametrize(
     "layout,recompute", CASES, ids=[f"{a}-{'recompute' if b else 'plain'}" for a, b in CASES]
 )
