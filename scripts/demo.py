@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from moetrain.launch import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "models" / "m6_moe" / "demo.yaml"
 
@@ -50,7 +52,7 @@ def train(out_dir: Path, steps: int | None, ranks: int, overrides: list[str] = (
         "--nproc-per-node",
         str(ranks),
         "--master-port",
-        str(_free_port()),
+        str(free_port()),
         "-m",
         "moetrain.cli",
         "train",
@@ -161,14 +163,6 @@ def _pad(text: str, columns: int) -> str:
         out.append(char)
         used += width
     return "".join(out) + " " * (columns - used)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -131,11 +131,9 @@ def torchrun_env(fake_gpu_count: Path, **extra: str) -> dict[str, str]:
 
 def rendezvous_port() -> dict[str, str]:
     """A free rendezvous port: the templates' default (20000 + job id) would collide with a test
-    cluster of another run on this machine, whose job ids count from 1 too. It is drawn below the
-    kernel's ephemeral range (``ip_local_port_range``): a port the OS hands out (``free_port``) can be
-    taken again as the source port of any outgoing connection before torchrun binds it (a job step
-    then ends a second after it started, rank 0 unable to listen: the likely cause of such a step
-    seen once under load)."""
+    cluster of another run on this machine, whose job ids count from 1 too. Like ``free_port`` it
+    is drawn below the kernel's ephemeral range (a port inside it can be taken as the source port of
+    any outgoing connection before torchrun binds it), and also below the templates' 20000."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     rng = random.Random()
     for _ in range(200):

@@ -56,7 +56,27 @@ def _entry(fn, rank, world_size, port, results, args, environ):
 def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> list:
     """Calls ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (processes); returns the
     per-rank results in rank order. Raises on any rank's exception or when ``timeout`` seconds
-    pass (the ranks are killed, so a hang never blocks the suite)."""
+    pass (the ranks are killed, so a hang never blocks the suite).
+
+    A store port taken between ``free_port`` and rank 0's bind (another test binding the same
+    draw) is the one failure retried, with a new port, up to ``PORT_ATTEMPTS`` times."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _run_once(fn, world_size, args, timeout)
+        except _PortTaken:
+            if attempt == PORT_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
+
+
+PORT_ATTEMPTS = 3
+
+
+class _PortTaken(RuntimeError):
+    pass
+
+
+def _run_once(fn, world_size: int, args: tuple, timeout: float) -> list:
     results = _CONTEXT.Queue()
     port = free_port()
     environ = dict(os.environ)
@@ -85,6 +105,8 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> list:
                     ) from None
                 continue
             if status == "error":
+                if "EADDRINUSE" in value and "init_process_group" in value:
+                    raise _PortTaken(f"rank {rank} could not serve the store on port {port}")
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             outputs[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
