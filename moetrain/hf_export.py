@@ -24,7 +24,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from moetrain.checkpoint import MANIFEST, latest_checkpoint, load_checkpoint
+from moetrain import checkpoint as checkpoints
+from moetrain.checkpoint import MANIFEST, latest_checkpoint
 from moetrain.moefy import RECORD_KEY, build_moefied
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def export_hf(
     folder = _hf_config_folder(config, directory)
     model = build_moefied(resolve_model_class(model_class), folder)
     try:
-        loaded = load_checkpoint(directory, model=model, step=step)
+        loaded = checkpoints.load_checkpoint(directory, model=model, step=step)  # DCP loads on first use
     except (KeyError, RuntimeError) as error:  # entries that are not the model's
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise ValueError(

@@ -71,5 +71,5 @@ tests=(tests/gpu/test_build.py tests/gpu/test_extension_jit.py tests/gpu/test_cu
        tests/unit/kernels/test_cpu_adam.py tests/unit/layers/test_compile.py tests/unit/layers/test_moe_layer.py
        tests/unit/machinery/test_offload_optimizer.py tests/unit/foundation/test_torch_compat.py
        tests/unit/engine/test_engine.py)
-(cd "$copy" && OMP_NUM_THREADS=2 "$OLDPWD/$venv/bin/python" -m pytest -q --durations=10 -n 2 --dist loadfile --no-loadscope-reorder \
+(cd "$copy" && OMP_NUM_THREADS=1 "$OLDPWD/$venv/bin/python" -m pytest -q --durations=10 -n 2 --dist loadfile --no-loadscope-reorder \
     -m "not slow or build" "${tests[@]}")

@@ -21,7 +21,8 @@ import torch
 from m6_moe.config import M6Config
 from m6_moe.model import M6Model
 from m6_moe.tokenizer import load_tokenizer
-from moetrain.checkpoint import MANIFEST, list_checkpoints, load_checkpoint
+from moetrain import checkpoint as checkpoints
+from moetrain.checkpoint import MANIFEST, list_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def load_trained_model(config, checkpoint: str | Path, device: torch.device | st
     with torch.device("meta"):
         model = M6Model(config.model)
     model = model.to_empty(device=device)
-    loaded = load_checkpoint(directory, model=model, step=step)
+    loaded = checkpoints.load_checkpoint(directory, model=model, step=step)  # DCP loads on first use
     log.info(
         "loaded %s (step %d, saved by %d rank(s), ep_size %d) into one process on %s",
         loaded["path"], loaded["step"], loaded["saved_world_size"], loaded["saved_ep_size"], device,

@@ -22,6 +22,8 @@ nothing where it did not), and gets rank r's ``extra_state``, or rank 0's where 
 exist; :func:`load_checkpoint` reports both (``rng_restored``, ``extra_state_rank``).
 """
 
+import importlib
+
 from moetrain.checkpoint.directory import (
     MANIFEST,
     checkpoint_path,
@@ -31,9 +33,28 @@ from moetrain.checkpoint.directory import (
     remove_debris,
     set_aside_newer,
 )
-from moetrain.checkpoint.load import load_checkpoint, verify_checkpoint
 from moetrain.checkpoint.ranks import CheckpointError
-from moetrain.checkpoint.save import CheckpointWriter, SaveResult, save_checkpoint
+
+# The two collectives import DCP and DTensor with it (about a third of `moetrain`'s start-up on a
+# small CPU): they load on first use, so a command that never saves or loads (`moetrain plan`,
+# `moetrain launch`, a config refused) does not pay for them.
+_LOADED_ON_USE = {
+    "CheckpointWriter": "save",
+    "SaveResult": "save",
+    "save_checkpoint": "save",
+    "load_checkpoint": "load",
+    "verify_checkpoint": "load",
+}
+
+
+def __getattr__(name: str):
+    module = _LOADED_ON_USE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "MANIFEST",

@@ -108,3 +108,23 @@ def test_torch_private_names_appear_only_in_the_compat_module():
                 found.append(f"{path.relative_to(ROOT)}:{line}: {name}")
     assert found == [], "wrap it in moetrain/_torch_compat.py (with a test):\n" + "\n".join(found)
     assert private_torch_names(COMPAT.read_text(encoding="utf-8"))  # the scan sees the wrapped ones
+
+
+LOADED_AFTER_PLAN = """
+import sys
+from moetrain.cli import main
+code = main(["plan", "--model", "configs/m6_1t.yaml", "--cluster", "v100-32gb", "--nodes", "60"])
+print(code, "torch.distributed.checkpoint" in sys.modules)
+from moetrain.checkpoint import save_checkpoint
+print(callable(save_checkpoint), "torch.distributed.checkpoint" in sys.modules)
+"""
+
+
+def test_a_command_that_never_touches_a_checkpoint_does_not_import_dcp():
+    """DCP (with DTensor) is about a third of `moetrain`'s start-up: `moetrain plan`, `moetrain
+    launch` and a refused config do without it; the checkpoint functions load it on first use."""
+    done = subprocess.run(
+        [sys.executable, "-c", LOADED_AFTER_PLAN], cwd=ROOT, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-2:] == ["0 False", "True True"], done.stdout[-500:]
