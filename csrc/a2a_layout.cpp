@@ -35,7 +35,7 @@ int row_exponent(double amax) {
 }
 }  // namespace
 
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <torch/library.h>
 
 #include "cpu_features.h"

@@ -7,7 +7,7 @@
 // Python). Fake (meta) implementations, autograd formulas and the torch-native twins are in
 // moetrain/kernels/. Legend of the names: T tokens, K choices, S = T*K slots, N kept rows,
 // E experts, D hidden size.
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
 #include <torch/library.h>
 
 #include <string>

@@ -49,7 +49,7 @@
 #include <string>
 #include <vector>
 
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <torch/library.h>
 
 #include "cpu_features.h"
@@ -510,10 +510,10 @@ void check_hyper(const std::string& op, double lr, double beta1, double beta2, d
 // in-place ops do), so autograd refuses a backward through a graph that saved their old values.
 void bump_versions(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                    const std::optional<at::Tensor>& param_copy_out) {
-  torch::autograd::impl::bump_version(param);
-  torch::autograd::impl::bump_version(exp_avg);
-  torch::autograd::impl::bump_version(exp_avg_sq);
-  if (param_copy_out.has_value()) torch::autograd::impl::bump_version(*param_copy_out);
+  param.unsafeGetTensorImpl()->bump_version();
+  exp_avg.unsafeGetTensorImpl()->bump_version();
+  exp_avg_sq.unsafeGetTensorImpl()->bump_version();
+  if (param_copy_out.has_value()) param_copy_out->unsafeGetTensorImpl()->bump_version();
 }
 
 // One OpenMP work item: up to kChunkElems elements of one tensor.

@@ -23,7 +23,7 @@
 #include <type_traits>
 #include <vector>
 
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <torch/library.h>
 
 #include "cpu_features.h"
