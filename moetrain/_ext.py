@@ -151,7 +151,7 @@ def build_just_in_time(csrc: Path, reason: str) -> ModuleType:
     if not any((directory / f"{JIT_NAME}{suffix}").exists() for suffix in EXTENSION_SUFFIXES):
         logger.warning(
             "moetrain: %s; compiling the C++%s extension for torch %s into %s (once per torch and "
-            "source version; a few minutes)",
+            "source version; a minute or two)",
             reason,
             "/CUDA" if nvcc else "",
             torch.__version__,
