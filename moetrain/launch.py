@@ -83,22 +83,25 @@ EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST_DRAWN_PORT = 10000
 
 
-def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
+def free_port(host: str = "127.0.0.1", rng: random.Random | None = None, below: int | None = None) -> int:
     """A TCP port nothing listens on at ``host`` now, for single-machine runs, tests and benchmarks.
 
     Drawn at random below the kernel's ephemeral range (``ip_local_port_range``, from
-    ``LOWEST_DRAWN_PORT``): a port the OS hands out for ``bind(0)`` lies inside that range, where
-    any outgoing connection on the machine (another run's store clients, a package download) may
-    take it as its source port before the store binds it, which ends the run with EADDRINUSE. A
-    port below the range is only taken by a process that binds it on purpose. Where the range is
-    unknown (not Linux) or nothing below it is free after 200 draws, the OS picks."""
+    ``LOWEST_DRAWN_PORT``; and below ``below`` when given): a port the OS hands out for ``bind(0)``
+    lies inside that range, where any outgoing connection on the machine (another run's store
+    clients, a package download) may take it as its source port before the store binds it, which
+    ends the run with EADDRINUSE. A port below the range is only taken by a process that binds it
+    on purpose. Where the range is unknown (not Linux) or nothing below it is free after 200 draws,
+    the OS picks."""
     rng = rng or random.Random()
     try:
-        ephemeral_low = int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
+        highest = int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
-        ephemeral_low = LOWEST_DRAWN_PORT
-    for _ in range(200 if ephemeral_low > LOWEST_DRAWN_PORT else 0):
-        port = rng.randrange(LOWEST_DRAWN_PORT, ephemeral_low)
+        highest = LOWEST_DRAWN_PORT
+    if below is not None:
+        highest = min(highest, below)
+    for _ in range(200 if highest > LOWEST_DRAWN_PORT else 0):
+        port = rng.randrange(LOWEST_DRAWN_PORT, highest)
         with socket.socket() as probe:
             try:
                 probe.bind((host, port))

@@ -75,6 +75,11 @@ def test_free_port_is_drawn_below_the_ephemeral_range_and_skips_a_taken_port():
     assert port != first
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", port))
+    assert (
+        launch.LOWEST_DRAWN_PORT
+        <= launch.free_port(below=launch.LOWEST_DRAWN_PORT + 100)
+        < launch.LOWEST_DRAWN_PORT + 100
+    )
 
 
 def test_real_torchrun_launch(tmp_path):

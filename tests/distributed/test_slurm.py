@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import random
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -134,17 +132,7 @@ def rendezvous_port() -> dict[str, str]:
     cluster of another run on this machine, whose job ids count from 1 too. Like ``free_port`` it
     is drawn below the kernel's ephemeral range (a port inside it can be taken as the source port of
     any outgoing connection before torchrun binds it), and also below the templates' 20000."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(10000, min(low, 20000))
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return {"PORT": str(port)}
-    return {"PORT": str(free_port())}
+    return {"PORT": str(free_port(below=20000))}
 
 
 def read_env(path: Path) -> dict[str, str]:
