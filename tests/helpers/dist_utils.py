@@ -1,6 +1,6 @@
 """Runs a function on several gloo ranks (CPU processes) with a hard timeout and a free port.
 
-The ranks are forked from a fork server that has imported torch and moetrain once (Python's
+The ranks are forked from a fork server that has imported torch, moetrain and its engine once (Python's
 ``forkserver`` start method, with those modules preloaded): a rank starts in a fraction of a
 second instead of the seconds a fresh interpreter takes to import torch, which is most of a small
 distributed test's time on 2 cores. The server never runs a torch op, so no thread pool exists
@@ -33,7 +33,18 @@ def _serialize(value) -> bytes:
 
 
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "moetrain"])
+# The engine (with DCP) and the pipelining package cost a rank about 2 CPU-seconds to import, more
+# than most ranks compute: importing them once here halved the engine, pipeline and parallelize tests.
+_CONTEXT.set_forkserver_preload(
+    [
+        "torch",
+        "torch.distributed",
+        "torch.distributed.pipelining",
+        "moetrain",
+        "moetrain.cli",
+        "moetrain.engine",
+    ]
+)
 
 
 def _entry(fn, rank, world_size, port, results, args, environ):
