@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import tempfile
 import time
@@ -176,9 +175,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from moetrain.launch import free_port
+
+    port = free_port()  # below the ephemeral range: see its docstring
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "results.json")
         mp.spawn(worker, args=(args, out_path, port), nprocs=WORLD, join=True)

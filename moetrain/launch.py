@@ -95,13 +95,13 @@ def free_port(host: str = "127.0.0.1", rng: random.Random | None = None, below: 
     the OS picks."""
     rng = rng or random.Random()
     try:
-        highest = int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
+        upper = int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
-        highest = LOWEST_DRAWN_PORT
+        upper = LOWEST_DRAWN_PORT
     if below is not None:
-        highest = min(highest, below)
-    for _ in range(200 if highest > LOWEST_DRAWN_PORT else 0):
-        port = rng.randrange(LOWEST_DRAWN_PORT, highest)
+        upper = min(upper, below)
+    for _ in range(200 if upper > LOWEST_DRAWN_PORT else 0):
+        port = rng.randrange(LOWEST_DRAWN_PORT, upper)
         with socket.socket() as probe:
             try:
                 probe.bind((host, port))
