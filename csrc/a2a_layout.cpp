@@ -38,6 +38,7 @@ int row_exponent(double amax) {
 #include <torch/types.h>
 #include <torch/library.h>
 
+#include "arg_checks.h"
 #include "cpu_features.h"
 
 #if MOETRAIN_X86
@@ -48,11 +49,9 @@ namespace moetrain {
 namespace {
 
 torch::Tensor transpose_chunks(const torch::Tensor& x, const torch::Tensor& sizes_AB) {
-  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "x must be a contiguous CPU tensor");
-  TORCH_CHECK(x.dim() >= 1, "x must have a row dimension");
-  TORCH_CHECK(sizes_AB.device().is_cpu() && sizes_AB.scalar_type() == at::kLong && sizes_AB.dim() == 2,
-              "sizes must be a 2-D int64 CPU tensor [A, B]");
+  checks::chunk_layout(x, sizes_AB, c10::kCPU);
   const torch::Tensor sizes = sizes_AB.contiguous();
+  checks::chunk_sizes(sizes, x.size(0));
   const int64_t a_count = sizes.size(0);
   const int64_t b_count = sizes.size(1);
   const int64_t* size = sizes.data_ptr<int64_t>();
@@ -64,13 +63,10 @@ torch::Tensor transpose_chunks(const torch::Tensor& x, const torch::Tensor& size
   int64_t total = 0;
   for (int64_t a = 0; a < a_count; ++a) {
     for (int64_t b = 0; b < b_count; ++b) {
-      TORCH_CHECK(size[a * b_count + b] >= 0, "sizes must be >= 0, got ", size[a * b_count + b], " at [", a, ", ",
-                  b, "]");
       src_offset[a * b_count + b] = total;
       total += size[a * b_count + b];
     }
   }
-  TORCH_CHECK(total == rows, "sizes sum to ", total, " but x has ", rows, " rows");
   int64_t offset = 0;
   for (int64_t b = 0; b < b_count; ++b) {
     for (int64_t a = 0; a < a_count; ++a) {
@@ -175,9 +171,7 @@ inline bool unpack_row_vector(bool, const int16_t*, int64_t, double*) { return f
 
 // x [N, D] float/double -> packed [N, D + 1] int16 (fp16 bit patterns, then the exponent).
 torch::Tensor pack_scaled_fp16(const torch::Tensor& x) {
-  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() == 2, "x must be a contiguous 2-D CPU tensor");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, "x must be float32 or float64, got ",
-              x.scalar_type());
+  checks::scaled_fp16_rows(x, c10::kCPU);
   const int64_t rows = x.size(0), hidden = x.size(1);
   torch::Tensor packed = torch::empty({rows, hidden + 1}, x.options().dtype(at::kShort));
   const bool avx2 = simd_level() >= SimdLevel::kAVX2;
@@ -205,10 +199,7 @@ torch::Tensor pack_scaled_fp16(const torch::Tensor& x) {
 }
 
 torch::Tensor unpack_scaled_fp16(const torch::Tensor& packed, c10::ScalarType dtype) {
-  TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous() && packed.dim() == 2 &&
-                  packed.scalar_type() == at::kShort && packed.size(1) >= 1,
-              "packed must be a contiguous 2-D int16 CPU tensor [N, D + 1]");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "dtype must be float32 or float64");
+  checks::scaled_fp16_packed(packed, dtype, c10::kCPU);
   const int64_t rows = packed.size(0), hidden = packed.size(1) - 1;
   torch::Tensor x = torch::empty({rows, hidden}, packed.options().dtype(dtype));
   const bool avx2 = simd_level() >= SimdLevel::kAVX2;

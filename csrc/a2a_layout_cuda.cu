@@ -27,6 +27,7 @@
 
 #include <cmath>
 
+#include "arg_checks.h"
 #include "cuda_utils.cuh"
 
 namespace moetrain {
@@ -131,18 +132,6 @@ void launch_transpose(const at::Tensor& x, at::Tensor& out, const int64_t* src_o
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Host-side validation of CPU sizes, with the CPU op's messages.
-void check_cpu_sizes(const at::Tensor& sizes, int64_t rows) {
-  const int64_t* size = sizes.data_ptr<int64_t>();
-  const int64_t b_count = sizes.size(1);
-  int64_t total = 0;
-  for (int64_t c = 0; c < sizes.numel(); ++c) {
-    TORCH_CHECK(size[c] >= 0, "sizes must be >= 0, got ", size[c], " at [", c / b_count, ", ", c % b_count, "]");
-    total += size[c];
-  }
-  TORCH_CHECK(total == rows, "sizes sum to ", total, " but x has ", rows, " rows");
-}
-
 // ------------------------------------------------------------------------------------------------
 // pack_scaled_fp16 / unpack_scaled_fp16
 // ------------------------------------------------------------------------------------------------
@@ -220,28 +209,17 @@ __global__ void __launch_bounds__(cuda::kThreads)
 // ------------------------------------------------------------------------------------------------
 
 at::Tensor transpose_chunks_cuda(const at::Tensor& x, const at::Tensor& sizes_AB) {
-  TORCH_CHECK(x.is_cuda() && x.is_contiguous(), "x must be a contiguous CUDA tensor, got a ",
-              x.is_contiguous() ? "contiguous" : "non-contiguous", " one on ", x.device());
-  TORCH_CHECK(x.dim() >= 1, "x must have a row dimension");
-  TORCH_CHECK(sizes_AB.scalar_type() == at::kLong && sizes_AB.dim() == 2,
-              "sizes must be a 2-D int64 tensor [A, B], got a ", sizes_AB.dim(), "-D ", sizes_AB.scalar_type(), " one");
-  TORCH_CHECK(sizes_AB.is_cpu() || sizes_AB.device() == x.device(), "sizes must be on the CPU or on ", x.device(),
-              " like x, got ", sizes_AB.device());
+  checks::chunk_layout(x, sizes_AB, c10::kCUDA);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0);
   const int64_t row_bytes = rows == 0 ? 0 : static_cast<int64_t>(x.nbytes()) / rows;
   const int64_t a_count = sizes_AB.size(0), b_count = sizes_AB.size(1);
   const int64_t chunks = a_count * b_count;
   at::Tensor sizes = sizes_AB.contiguous();
-  if (sizes.is_cpu()) {
-    check_cpu_sizes(sizes, rows);
-    sizes = sizes.to(x.device(), /*non_blocking=*/false);
-  }
+  if (sizes.is_cpu() || chunks == 0) checks::chunk_sizes(sizes, rows);
+  if (sizes.is_cpu()) sizes = sizes.to(x.device(), /*non_blocking=*/false);
   at::Tensor out = at::empty_like(x);
-  if (chunks == 0) {
-    TORCH_CHECK(rows == 0, "sizes sum to 0 but x has ", rows, " rows");
-    return out;
-  }
+  if (chunks == 0) return out;
   // offsets = [src_off (chunks + 1) | dst_off (chunks)]
   at::Tensor offsets = at::empty({2 * chunks + 1}, sizes.options());
   int64_t* src_off = offsets.data_ptr<int64_t>();
@@ -270,11 +248,7 @@ at::Tensor transpose_chunks_cuda(const at::Tensor& x, const at::Tensor& sizes_AB
 }
 
 at::Tensor pack_scaled_fp16_cuda(const at::Tensor& x_ND) {
-  TORCH_CHECK(x_ND.is_cuda() && x_ND.is_contiguous() && x_ND.dim() == 2,
-              "x must be a contiguous 2-D CUDA tensor, got a ", x_ND.dim(), "-D ",
-              x_ND.is_contiguous() ? "contiguous" : "non-contiguous", " one on ", x_ND.device());
-  TORCH_CHECK(x_ND.scalar_type() == at::kFloat || x_ND.scalar_type() == at::kDouble,
-              "x must be float32 or float64, got ", x_ND.scalar_type());
+  checks::scaled_fp16_rows(x_ND, c10::kCUDA);
   const c10::cuda::CUDAGuard guard(x_ND.device());
   const int64_t rows = x_ND.size(0), hidden = x_ND.size(1);
   at::Tensor packed = at::empty({rows, hidden + 1}, x_ND.options().dtype(at::kShort));
@@ -292,11 +266,7 @@ at::Tensor pack_scaled_fp16_cuda(const at::Tensor& x_ND) {
 }
 
 at::Tensor unpack_scaled_fp16_cuda(const at::Tensor& packed, c10::ScalarType dtype) {
-  TORCH_CHECK(packed.is_cuda() && packed.is_contiguous() && packed.dim() == 2 && packed.scalar_type() == at::kShort &&
-                  packed.size(1) >= 1,
-              "packed must be a contiguous 2-D int16 CUDA tensor [N, D + 1], got a ", packed.dim(), "-D ",
-              packed.scalar_type(), " one on ", packed.device());
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "dtype must be float32 or float64, got ", dtype);
+  checks::scaled_fp16_packed(packed, dtype, c10::kCUDA);
   const c10::cuda::CUDAGuard guard(packed.device());
   const int64_t rows = packed.size(0), hidden = packed.size(1) - 1;
   at::Tensor x = at::empty({rows, hidden}, packed.options().dtype(dtype));

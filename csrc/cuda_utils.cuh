@@ -1,5 +1,6 @@
-// Shared pieces of moetrain's CUDA kernels (permute_cuda.cu, a2a_layout_cuda.cu): argument checks, the
-// launch geometry, 16-byte packets, warp reductions, and the host functions each file exports.
+// Shared pieces of moetrain's CUDA kernels (permute_cuda.cu, a2a_layout_cuda.cu): the launch geometry,
+// 16-byte packets, warp reductions, and the host functions each file exports. Their argument checks
+// are in arg_checks.cpp, compiled as host C++ (why: arg_checks.h).
 //
 // Geometry used by every row kernel: blocks of kThreads = 256 threads = 8 warps; one warp owns one
 // row at a time and walks the rows with a grid-stride loop (row = warp id, warp id + total warps,
@@ -71,36 +72,6 @@ int64_t row_grid(Kernel kernel, int64_t warp_tasks, size_t shared_bytes = 0) {
 }
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
-
-// ---- argument checks (host) ------------------------------------------------------------------
-
-inline void check_cuda_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
-  TORCH_CHECK(t.dim() == 2, name, " must be 2-D [rows, hidden], got ", t.dim(), "-D");
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble || t.scalar_type() == at::kBFloat16 ||
-                  t.scalar_type() == at::kHalf,
-              name, " must be float32, float64, bfloat16 or float16, got ", t.scalar_type());
-}
-
-inline void check_cuda_index(const at::Tensor& t, const char* name, const at::Tensor& like) {
-  TORCH_CHECK(t.device() == like.device(), name, " must be on ", like.device(), " like the rows, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-}
-
-inline at::ScalarType acc_dtype(at::ScalarType rows) { return rows == at::kDouble ? at::kDouble : at::kFloat; }
-
-inline void check_cuda_weights(const c10::optional<at::Tensor>& w, int64_t numel, const at::Tensor& rows,
-                               const char* name) {
-  if (!w.has_value()) return;
-  TORCH_CHECK(w->device() == rows.device() && w->is_contiguous(), name, " must be a contiguous tensor on ",
-              rows.device(), ", got a ", w->is_contiguous() ? "contiguous" : "non-contiguous", " one on ",
-              w->device());
-  TORCH_CHECK(w->numel() == numel, name, " must have ", numel, " elements, got ", w->numel());
-  TORCH_CHECK(w->scalar_type() == acc_dtype(rows.scalar_type()), name, " must be ", acc_dtype(rows.scalar_type()),
-              " for ", rows.scalar_type(), " rows, got ", w->scalar_type());
-}
 
 // ---- warp reductions (device) ----------------------------------------------------------------
 

@@ -26,6 +26,7 @@
 #include <torch/types.h>
 #include <torch/library.h>
 
+#include "arg_checks.h"
 #include "cpu_features.h"
 
 #if MOETRAIN_X86
@@ -290,33 +291,7 @@ void unpermute_weight_grad_kernel(const scalar_t* grad, const scalar_t* y, const
   }
 }
 
-// ------------------------------------------------------------------------------------------------
-// Argument checks shared by the ops.
-// ------------------------------------------------------------------------------------------------
-void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor (CUDA tensors use the CUDA kernels)");
-  TORCH_CHECK(t.dim() == 2, name, " must be 2-D [rows, hidden], got ", t.dim(), "-D");
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble || t.scalar_type() == at::kBFloat16 ||
-                  t.scalar_type() == at::kHalf,
-              name, " must be float32, float64, bfloat16 or float16, got ", t.scalar_type());
-}
-
-void check_index(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
-  TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-}
-
-at::ScalarType acc_dtype(at::ScalarType rows) { return rows == at::kDouble ? at::kDouble : at::kFloat; }
-
-void check_weights(const c10::optional<torch::Tensor>& w, int64_t numel, at::ScalarType rows, const char* name) {
-  if (!w.has_value()) return;
-  TORCH_CHECK(w->device().is_cpu() && w->is_contiguous(), name, " must be a contiguous CPU tensor");
-  TORCH_CHECK(w->numel() == numel, name, " must have ", numel, " elements, got ", w->numel());
-  TORCH_CHECK(w->scalar_type() == acc_dtype(rows), name, " must be ", acc_dtype(rows), " for ", rows,
-              " rows, got ", w->scalar_type());
-}
+using checks::acc_dtype;
 
 #define MOETRAIN_DISPATCH_ROWS(TYPE, NAME, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, NAME, __VA_ARGS__)
@@ -334,7 +309,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> build_dis
                                                const c10::optional<torch::Tensor>& priority_order_S,
                                                int64_t num_experts, int64_t capacity,
                                                c10::optional<int64_t> num_rows) {
-  check_index(expert_ids_TK, "expert_ids");
+  checks::index(expert_ids_TK, "expert_ids", c10::Device(c10::kCPU));
   TORCH_CHECK(expert_ids_TK.dim() == 2, "expert_ids must be 2-D [tokens, k], got ", expert_ids_TK.dim(), "-D");
   TORCH_CHECK(num_experts >= 1, "num_experts must be >= 1, got ", num_experts);
   const int64_t tokens = expert_ids_TK.size(0);
@@ -343,7 +318,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> build_dis
   const int64_t* expert = expert_ids_TK.data_ptr<int64_t>();
   const int64_t* order = nullptr;
   if (priority_order_S.has_value()) {
-    check_index(*priority_order_S, "priority_order");
+    checks::index(*priority_order_S, "priority_order", c10::Device(c10::kCPU));
     TORCH_CHECK(priority_order_S->numel() == slots, "priority_order must have tokens*k = ", slots,
                 " elements, got ", priority_order_S->numel());
     order = priority_order_S->data_ptr<int64_t>();
@@ -396,10 +371,10 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> build_dis
 
 torch::Tensor permute_rows(const torch::Tensor& x_TD, const torch::Tensor& slot_of_row_N, int64_t k,
                            const c10::optional<torch::Tensor>& weights_S) {
-  check_rows(x_TD, "x");
-  check_index(slot_of_row_N, "slot_of_row");
-  TORCH_CHECK(k >= 1, "k must be >= 1, got ", k);
-  check_weights(weights_S, x_TD.size(0) * k, x_TD.scalar_type(), "weights");
+  checks::rows(x_TD, "x", c10::kCPU);
+  checks::index(slot_of_row_N, "slot_of_row", x_TD.device());
+  checks::choices(k);
+  checks::weights(weights_S, x_TD.size(0) * k, x_TD, "weights");
   const int64_t rows = slot_of_row_N.numel();
   const int64_t hidden = x_TD.size(1);
   const int64_t slots = x_TD.size(0) * k;
@@ -417,9 +392,10 @@ torch::Tensor permute_rows(const torch::Tensor& x_TD, const torch::Tensor& slot_
   return out;
 }
 
-void check_row_of_slot(const torch::Tensor& row_of_slot_TK, int64_t rows) {
-  check_index(row_of_slot_TK, "row_of_slot");
-  TORCH_CHECK(row_of_slot_TK.dim() == 2, "row_of_slot must be 2-D [tokens, k], got ", row_of_slot_TK.dim(), "-D");
+// row_of_slot's layout (checks::row_of_slot) and every entry in [-1, rows of y).
+void check_row_of_slot(const torch::Tensor& row_of_slot_TK, const torch::Tensor& y_ND) {
+  checks::row_of_slot(row_of_slot_TK, y_ND, /*max_choices=*/-1);
+  const int64_t rows = y_ND.size(0);
   const int64_t* row_of = row_of_slot_TK.data_ptr<int64_t>();
   for (int64_t s = 0; s < row_of_slot_TK.numel(); ++s) {
     TORCH_CHECK(row_of[s] >= -1 && row_of[s] < rows, "row_of_slot[", s, "] = ", row_of[s], " outside [-1, ", rows,
@@ -429,11 +405,11 @@ void check_row_of_slot(const torch::Tensor& row_of_slot_TK, int64_t rows) {
 
 torch::Tensor unpermute_rows(const torch::Tensor& y_ND, const torch::Tensor& row_of_slot_TK,
                              const c10::optional<torch::Tensor>& weights_TK) {
-  check_rows(y_ND, "y");
-  check_row_of_slot(row_of_slot_TK, y_ND.size(0));
+  checks::rows(y_ND, "y", c10::kCPU);
+  check_row_of_slot(row_of_slot_TK, y_ND);
   const int64_t tokens = row_of_slot_TK.size(0);
   const int64_t k = row_of_slot_TK.size(1);
-  check_weights(weights_TK, tokens * k, y_ND.scalar_type(), "weights");
+  checks::weights(weights_TK, tokens * k, y_ND, "weights");
   const int64_t hidden = y_ND.size(1);
   torch::Tensor out = torch::empty({tokens, hidden}, y_ND.options());
   MOETRAIN_DISPATCH_ROWS(y_ND.scalar_type(), "unpermute_rows", [&] {
@@ -447,15 +423,10 @@ torch::Tensor unpermute_rows(const torch::Tensor& y_ND, const torch::Tensor& row
 
 torch::Tensor unpermute_weight_grad(const torch::Tensor& grad_TD, const torch::Tensor& y_ND,
                                     const torch::Tensor& row_of_slot_TK) {
-  check_rows(grad_TD, "grad");
-  check_rows(y_ND, "y");
-  check_row_of_slot(row_of_slot_TK, y_ND.size(0));
-  TORCH_CHECK(grad_TD.scalar_type() == y_ND.scalar_type(), "grad and y must have the same dtype, got ",
-              grad_TD.scalar_type(), " and ", y_ND.scalar_type());
-  TORCH_CHECK(grad_TD.size(1) == y_ND.size(1), "grad and y must have the same hidden size, got ", grad_TD.size(1),
-              " and ", y_ND.size(1));
-  TORCH_CHECK(grad_TD.size(0) == row_of_slot_TK.size(0), "grad has ", grad_TD.size(0), " rows but row_of_slot has ",
-              row_of_slot_TK.size(0), " tokens");
+  checks::rows(grad_TD, "grad", c10::kCPU);
+  checks::rows(y_ND, "y", c10::kCPU);
+  check_row_of_slot(row_of_slot_TK, y_ND);
+  checks::weight_grad(grad_TD, y_ND, row_of_slot_TK);
   const int64_t tokens = row_of_slot_TK.size(0);
   const int64_t k = row_of_slot_TK.size(1);
   torch::Tensor gw = torch::empty({tokens, k}, grad_TD.options().dtype(acc_dtype(grad_TD.scalar_type())));

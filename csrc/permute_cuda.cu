@@ -24,6 +24,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "arg_checks.h"
 #include "cuda_utils.cuh"
 
 namespace moetrain {
@@ -154,37 +155,70 @@ __global__ void __launch_bounds__(cuda::kThreads)
   }
 }
 
-// gw[t, j] = <grad[t], y[row_of_slot[t, j]]> (0 for dropped slots); warp per token t, lanes sum
-// their packets' products and the warp reduces with shuffles.
-template <typename scalar_t, int VEC>
+// gw[t, j] = <grad[t], y[row_of_slot[t, j]]> (0 for dropped slots); warp per token t. The token's
+// choices are taken kGroup at a time: each grad packet is loaded once per group and multiplied into
+// the packets of the group's y rows, so grad[t] is read ceil(k / kGroup) times rather than k, and a
+// lane has kU * (kGroup + 1) loads in flight. Each lane sums its packets' products in packet order
+// (i = lane, lane + 32, ...), then the warp reduces each choice's sum with shuffles.
+template <typename scalar_t, int VEC, int kGroup>
 __global__ void __launch_bounds__(cuda::kThreads)
     unpermute_weight_grad_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ y,
                                  const int64_t* __restrict__ row_of_slot, acc_t<scalar_t>* __restrict__ gw,
                                  int64_t tokens, int64_t ppr, int64_t k, int64_t y_rows) {
   using acc = acc_t<scalar_t>;
   using P = Packet<scalar_t, VEC>;
+  constexpr int kU = 2;  // packets of each row per lane per step
   const int lane = threadIdx.x % kWarpSize;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize; t < tokens;
        t += warps) {
     const P* g = reinterpret_cast<const P*>(grad) + t * ppr;
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t row = row_of_slot[t * k + j];
-      CUDA_KERNEL_ASSERT_MSG(row >= -1 && row < y_rows,
-                             "unpermute_weight_grad_cuda: row_of_slot entry outside [-1, rows of y)");
-      acc sum = 0;
-      if (row >= 0) {
-        const P* src = reinterpret_cast<const P*>(y) + row * ppr;
-#pragma unroll 2
-        for (int64_t i = lane; i < ppr; i += kWarpSize) {
-          const P a = g[i];
-          const P b = src[i];
+    for (int64_t j0 = 0; j0 < k; j0 += kGroup) {
+      const P* src[kGroup];  // nullptr: a dropped slot or past k (uniform across the warp)
+      acc sum[kGroup];
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) sum += static_cast<acc>(a.v[e]) * static_cast<acc>(b.v[e]);
+      for (int q = 0; q < kGroup; ++q) {
+        int64_t row = -1;
+        if (j0 + q < k) {
+          row = row_of_slot[t * k + j0 + q];
+          CUDA_KERNEL_ASSERT_MSG(row >= -1 && row < y_rows,
+                                 "unpermute_weight_grad_cuda: row_of_slot entry outside [-1, rows of y)");
+        }
+        src[q] = row >= 0 ? reinterpret_cast<const P*>(y) + row * ppr : nullptr;
+        sum[q] = acc(0);
+      }
+      for (int64_t i0 = lane; i0 < ppr; i0 += kWarpSize * kU) {
+        P a[kU];
+        P b[kU][kGroup];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int64_t i = i0 + u * kWarpSize;
+          if (i >= ppr) continue;
+          a[u] = g[i];
+#pragma unroll
+          for (int q = 0; q < kGroup; ++q) {
+            if (src[q] != nullptr) b[u][q] = src[q][i];
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          if (i0 + u * kWarpSize >= ppr) continue;
+#pragma unroll
+          for (int q = 0; q < kGroup; ++q) {
+            if (src[q] == nullptr) continue;
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) sum[q] += static_cast<acc>(a[u].v[e]) * static_cast<acc>(b[u][q].v[e]);
+          }
         }
       }
-      sum = cuda::warp_sum(sum);
-      if (lane == 0) gw[t * k + j] = sum;
+#pragma unroll
+      for (int q = 0; q < kGroup; ++q) sum[q] = cuda::warp_sum(sum[q]);
+      if (lane == 0) {
+#pragma unroll
+        for (int q = 0; q < kGroup; ++q) {
+          if (j0 + q < k) gw[t * k + j0 + q] = sum[q];
+        }
+      }
     }
   }
 }
@@ -219,11 +253,13 @@ void launch_unpermute(const at::Tensor& y, const int64_t* row_of_slot, const acc
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Choices per group (unpermute_weight_grad_kernel): 2 for top-1 and top-2 routing, 8 beyond.
 template <typename scalar_t, int VEC>
 void launch_weight_grad(const at::Tensor& grad, const at::Tensor& y, const int64_t* row_of_slot, at::Tensor& gw,
                         int64_t tokens, int64_t k) {
   const int64_t ppr = grad.size(1) / VEC;
-  const auto kernel = unpermute_weight_grad_kernel<scalar_t, VEC>;
+  const auto kernel =
+      k <= 2 ? unpermute_weight_grad_kernel<scalar_t, VEC, 2> : unpermute_weight_grad_kernel<scalar_t, VEC, 8>;
   const dim3 grid(static_cast<unsigned>(cuda::row_grid(kernel, tokens)));
   kernel<<<grid, cuda::kThreads, 0, cuda::current_stream()>>>(
       grad.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), row_of_slot, gw.data_ptr<acc_t<scalar_t>>(), tokens, ppr,
@@ -244,13 +280,6 @@ bool use_packets(int64_t hidden, std::initializer_list<const at::Tensor*> tensor
 #define MOETRAIN_DISPATCH_ROWS(TYPE, NAME, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, NAME, __VA_ARGS__)
 
-void check_row_of_slot(const at::Tensor& row_of_slot_TK, const at::Tensor& like) {
-  cuda::check_cuda_index(row_of_slot_TK, "row_of_slot", like);
-  TORCH_CHECK(row_of_slot_TK.dim() == 2, "row_of_slot must be 2-D [tokens, k], got ", row_of_slot_TK.dim(), "-D");
-  TORCH_CHECK(row_of_slot_TK.size(1) <= kMaxChoices, "row_of_slot has k = ", row_of_slot_TK.size(1),
-              " choices per token; the CUDA kernels support at most ", kMaxChoices);
-}
-
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------
@@ -259,10 +288,10 @@ void check_row_of_slot(const at::Tensor& row_of_slot_TK, const at::Tensor& like)
 
 at::Tensor permute_rows_cuda(const at::Tensor& x_TD, const at::Tensor& slot_of_row_N, int64_t k,
                              const c10::optional<at::Tensor>& weights_S) {
-  cuda::check_cuda_rows(x_TD, "x");
-  cuda::check_cuda_index(slot_of_row_N, "slot_of_row", x_TD);
-  TORCH_CHECK(k >= 1, "k must be >= 1, got ", k);
-  cuda::check_cuda_weights(weights_S, x_TD.size(0) * k, x_TD, "weights");
+  checks::rows(x_TD, "x", c10::kCUDA);
+  checks::index(slot_of_row_N, "slot_of_row", x_TD.device());
+  checks::choices(k);
+  checks::weights(weights_S, x_TD.size(0) * k, x_TD, "weights");
   const c10::cuda::CUDAGuard guard(x_TD.device());
   const int64_t rows = slot_of_row_N.numel();
   const int64_t hidden = x_TD.size(1);
@@ -282,11 +311,11 @@ at::Tensor permute_rows_cuda(const at::Tensor& x_TD, const at::Tensor& slot_of_r
 
 at::Tensor unpermute_rows_cuda(const at::Tensor& y_ND, const at::Tensor& row_of_slot_TK,
                                const c10::optional<at::Tensor>& weights_TK) {
-  cuda::check_cuda_rows(y_ND, "y");
-  check_row_of_slot(row_of_slot_TK, y_ND);
+  checks::rows(y_ND, "y", c10::kCUDA);
+  checks::row_of_slot(row_of_slot_TK, y_ND, kMaxChoices);
   const int64_t tokens = row_of_slot_TK.size(0);
   const int64_t k = row_of_slot_TK.size(1);
-  cuda::check_cuda_weights(weights_TK, tokens * k, y_ND, "weights");
+  checks::weights(weights_TK, tokens * k, y_ND, "weights");
   const c10::cuda::CUDAGuard guard(y_ND.device());
   const int64_t hidden = y_ND.size(1);
   at::Tensor out = at::empty({tokens, hidden}, y_ND.options());
@@ -305,21 +334,14 @@ at::Tensor unpermute_rows_cuda(const at::Tensor& y_ND, const at::Tensor& row_of_
 
 at::Tensor unpermute_weight_grad_cuda(const at::Tensor& grad_TD, const at::Tensor& y_ND,
                                       const at::Tensor& row_of_slot_TK) {
-  cuda::check_cuda_rows(grad_TD, "grad");
-  cuda::check_cuda_rows(y_ND, "y");
-  TORCH_CHECK(grad_TD.device() == y_ND.device(), "grad and y must be on the same device, got ", grad_TD.device(),
-              " and ", y_ND.device());
-  check_row_of_slot(row_of_slot_TK, y_ND);
-  TORCH_CHECK(grad_TD.scalar_type() == y_ND.scalar_type(), "grad and y must have the same dtype, got ",
-              grad_TD.scalar_type(), " and ", y_ND.scalar_type());
-  TORCH_CHECK(grad_TD.size(1) == y_ND.size(1), "grad and y must have the same hidden size, got ", grad_TD.size(1),
-              " and ", y_ND.size(1));
-  TORCH_CHECK(grad_TD.size(0) == row_of_slot_TK.size(0), "grad has ", grad_TD.size(0), " rows but row_of_slot has ",
-              row_of_slot_TK.size(0), " tokens");
+  checks::rows(grad_TD, "grad", c10::kCUDA);
+  checks::rows(y_ND, "y", c10::kCUDA);
+  checks::row_of_slot(row_of_slot_TK, y_ND, kMaxChoices);
+  checks::weight_grad(grad_TD, y_ND, row_of_slot_TK);
   const c10::cuda::CUDAGuard guard(grad_TD.device());
   const int64_t tokens = row_of_slot_TK.size(0);
   const int64_t k = row_of_slot_TK.size(1);
-  at::Tensor gw = at::empty({tokens, k}, grad_TD.options().dtype(cuda::acc_dtype(grad_TD.scalar_type())));
+  at::Tensor gw = at::empty({tokens, k}, grad_TD.options().dtype(checks::acc_dtype(grad_TD.scalar_type())));
   if (tokens == 0 || k == 0) return gw;
   MOETRAIN_DISPATCH_ROWS(grad_TD.scalar_type(), "unpermute_weight_grad_cuda", [&] {
     const int64_t* row_of = row_of_slot_TK.data_ptr<int64_t>();

@@ -37,8 +37,9 @@ HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device (torch.cuda.is_available() is False)")
 
 # The CPU kernels' shapes (empty experts, T < E, capacity cuts, T = 0, odd hidden sizes for the
-# element-wise path) plus larger multiples of 8 for the 16-byte packet path.
-SHAPES = [*PERMUTE_SHAPES, (300, 2, 8, 256, 70), (129, 6, 16, 1032, None)]
+# element-wise path) plus larger multiples of 8 for the 16-byte packet path;
+# k = 10 takes unpermute_weight_grad_kernel's choices in two groups.
+SHAPES = [*PERMUTE_SHAPES, (300, 2, 8, 256, 70), (129, 6, 16, 1032, None), (33, 10, 12, 264, 20)]
 FULL = [torch.float32, torch.float64]
 REDUCED = [torch.bfloat16, torch.float16]
 TOL = {
@@ -263,9 +264,10 @@ def test_cuda_gradcheck_fp64():
     assert torch.autograd.gradcheck(lambda y_, g_: unpermute_tokens(y_, g_, plan), (y, gates))
 
 
-# Each bad call and the error it must raise. They run in a child process: on an H100 with torch
-# 2.11 (2026-11-26) the wrong-length weights call crashed the process (SIGSEGV) instead of raising,
-# which would take every later test down with it (docs/gpu.md, known defects).
+# Each bad call and the error it must raise. They run in child processes: on an H100 with torch
+# 2.11 (2026-11-26) four of them crashed the process (SIGSEGV) instead of raising, which would take
+# every later test down with it (docs/gpu.md, known defects). The last one is the CPU kernel's
+# twin of the third: a control for whether a crash is specific to the CUDA path.
 BAD_CUDA_CALLS = [
     ("slot_of_row must be on cuda", "ops.permute_rows(x, torch.tensor([0, 1]), 2, None)"),
     (
@@ -290,29 +292,82 @@ BAD_CUDA_CALLS = [
     ("sizes sum to 3 but x has 4 rows", "ops.transpose_chunks(x, torch.tensor([[1, 2]]))"),
     ("sizes must be >= 0", "ops.transpose_chunks(x, torch.tensor([[5, -1]]))"),
     ("x must be float32 or float64", "ops.pack_scaled_fp16(x.half())"),
+    (
+        "weights must have 8 elements, got 3",
+        "ops.permute_rows(x.cpu(), torch.tensor([0, 1]), 2, torch.ones(3))",
+    ),
 ]
+
+# Runs the calls from index argv[1] on, one line per call; a crash ends it after its START line.
+_BAD_CALLS_PROGRAM = """
+import json, sys
+import torch, moetrain._ext
+ops = torch.ops.moetrain
+x = torch.randn(4, 8, device='cuda')
+calls = json.loads(sys.stdin.read())
+for index in range(int(sys.argv[1]), len(calls)):
+    print('START', index, flush=True)
+    try:
+        eval(calls[index])
+    except Exception as error:
+        print('RESULT', index, 'RAISED', type(error).__name__, str(error).splitlines()[0], flush=True)
+    else:
+        print('RESULT', index, 'NO ERROR', flush=True)
+"""
+
+
+def _bad_call_command(first: int) -> list[str]:
+    import sys
+
+    return [sys.executable, "-c", _BAD_CALLS_PROGRAM, str(first)]
+
+
+@pytest.fixture(scope="module")
+def bad_call_outcomes() -> dict[int, str]:
+    """Index of each BAD_CUDA_CALLS entry -> its output line, or "CRASHED exit N: <stderr tail>".
+    One child process runs every call (CUDA starts once, not once per call); after a crash a new
+    child goes on from the call after the one that crashed."""
+    import json
+    import subprocess
+
+    calls = json.dumps([call for _, call in BAD_CUDA_CALLS])
+    outcomes: dict[int, str] = {}
+    first = 0
+    while first < len(BAD_CUDA_CALLS):
+        done = subprocess.run(
+            _bad_call_command(first), input=calls, capture_output=True, text=True, timeout=180
+        )
+        started = first - 1
+        for line in done.stdout.splitlines():
+            tag, index, *rest = line.split(" ", 2)
+            if tag == "START":
+                started = int(index)
+            elif tag == "RESULT":
+                outcomes[int(index)] = rest[0]
+        if done.returncode == 0:
+            break
+        if started < first or started in outcomes:  # died before or between calls: nothing to blame
+            pytest.fail(
+                f"the bad-call child died outside a call (exit {done.returncode}): {done.stderr[-2000:]}"
+            )
+        outcomes[started] = f"CRASHED exit {done.returncode}: {done.stderr[-2000:]}"
+        first = started + 1
+    return outcomes
 
 
 @needs_cuda
-@pytest.mark.parametrize("expected, call", BAD_CUDA_CALLS, ids=[c[0] for c in BAD_CUDA_CALLS])
-def test_cuda_kernels_reject_bad_arguments_by_name(cuda_ops, expected, call):
-    import subprocess
-    import sys
-
-    program = (
-        "import torch, moetrain._ext\n"
-        "ops = torch.ops.moetrain\n"
-        "x = torch.randn(4, 8, device='cuda')\n"
-        f"try:\n    {call}\nexcept Exception as error:\n"
-        "    print('RAISED', type(error).__name__, str(error).splitlines()[0])\n"
-        "else:\n    print('NO ERROR')\n"
-    )
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, (
-        f"{call} crashed the process (exit {done.returncode}): {done.stderr[-2000:]}"
-        f"{_native_backtrace([sys.executable, '-c', program])}"
-    )
-    assert done.stdout.startswith("RAISED RuntimeError") and expected in done.stdout, done.stdout
+@pytest.mark.parametrize(
+    "index", range(len(BAD_CUDA_CALLS)), ids=[f"{i}-{c[0]}" for i, c in enumerate(BAD_CUDA_CALLS)]
+)
+def test_cuda_kernels_reject_bad_arguments_by_name(cuda_ops, bad_call_outcomes, index):
+    expected, call = BAD_CUDA_CALLS[index]
+    outcome = bad_call_outcomes[index]
+    if outcome.startswith("CRASHED"):
+        preamble = "import torch, moetrain._ext\nops = torch.ops.moetrain\n"
+        program = f"{preamble}x = torch.randn(4, 8, device='cuda')\n{call}"
+        single = [_bad_call_command(0)[0], "-c", program]
+        pytest.fail(f"{call} crashed the process ({outcome}){_native_backtrace(single)}")
+    assert outcome.startswith("RAISED RuntimeError") and expected in outcome, outcome
 
 
 def _native_backtrace(command: list[str]) -> str:

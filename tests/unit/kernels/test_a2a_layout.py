@@ -102,9 +102,10 @@ def test_transpose_chunks_rejects_bad_arguments_by_name():
         ops.transpose_chunks(x, torch.tensor([[1, 2]]))
     with pytest.raises(RuntimeError, match=r"sizes must be >= 0, got -1 at \[0, 1\]"):
         ops.transpose_chunks(x, torch.tensor([[5, -1]]))
-    with pytest.raises(RuntimeError, match="sizes must be a 2-D int64 CPU tensor"):
+    bad_sizes = r"sizes must be a 2-D int64 tensor \[A, B\] on the CPU or on x's device, got a "
+    with pytest.raises(RuntimeError, match=bad_sizes + "2-D Int one on cpu"):
         ops.transpose_chunks(x, torch.tensor([[2, 2]], dtype=torch.int32))
-    with pytest.raises(RuntimeError, match="sizes must be a 2-D int64 CPU tensor"):
+    with pytest.raises(RuntimeError, match=bad_sizes + "1-D Long one"):
         ops.transpose_chunks(x, torch.tensor([2, 2]))
     with pytest.raises(RuntimeError, match="x must be a contiguous CPU tensor"):
         ops.transpose_chunks(x.t(), torch.tensor([[4, 4]]))

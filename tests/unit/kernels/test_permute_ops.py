@@ -170,5 +170,14 @@ def test_bad_arguments_raise():
         ops.permute_rows(x, torch.tensor([0, 1]), 2, torch.ones(4, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="row_of_slot"):
         ops.unpermute_rows(x, torch.tensor([[0, 5]]), None)
+    # The checks the CUDA kernels share (csrc/arg_checks.cpp), with the integers their messages name.
+    with pytest.raises(RuntimeError, match="weights must have 4 elements, got 3"):
+        ops.permute_rows(x, torch.tensor([0, 1]), 2, torch.ones(3))
+    with pytest.raises(RuntimeError, match=r"row_of_slot must be 2-D \[tokens, k\], got 1-D"):
+        ops.unpermute_rows(x, torch.tensor([0, 1]), None)
+    with pytest.raises(RuntimeError, match="k must be >= 1, got 0"):
+        ops.permute_rows(x, torch.tensor([0]), 0, None)
+    with pytest.raises(RuntimeError, match="grad has 3 rows but row_of_slot has 2 tokens"):
+        ops.unpermute_weight_grad(torch.randn(3, 4), x, torch.zeros(2, 1, dtype=torch.long))
     with pytest.raises(RuntimeError, match="must be float32, float64, bfloat16 or float16"):
         ops.permute_rows(torch.ones(2, 2, dtype=torch.int32), torch.tensor([0]), 1, None)
