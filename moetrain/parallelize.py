@@ -37,6 +37,7 @@ share theirs); split parameters' local shards are averaged over the dense group.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -292,6 +293,7 @@ def parallelize(
         stages = _split_pipeline_stages(model, assignments, parallel)
         assignments = resolve_strategy(model, strategy, allow_unmatched=True)
     experts = _shard_experts_and_splits(model, assignments, parallel)
+    assignments = _current_modules(model, assignments)
     reducers, wrap = [], None
     module = model
     if parallel.mesh is not None:
@@ -358,6 +360,13 @@ def _split_pipeline_stages(model: nn.Module, assignments, parallel: ParallelCont
     moe_layers = [name for name, m in model.named_modules() if isinstance(m, MoELayer)]
     chunks, stage_ids, ranges = split_stages(model, stacks[0], parallel)
     return chunks, stage_ids, ranges, moe_layers
+
+
+def _current_modules(model: nn.Module, assignments: list[Assignment]) -> list[Assignment]:
+    """The assignments with the module each name holds now. Sharding replaces every MoE layer's
+    experts by its slice (a copy on a real device): an assignment still holding the module it was
+    resolved with would keep the full layer's experts alive beside the slice, on every rank."""
+    return [dataclasses.replace(a, module=model.get_submodule(a.name)) for a in assignments]
 
 
 def _shard_experts_and_splits(model: nn.Module, assignments, parallel: ParallelContext) -> list:

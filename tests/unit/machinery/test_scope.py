@@ -386,3 +386,23 @@ def test_an_explicit_strategy_is_applied_as_is_and_none_applies_the_marks():
     assert {(a.name, a.kind) for a in marked.assignments} == assigned(model, default_lm_strategy(LM))
     assert default_strategy(model) == strategy_from_scopes(model)  # a registered model's, no mesh
     assert default_strategy(model)["head"] == "split.head"
+
+
+def test_parallelize_frees_the_full_experts_it_replaced_by_their_slice():
+    """Sharding replaces each MoE layer's experts by its slice (a copy on a real device); the
+    result's assignments must name the slices, not keep the full experts alive beside them (they
+    did: 4 bytes per expert parameter more, measured on an H100 as 2.06 GiB, docs/planner.md)."""
+    import gc
+    import weakref
+
+    from moetrain.layers.experts import GroupedExperts
+
+    model = MoETransformerLM(LM)
+    full = [weakref.ref(m) for m in model.modules() if isinstance(m, GroupedExperts)]
+    assert full
+    trained = parallelize(model, ParallelContext())
+    gc.collect()
+    assert all(ref() is None for ref in full)
+    assert all(a.module is model.get_submodule(a.name) for a in trained.assignments)
+    live = {id(m) for m in gc.get_objects() if isinstance(m, GroupedExperts)}
+    assert live == {id(m) for m in model.modules() if isinstance(m, GroupedExperts)}
