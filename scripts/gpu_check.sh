@@ -84,12 +84,13 @@ import torch, moetrain._ext as ext
 print(torch.__version__, torch.cuda.get_device_name(), 'extension', ext.EXTENSION, 'CUDA kernels', ext.HAS_CUDA_KERNELS)
 assert ext.EXTENSION == 'prebuilt' and ext.HAS_CUDA_KERNELS
 "
-# With pytest-xdist, TEST_WORKERS (default 4) processes share the GPU; --durations says where the
-# step's time goes.
+# With pytest-xdist, TEST_WORKERS (default 4) processes share the GPU. Each test's name and result
+# is logged as it ends (-v), a test stops after TEST_TIMEOUT_S (pytest-timeout, which prints where
+# it hung), so the summary of failures (-rfE) and durations comes before the step's own limit.
 workers=()
 "$python" -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-4}")
-run_step tests "$python" -m pytest -q -p no:cacheprovider --durations=15 "${workers[@]}" \
-    tests/gpu/test_cuda_kernels.py tests/unit/layers/test_compile.py
+run_step tests "$python" -m pytest -v -p no:cacheprovider -rfE --durations=15 -o "timeout=${TEST_TIMEOUT_S:-90}" \
+    "${workers[@]}" tests/gpu/test_cuda_kernels.py tests/unit/layers/test_compile.py
 run_step bench_layer_e8 "$python" benchmarks/moe_layer.py --device cuda --dtype bf16 --json "$out/moe_layer_e8.json"
 run_step bench_layer_e64 "$python" benchmarks/moe_layer.py --device cuda --dtype bf16 --tokens 16384 \
     --d-model 2048 --d-ff 1408 --experts 64 --top-k 6 --json "$out/moe_layer_e64.json"
