@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One command that proves a GPU machine (`make gpu-check`): builds moetrain against the machine's own
 # torch, runs the GPU tests, the GPU benchmarks and `moetrain train` smokes, and writes one JSON and
-# one log. About 10 minutes on one H100 (9.5 measured). Needs torch with CUDA, nvcc (CUDA_HOME or PATH), setuptools
-# >= 77, ninja and pybind11 in the Python it runs; pytest, pyyaml and numpy for the tests; pillow and
-# sacrebleu for the M6 smokes. Nothing is downloaded.
+# one log. About 9-10 minutes on one H100 (545 s measured, the tests cut at 200 s). Needs torch
+# with CUDA, nvcc (CUDA_HOME or PATH), setuptools >= 77, ninja and pybind11 in the Python it runs;
+# pytest, pyyaml and numpy for the tests; pillow and sacrebleu for the M6 smokes. Nothing is
+# downloaded.
 #
 #   scripts/gpu_check.sh [OUT_DIR]        (default runs/gpu_check/<UTC time>)
 #   PYTHON=python3.12 scripts/gpu_check.sh
