@@ -491,3 +491,37 @@ def test_checkpoints_by_wall_clock_time(tmp_path):
     rarely = tiny(tmp_path / "rarely", steps=4, checkpoint_every_minutes=60, keep_last=10)
     run(rarely)
     assert [p.name for p in (tmp_path / "rarely" / "checkpoints").iterdir()] == ["step_00000004"]
+
+
+def stray_expert_copies_worker(rank, world, out_dir):
+    """Trains 2 steps; returns the shapes of live tensors shaped like an expert weight that are not
+    the model's weights, gradients or optimizer state."""
+    import gc
+
+    trainer = Trainer(config_from_dict(TrainConfig, tiny(out_dir, steps=2)))
+    trainer.train()
+    params = list(trainer.model.parameters())
+    states = [v for state in trainer.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    grads = [p.grad for p in params if p.grad is not None]
+    owned = {t.untyped_storage().data_ptr() for t in [*params, *grads, *states]}
+    expert_shapes = {tuple(p.shape) for name, p in trainer.model.named_parameters() if ".experts." in name}
+    gc.collect()
+    stray = [
+        tuple(t.shape)
+        for t in gc.get_objects()
+        if isinstance(t, torch.Tensor)
+        and tuple(t.shape) in expert_shapes
+        and t.untyped_storage().data_ptr() not in owned
+    ]
+    trainer.close()
+    return sorted(expert_shapes), stray
+
+
+def test_a_run_holds_no_copy_of_the_experts_beside_the_model(tmp_path):
+    """The experts each MoE layer had before parallelize replaced them by their slice (a copy) are
+    freed: they were kept alive beside it, 4 bytes per expert parameter on every rank, 2 GiB of
+    the H100 calibration run's peak (docs/planner.md). One fresh rank process, so that no other
+    test's tensors are in sight."""
+    [(expert_shapes, stray)] = run_distributed(stray_expert_copies_worker, 1, str(tmp_path))
+    assert expert_shapes
+    assert not stray, f"tensors of the experts' shapes outside the model and its optimizer: {stray}"
