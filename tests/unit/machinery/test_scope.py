@@ -404,5 +404,3 @@ def test_parallelize_frees_the_full_experts_it_replaced_by_their_slice():
     gc.collect()
     assert all(ref() is None for ref in full)
     assert all(a.module is model.get_submodule(a.name) for a in trained.assignments)
-    live = {id(m) for m in gc.get_objects() if isinstance(m, GroupedExperts)}
-    assert live == {id(m) for m in model.modules() if isinstance(m, GroupedExperts)}
