@@ -211,10 +211,12 @@ def test_the_backward_and_the_optimizer_step_are_compared_apart(tmp_path):
         "memory/peak_reserved_bytes": 4 * 2**20,
         "memory/peak_backward_bytes": 2 * 2**20,
         "memory/peak_optimizer_bytes": 3 * 2**20,
+        "dropped_fraction": [0.5, 0.25],
     }
     write_run(run_dir, 1, [record])
     run = read_run(run_dir)
     assert run.phase_peaks == {"backward": 2 * 2**20, "optimizer": 3 * 2**20}
+    assert run.dropped_fraction == 0.375
     model, defaults = run_model(run)
     cluster = cluster_preset("a100-80gb", 1, gpus_per_node=1)
     result = calibrate(model, cluster, PlanSettings(**defaults), run, kernels="cpu")
@@ -226,3 +228,5 @@ def test_the_backward_and_the_optimizer_step_are_compared_apart(tmp_path):
     assert result.measured["peak_optimizer_bytes"] == 3 * 2**20
     table = result.format_table()
     assert "  in the backward" in table and "  in the optimizer step" in table
+    assert "note: the run dropped 38% of its routed slots at the experts' capacity" in table
+    assert result.to_dict()["measured"]["dropped_fraction"] == 0.375
