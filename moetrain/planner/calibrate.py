@@ -35,10 +35,11 @@ logging window): ``time/step_s``, ``time/forward_s``, ``time/backward_s``, ``tim
 with the delayed update, its exposed part) and, on CUDA, ``memory/peak_allocated_bytes`` /
 ``memory/peak_reserved_bytes`` since the previous logged step, with the allocated peak of each
 phase (``memory/peak_<phase>_bytes``): the backward's and the optimizer step's are compared with
-the plan's (its step peak is the larger of the two). The plan holds every expert's capacity full;
-where the records say the run dropped routed slots at the capacity (``dropped_fraction``, per MoE
-layer), a note gives the share: the plan's expert activations are then an upper bound the run did
-not reach (the 0.57B calibration model dropped 37-69% in its first 12 steps on an H100).
+the plan's (its step peak is the larger of the two). The plan keeps an expert row for every routed
+slot (up to the experts' capacity); where the records say the run dropped routed slots at the
+capacity (``dropped_fraction``, per MoE layer), a note gives the share: the plan's expert
+activations are then an upper bound the run did not reach (the 0.57B calibration model dropped
+37-69% in its first 12 steps on an H100).
 """
 
 from __future__ import annotations
@@ -284,8 +285,8 @@ def calibrate(
     if run.dropped_fraction and run.peak_allocated is not None:
         notes.append(
             f"the run dropped {run.dropped_fraction:.0%} of its routed slots at the experts' capacity "
-            "(mean over MoE layers and records); the plan holds every expert's capacity full, an upper "
-            "bound on the expert activations that this run's routing did not reach"
+            "(mean over MoE layers and records); the plan keeps an expert row for every routed slot, an "
+            "upper bound on the expert activations that this run's routing did not reach"
         )
     calibrated_settings = settings
     if efficiency is not None:
