@@ -29,7 +29,7 @@ void rows(const at::Tensor& t, const char* name, c10::DeviceType device) {
 }
 
 void index(const at::Tensor& t, const char* name, const c10::Device& device) {
-  TORCH_CHECK(t.device() == device, name, " must be on ", device, " like the rows, got ", t.device());
+  TORCH_CHECK(t.device() == device, name, " must be on ", device, ", got ", t.device());
   TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
