@@ -83,9 +83,8 @@ class RunRecords:
     peak_allocated: int | None = None
     peak_reserved: int | None = None
     phase_peaks: dict[str, int] = field(default_factory=dict)  # the allocated peak in each phase
-    dropped_fraction: float | None = (
-        None  # routed slots dropped at the capacity, mean over layers and records
-    )
+    # routed slots dropped at the capacity, mean over MoE layers and records
+    dropped_fraction: float | None = None
 
 
 def read_run(run_dir: str | Path) -> RunRecords:

@@ -298,12 +298,15 @@ BAD_CUDA_CALLS = [
     ),
 ]
 
+# What every bad call runs after: the ops and a CUDA input x.
+_BAD_CALL_PREAMBLE = (
+    "import torch, moetrain._ext\nops = torch.ops.moetrain\nx = torch.randn(4, 8, device='cuda')\n"
+)
 # Runs the calls from index argv[1] on, one line per call; a crash ends it after its START line.
-_BAD_CALLS_PROGRAM = """
+_BAD_CALLS_PROGRAM = (
+    _BAD_CALL_PREAMBLE
+    + """
 import json, sys
-import torch, moetrain._ext
-ops = torch.ops.moetrain
-x = torch.randn(4, 8, device='cuda')
 calls = json.loads(sys.stdin.read())
 for index in range(int(sys.argv[1]), len(calls)):
     print('START', index, flush=True)
@@ -314,6 +317,7 @@ for index in range(int(sys.argv[1]), len(calls)):
     else:
         print('RESULT', index, 'NO ERROR', flush=True)
 """
+)
 
 
 def _bad_call_command(first: int) -> list[str]:
@@ -366,8 +370,7 @@ def bad_call_outcomes() -> dict[int, str]:
 
 
 def _single_call_program(index: int) -> str:
-    preamble = "import torch, moetrain._ext\nops = torch.ops.moetrain\nx = torch.randn(4, 8, device='cuda')\n"
-    return preamble + BAD_CUDA_CALLS[index][1]
+    return _BAD_CALL_PREAMBLE + BAD_CUDA_CALLS[index][1]
 
 
 @needs_cuda
