@@ -26,8 +26,9 @@ class TrainConfig:
     named by its ``name`` key (``"moe_lm"``: :class:`moe_lm.LMConfig`); ``grad_accum``
     micro-steps per optimizer step; a checkpoint every ``checkpoint_every`` steps and every
     ``checkpoint_every_minutes`` of wall-clock time, whichever comes first (0 / None: only at the
-    end and on SIGTERM); ``async_checkpoint``: write checkpoints in the background (the step waits
-    only for the copy of the state into host memory); ``keep_last`` checkpoints kept;
+    end and on SIGTERM), and one when the run finishes unless ``checkpoint_at_end`` is false;
+    ``async_checkpoint``: write checkpoints in the background (the step waits only for the copy of
+    the state into host memory); ``keep_last`` checkpoints kept;
     ``max_consecutive_skips``: steps in a row skipped for non-finite gradients after which the run
     stops; ``recompute_budget_mb``: activation-memory budget for automatic checkpointing (None:
     off; 0: recompute as much as possible); ``threads``: torch CPU threads per rank (None: chosen
@@ -80,6 +81,13 @@ class TrainConfig:
         ),
     )
     checkpoint_every: int = option(0, "a checkpoint every this many steps; 0: only at the end and on SIGTERM")
+    checkpoint_at_end: bool = option(
+        True,
+        (
+            "a checkpoint when the run finishes; false: none beyond checkpoint_every's (a benchmark or"
+            " calibration run; SIGTERM still saves)"
+        ),
+    )
     checkpoint_every_minutes: float | None = option(
         None, ("a checkpoint once this much wall-clock time passed since the last one; None: off")
     )
@@ -142,6 +150,7 @@ class TrainConfig:
         if self.checkpoint_every_minutes is not None:
             require_nonneg_float("checkpoint_every_minutes", self.checkpoint_every_minutes)
         require_bool("async_checkpoint", self.async_checkpoint)
+        require_bool("checkpoint_at_end", self.checkpoint_at_end)
         require_int("max_consecutive_skips", self.max_consecutive_skips, 1)
         require_int("keep_last", self.keep_last, 1)
         require_bool("resume", self.resume)

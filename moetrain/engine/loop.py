@@ -42,7 +42,8 @@ class TrainingLoop:
         """Runs to ``config.steps`` (resuming first when a checkpoint exists), or only to step
         ``until`` (then checkpoints, as if interrupted); returns the metrics of every logging step
         run here. Checkpoints every ``checkpoint_every`` steps and every ``checkpoint_every_minutes``,
-        at the end, and when SIGTERM arrives (then stops)."""
+        at the end (at ``config.steps`` only with ``checkpoint_at_end``; always at ``until``), and
+        when SIGTERM arrives (then stops)."""
         config = self.config
         last_step = config.steps if until is None else min(until, config.steps)
         changes = self.maybe_resume()
@@ -94,7 +95,7 @@ class TrainingLoop:
                 if self.step == config.steps:  # finished (not stopped at ``until``): every update in
                     self._apply_pending_update()  # the final weights; a checkpoint keeps one pending
                 self.writer.wait()
-                if self.saved_step != self.step:
+                if self.saved_step != self.step and (config.checkpoint_at_end or self.step != config.steps):
                     self.save()
                 self.writer.wait()
             last = {k: v for k, v in history[-1].items() if k != "step"} if history else {}

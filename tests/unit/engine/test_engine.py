@@ -493,6 +493,16 @@ def test_checkpoints_by_wall_clock_time(tmp_path):
     assert [p.name for p in (tmp_path / "rarely" / "checkpoints").iterdir()] == ["step_00000004"]
 
 
+def test_checkpoint_at_end_false_writes_no_final_checkpoint(tmp_path):
+    """checkpoint_at_end: false keeps checkpoint_every's checkpoints and writes none at the end; the
+    default writes one."""
+    run(tiny(tmp_path / "none", steps=4, checkpoint_every=3, keep_last=10, checkpoint_at_end=False))
+    assert [p.name for p in (tmp_path / "none" / "checkpoints").iterdir()] == ["step_00000003"]
+    run(tiny(tmp_path / "default", steps=4, checkpoint_every=3, keep_last=10))
+    names = sorted(p.name for p in (tmp_path / "default" / "checkpoints").iterdir())
+    assert names == ["step_00000003", "step_00000004"]
+
+
 def stray_expert_copies_worker(rank, world, out_dir):
     """Trains 2 steps; returns the shapes of live tensors shaped like an expert weight that are not
     the model's weights, gradients or optimizer state."""
