@@ -20,16 +20,19 @@ timed with CUDA events (warm-up, then the median). It adds the layer's achieved 
 GPU's dense bf16/fp16 peak (a table keyed by ``torch.cuda.get_device_name()``; "unknown" for other
 GPUs) and the achieved memory bandwidth of the permutation kernels (``csrc/permute_cuda.cu``,
 ``csrc/a2a_layout_cuda.cu``) against the device's copy bandwidth measured in the same run (a large
-``tensor.copy_``). Targets: ``ours_over_floor <= 1.10``, kernels >= 70% of the copy bandwidth.
+``tensor.copy_``), and where one call of ours and of the torchtitan-style MoE synchronizes the host
+with the GPU (``host_syncs``: each empties the GPU's queue). Targets: ``ours_over_floor <= 1.10``, kernels >= 70% of the copy bandwidth.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import platform
 import statistics
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -144,24 +147,53 @@ def timed_cuda(fn, repeats: int) -> list[float]:
     return times
 
 
-def build_case(name: str, capacity_factor, skewed: bool, args) -> dict:
+def layer_weights(args) -> dict[str, torch.Tensor]:
+    """The state dict every case's layer starts from, on ``args.device`` in ``args.dtype``: drawn
+    once (``nn.Linear``'s default per expert, seeded), since drawing the experts of the GPU shape
+    on the host takes seconds per layer."""
+    torch.manual_seed(0)
+    layer = MoELayer(d_model=args.d_model, d_ff=args.d_ff, num_experts=args.experts, top_k=args.top_k)
+    return layer.to(device=args.device, dtype=DTYPES[args.dtype]).state_dict()
+
+
+def host_synchronizations(fn) -> list[str]:
+    """Where one call of ``fn`` made the host wait for the GPU, as ``file:line`` of the Python line
+    that did (``torch.cuda.set_sync_debug_mode("warn")`` warns at each synchronizing CUDA call).
+    A synchronization empties the GPU's queue: the host work up to the next large kernel is then
+    GPU idle time. ``fn`` ran before (a shape class's first-call measurements are not counted)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{pathlib.Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+
+def build_case(name: str, capacity_factor, skewed: bool, args, weights: dict | None = None) -> dict:
     """One case's candidates (``ours``, ``floor``, ``plain``, ``titan``: each one forward+backward)
-    and its figures; :func:`measure` times them."""
+    and its figures; :func:`measure` times them. ``weights``: :func:`layer_weights` (copied, so
+    cases do not share a router; drawn here when None)."""
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
 
     def randn(*shape, requires_grad=False):
         return torch.randn(*shape, device=device, dtype=dtype, requires_grad=requires_grad)
 
+    weights = layer_weights(args) if weights is None else weights
+    with torch.device("meta"):
+        layer = MoELayer(
+            d_model=args.d_model,
+            d_ff=args.d_ff,
+            num_experts=args.experts,
+            top_k=args.top_k,
+            capacity_factor=capacity_factor,
+            min_capacity=1,
+            aux_loss_coef=1e-2,
+        )
+    layer.load_state_dict({key: value.clone() for key, value in weights.items()}, assign=True)
     torch.manual_seed(0)
-    layer = MoELayer(
-        d_model=args.d_model,
-        d_ff=args.d_ff,
-        num_experts=args.experts,
-        top_k=args.top_k,
-        capacity_factor=capacity_factor,
-        min_capacity=1,
-        aux_loss_coef=1e-2,
-    ).to(device=device, dtype=dtype)
     x = randn(args.tokens, args.d_model)
     if skewed:
         x = x + 0.5 * randn(args.d_model)  # a shared direction the router can key on
@@ -230,7 +262,11 @@ def measure(cases: list[dict], args) -> list[dict]:
         for case in cases:
             for key, fn in case["candidates"].items():
                 case["samples"][key] += timer(fn, 1)
-    return [case_figures(case, args) for case in cases]
+    results = [case_figures(case, args) for case in cases]
+    if args.device == "cuda":
+        for case, figures in zip(cases, results, strict=True):
+            figures["host_syncs"] = {key: host_synchronizations(case["candidates"][key]) for key in ("ours", "titan")}
+    return results
 
 
 def case_figures(case: dict, args) -> dict:
@@ -366,7 +402,10 @@ def main() -> None:
         ("dropless_balanced", None, False),
         ("dropless_skewed", None, True),
     ]
-    results = measure([build_case(name, cf, skewed, args) for name, cf, skewed in cases], args)
+    weights = layer_weights(args)
+    built = [build_case(name, cf, skewed, args, weights) for name, cf, skewed in cases]
+    del weights
+    results = measure(built, args)
     machine = {
         "cpu": platform.processor() or platform.machine(),
         "threads": args.threads,
@@ -417,6 +456,9 @@ def main() -> None:
         for shape, path in paths.items():
             print(f"expert GEMMs, shape class {shape}: {path}")
         print(f"grouped GEMM writes zeros for empty experts (no host sync in its backward): {empty_zero}")
+        for row in results:
+            for key, places in row["host_syncs"].items():
+                print(f"host synchronizations per call, {row['case']}, {key}: {len(places)} {' '.join(places)}")
     else:
         print("target: ours_over_floor <= 1.05 in every case")
     if args.json:
