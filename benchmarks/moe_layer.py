@@ -21,7 +21,8 @@ GPU's dense bf16/fp16 peak (a table keyed by ``torch.cuda.get_device_name()``; "
 GPUs) and the achieved memory bandwidth of the permutation kernels (``csrc/permute_cuda.cu``,
 ``csrc/a2a_layout_cuda.cu``) against the device's copy bandwidth measured in the same run (a large
 ``tensor.copy_``), and where one call of ours and of the torchtitan-style MoE synchronizes the host
-with the GPU (``host_syncs``: each empties the GPU's queue). Targets: ``ours_over_floor <= 1.10``, kernels >= 70% of the copy bandwidth.
+with the GPU (``host_syncs``: each empties the GPU's queue). Targets: ``ours_over_floor <= 1.10``,
+kernels >= 70% of the copy bandwidth.
 """
 
 from __future__ import annotations
@@ -265,7 +266,8 @@ def measure(cases: list[dict], args) -> list[dict]:
     results = [case_figures(case, args) for case in cases]
     if args.device == "cuda":
         for case, figures in zip(cases, results, strict=True):
-            figures["host_syncs"] = {key: host_synchronizations(case["candidates"][key]) for key in ("ours", "titan")}
+            candidates = case["candidates"]
+            figures["host_syncs"] = {key: host_synchronizations(candidates[key]) for key in ("ours", "titan")}
     return results
 
 
@@ -458,7 +460,8 @@ def main() -> None:
         print(f"grouped GEMM writes zeros for empty experts (no host sync in its backward): {empty_zero}")
         for row in results:
             for key, places in row["host_syncs"].items():
-                print(f"host synchronizations per call, {row['case']}, {key}: {len(places)} {' '.join(places)}")
+                where = " ".join(places)
+                print(f"host synchronizations per call, {row['case']}, {key}: {len(places)} {where}")
     else:
         print("target: ours_over_floor <= 1.05 in every case")
     if args.json:
