@@ -38,7 +38,16 @@ def test_the_script_parses_and_refuses_a_machine_without_a_gpu(tmp_path):
     assert done.stderr.strip() == expected
 
 
-SMOKES = [line.split()[1:] for line in _logical_lines() if line.startswith("moetrain_train ")]
+SMOKES = [line.split()[1:] for line in _logical_lines() if line.startswith("smoke ")]
+
+
+def _smoke_overrides() -> list[str]:
+    """What the script's smoke function adds to every smoke's overrides."""
+    lines = _logical_lines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("smoke() {"))
+    words = shlex.split(lines[start + 1])
+    assert words[:2] == ["train_command", "$@"], lines[start + 1]
+    return words[2:]
 
 
 def test_the_script_has_the_four_training_smokes():
@@ -53,8 +62,9 @@ def test_the_script_has_the_four_training_smokes():
 @pytest.mark.parametrize("smoke", SMOKES, ids=lambda smoke: smoke[0])
 def test_every_training_smoke_is_a_valid_config(smoke, tmp_path):
     name, config, *overrides = smoke
-    config = build_train_config(str(ROOT / config), ["device=cuda", f"out_dir={tmp_path}", *overrides])
-    assert config.device == "cuda"
+    overrides = ["device=cuda", f"out_dir={tmp_path}", *overrides, *_smoke_overrides()]
+    config = build_train_config(str(ROOT / config), overrides)
+    assert config.device == "cuda" and config.threads == 2  # the smokes run side by side
 
 
 BENCHMARKS = {
@@ -140,3 +150,5 @@ def test_the_calibration_runs_are_valid_configs_with_and_without_recompute(tmp_p
     assert configs["calibrate_none"].recompute_budget_mb is None
     assert configs["calibrate_full"].recompute_budget_mb == 0
     assert configs["calibrate_none"].model.d_model == 1024 and configs["calibrate_none"].precision == "bf16"
+    for config in configs.values():  # dropless: the plan's rows whatever the router does; no checkpoint
+        assert config.model.moe.capacity_factor in (0, None) and not config.checkpoint_at_end
