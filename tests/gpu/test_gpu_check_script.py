@@ -113,11 +113,7 @@ def test_every_benchmark_accepts_the_scripts_flags_and_runs_on_the_cpu(name, tmp
 def test_the_benchmarks_reference_moes_compute_the_same_layer(capacity):
     """The plain and the torchtitan-style MoE of benchmarks/moe_layer.py are references the layer
     is timed against: they must compute the same function (fp64, a capacity that drops slots)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import moe_layer
-    finally:
-        sys.path.pop(0)
+    moe_layer = _import_moe_layer_benchmark()
     torch = pytest.importorskip("torch")
     generator = torch.Generator().manual_seed(0)
     x, router, w1, w2 = (
@@ -129,6 +125,40 @@ def test_the_benchmarks_reference_moes_compute_the_same_layer(capacity):
     torch.testing.assert_close(titan, plain, rtol=1e-12, atol=1e-12)
     if capacity is not None:
         assert not torch.allclose(plain, moe_layer.plain_pytorch_moe(x, router, w1, w2, 2, None))
+
+
+def _import_moe_layer_benchmark():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import moe_layer
+    finally:
+        sys.path.pop(0)
+    return moe_layer
+
+
+def test_the_layer_benchmarks_host_synchronization_census_names_each_place(monkeypatch):
+    """What ``host_synchronizations`` reports on a GPU, with the CUDA calls it makes stood in for:
+    one ``file:line`` per "called a synchronizing CUDA operation" warning the call raised, none for
+    other warnings, and the sync debug mode set to "warn" around the call only."""
+    import warnings
+
+    torch = pytest.importorskip("torch")
+    moe_layer = _import_moe_layer_benchmark()
+    modes = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def call():
+        assert modes == ["warn"]
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+        warnings.warn("something else", stacklevel=1)
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+
+    places = moe_layer.host_synchronizations(call)
+    assert modes == ["warn", "default"]
+    line = call.__code__.co_firstlineno
+    assert places == [f"test_gpu_check_script.py:{line + 2}", f"test_gpu_check_script.py:{line + 4}"]
+    assert moe_layer.host_synchronizations(lambda: None) == []
 
 
 def _calibration_overrides() -> dict[str, list[str]]:
