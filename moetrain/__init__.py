@@ -8,6 +8,7 @@ from moetrain.layers import (
     MoEModelStats,
     MoEStats,
     collect_moe_stats,
+    experts_on_meta,
     set_aux_loss_scale,
     shard_experts,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "Parallelized",
     "__version__",
     "collect_moe_stats",
+    "experts_on_meta",
     "materialize",
     "moefy",
     "parallelize",

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from moetrain.config import MoEConfig, config_from_dict
+from moetrain.layers.experts import experts_on_meta
 from moetrain.layers.moe_layer import MoELayer
 
 log = logging.getLogger(__name__)
@@ -220,7 +221,8 @@ def moefy(
             },
             "moefy",
         )
-        layer = MoELayer(config).to(device=dense.w1_DH.device, dtype=dense.w1_DH.dtype)
+        with experts_on_meta(False):  # every expert is the FFN's copy: built whole, here
+            layer = MoELayer(config).to(device=dense.w1_DH.device, dtype=dense.w1_DH.dtype)
         if upcycle:
             upcycle_into(layer, dense)
         replacement = layer if dense.after is None else nn.Sequential(layer, dense.after)

@@ -441,13 +441,57 @@ def materialize(model: nn.Module, device) -> nn.Module:
     module's ``reset_parameters()`` runs, children before their parents (a model's own
     ``reset_parameters`` has the last word on its direct tensors: the LM's and M6's embeddings).
     Experts: each from its own per-global-expert seed, so they equal the CPU build's; other
-    weights: their modules' initialisation, not the CPU build's values. Returns the model."""
-    model.to_empty(device=device)
+    weights: their modules' initialisation, not the CPU build's values.
+
+    A model only partly on ``meta`` (built within :func:`moetrain.layers.experts_on_meta`: the
+    experts alone) keeps every tensor it has: only the modules with tensors of their own on
+    ``meta`` are allocated on ``device`` and reset, so it equals the model built whole and
+    sharded. Returns the model."""
+    tensors = [*model.parameters(), *model.buffers()]
+    everything = all(t.device.type == "meta" for t in tensors)
+    modules = list(model.modules())
+    pending = modules if everything else [module for module in modules if _has_own_meta_tensors(module)]
+    # Allocated in place: each parameter stays the object that parallelize's gradient reducers
+    # (and anything else holding it) refer to; to_empty would otherwise make new ones.
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        if everything:
+            model.to_empty(device=device)
+        else:
+            for module in pending:
+                module.to_empty(device=device, recurse=False)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
     with torch.no_grad():
-        for module in reversed(list(model.modules())):
+        for module in reversed(pending):
             reset = getattr(module, "reset_parameters", None)
             if callable(reset):
                 reset()
+    return model
+
+
+def _has_own_meta_tensors(module: nn.Module) -> bool:
+    own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    return any(t.device.type == "meta" for t in own)
+
+
+def to_device_but_meta(model: nn.Module, device) -> nn.Module:
+    """``model.to(device)`` for every module but those with tensors of their own on ``meta`` (a
+    model built within :func:`moetrain.layers.experts_on_meta`: its experts), which stay there for
+    :func:`materialize`. Returns the model."""
+    detached = []
+    for name, module in list(model.named_modules()):
+        if name and _has_own_meta_tensors(module):
+            parent_name, _, attribute = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            detached.append((parent, attribute, module))
+            setattr(parent, attribute, None)
+    try:
+        model.to(device)
+    finally:
+        for parent, attribute, module in reversed(detached):
+            setattr(parent, attribute, module)
     return model
 
 
@@ -456,6 +500,7 @@ __all__ = [
     "Parallelized",
     "default_strategy",
     "materialize",
+    "to_device_but_meta",
     "parallelize",
     "resolve_strategy",
     "strategy_from_scopes",

@@ -1,5 +1,6 @@
 """MoE layer building blocks: router, losses, dispatch, experts and the layer itself."""
 
+from moetrain.layers.experts import experts_on_meta
 from moetrain.layers.moe_layer import (
     MoELayer,
     MoEModelStats,
@@ -17,6 +18,7 @@ __all__ = [
     "MoEStats",
     "collect_moe_stats",
     "discard_routed_counts",
+    "experts_on_meta",
     "set_aux_loss_scale",
     "shard_experts",
     "update_score_biases",

@@ -18,6 +18,8 @@ the two measured faster on that GPU for that shape class (:mod:`moetrain.layers.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import torch
@@ -190,6 +192,26 @@ def apply_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+_EXPERTS_ON_META = contextvars.ContextVar("moetrain_experts_on_meta", default=False)
+
+
+@contextlib.contextmanager
+def experts_on_meta(enabled: bool = True):
+    """Within it, :class:`GroupedExperts` are built on ``meta`` (no memory, nothing initialised)
+    whatever the surrounding device; everything else is built as usual, and draws on torch's global
+    generator exactly as it would outside (the experts' values come from their own per-expert
+    generators, never from it). So a model built inside it, sharded (:func:`moetrain.parallelize`)
+    and materialised (:func:`moetrain.materialize`, which allocates and initialises only what is on
+    ``meta``), equals the model built outside it and sharded, while no process ever holds more than
+    its own experts. ``enabled=False`` builds them as usual inside an enclosing one (moefy, whose
+    new layers copy a dense FFN into every expert)."""
+    token = _EXPERTS_ON_META.set(enabled)
+    try:
+        yield
+    finally:
+        _EXPERTS_ON_META.reset(token)
+
+
 class GroupedExperts(nn.Module):
     """E feed-forward experts ``y = act(x @ w1[e] [+ b1[e]]) @ w2[e] [+ b2[e]]`` stored as stacked
     weights (the biases ``b1_EF``, ``b2_ED`` only with ``bias=True``, initialised to zero).
@@ -219,10 +241,11 @@ class GroupedExperts(nn.Module):
         self.total_experts = num_experts if total_experts is None else total_experts
         self.activation = activation
         inner = 2 * d_ff if activation == "swiglu" else d_ff
-        self.w1_EDF = nn.Parameter(torch.empty(num_experts, d_model, inner))
-        self.b1_EF = nn.Parameter(torch.zeros(num_experts, inner)) if bias else None
-        self.b2_ED = nn.Parameter(torch.zeros(num_experts, d_model)) if bias else None
-        self.w2_EFD = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
+        with torch.device("meta") if _EXPERTS_ON_META.get() else contextlib.nullcontext():
+            self.w1_EDF = nn.Parameter(torch.empty(num_experts, d_model, inner))
+            self.b1_EF = nn.Parameter(torch.zeros(num_experts, inner)) if bias else None
+            self.b2_ED = nn.Parameter(torch.zeros(num_experts, d_model)) if bias else None
+            self.w2_EFD = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
         self.seed = int(torch.randint(0, 2**62, (), device="cpu")) if seed is None else seed
         self._grad_buffers = (ReusableGradBuffer(), ReusableGradBuffer())
         self.reset_parameters()
@@ -248,8 +271,8 @@ class GroupedExperts(nn.Module):
 
     def slice_experts(self, start: int, stop: int) -> GroupedExperts:
         """A new module holding local experts ``[start, stop)`` of this one (copies of their
-        weights; on ``meta``, a ``meta`` module that :meth:`reset_parameters` initialises with the
-        same per-expert seeds)."""
+        weights; on ``meta``, a ``meta`` module of the same dtypes that :meth:`reset_parameters`
+        initialises with the same per-expert seeds)."""
         if not 0 <= start < stop <= self.num_experts:
             raise ValueError(f"expert slice [{start}, {stop}) is outside [0, {self.num_experts})")
         d_model, inner = self.w1_EDF.shape[1:]
@@ -259,9 +282,8 @@ class GroupedExperts(nn.Module):
                 stop - start, d_model, d_ff, self.activation, self.first_expert + start, self.seed,
                 self.b1_EF is not None, self.total_experts,
             )  # fmt: skip
-        if self.w1_EDF.device.type != "meta":
-            for name, param in self.named_parameters(recurse=False):
-                setattr(part, name, nn.Parameter(param.detach()[start:stop].clone(), param.requires_grad))
+        for name, param in self.named_parameters(recurse=False):  # on meta: the dtype, no data
+            setattr(part, name, nn.Parameter(param.detach()[start:stop].clone(), param.requires_grad))
         return part
 
     def forward(self, x_ND: torch.Tensor, rows_per_expert_E: torch.Tensor) -> torch.Tensor:

@@ -357,6 +357,34 @@ def test_meta_build_parallelize_materialize_gives_the_cpu_builds_experts():
             assert r["experts"] == 0.0 and r["finite"], r
 
 
+def meta_expert_gradients_worker(rank, world):
+    """Built on meta, parallelized with the experts replicated over both ranks (ep 1, dp 2) and
+    materialised; one backward on this rank's own tokens, then the gradient reduction. Returns the
+    experts' gradients."""
+    parallel = ParallelContext(ParallelConfig(ep_size=1))
+    with torch.device("meta"):
+        model = MoETransformerLM(LM, seed=3)
+    trained = parallelize(model, parallel, default_lm_strategy(LM))
+    torch.manual_seed(5)  # the same non-expert initialisation on both ranks
+    trained.materialize("cpu")
+    inputs, targets = _tokens(rank)
+    lm_loss(trained(inputs), targets).backward()
+    trained.reduce_gradients()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if ".experts." in name}
+
+
+@pytest.mark.timeout(120)
+def test_materialising_keeps_the_parameters_the_gradient_reduction_holds():
+    """materialize allocates the parameters in place: the expert gradient reducer parallelize made
+    on meta reduces the real ones (new parameter objects left it holding the meta ones, and the
+    experts' gradients went unreduced: each rank trained its own copy of the replicated experts)."""
+    first, second = run_distributed(meta_expert_gradients_worker, 2)
+    assert first.keys() == second.keys() and first
+    for name, grad in first.items():
+        assert grad.abs().sum() > 0, name
+        assert torch.equal(grad, second[name]), name
+
+
 def test_fsdp_cpu_offload_is_refused_without_fsdp():
     with pytest.raises(ValueError, match="fsdp_cpu_offload needs replica = 'fsdp'"):
         ParallelConfig(fsdp_cpu_offload=True)
