@@ -18,6 +18,7 @@ RESUME_CHOICES = ("latest", "latest-valid")
 
 
 DEVICES = ("auto", "cpu", "cuda")
+EXPERTS_INIT = ("whole", "local")
 
 
 @dataclass(frozen=True)
@@ -34,9 +35,12 @@ class TrainConfig:
     off; 0: recompute as much as possible); ``threads``: torch CPU threads per rank (None: chosen
     from the CPUs the rank may use and its data-loader workers, see :mod:`moetrain.cpus`);
     ``device``: ``"cuda"`` (GPU ``LOCAL_RANK``, NCCL), ``"cpu"`` (gloo) or ``"auto"`` (cuda when
-    torch sees a GPU); ``param_dtype``: the dtype the model's weights and gradients are stored in,
-    ``"fp32"`` (``precision`` then means autocast) or the ``precision`` itself, with the fp32 master
-    weights and Adam moments in the offloaded optimizer (``optim.name: offload``);
+    torch sees a GPU); ``experts_init``: ``"whole"`` (the model built whole on the host, then
+    sharded) or ``"local"`` (built within :func:`moetrain.layers.experts_on_meta`: each rank
+    allocates and initialises only its own experts, the same values); ``param_dtype``: the dtype
+    the model's weights and gradients are stored in, ``"fp32"`` (``precision`` then means autocast)
+    or the ``precision`` itself, with the fp32 master weights and Adam moments in the offloaded
+    optimizer (``optim.name: offload``);
     ``imports``: modules imported before the model section is read (a user model registering
     itself; the config file's directory is searched first); ``dist_timeout_s``: how long any
     collective of any process group may wait for the other ranks before the run fails (seconds; it
@@ -119,6 +123,15 @@ class TrainConfig:
         "auto",
         ("'cuda' (GPU LOCAL_RANK, NCCL), 'cpu' (gloo) or 'auto' (cuda when torch sees a GPU per local rank)"),
     )
+    experts_init: str = option(
+        "whole",
+        (
+            "'whole': every rank builds all experts on the host, then keeps its own (any model); 'local':"
+            " experts built on meta, each rank allocates and initialises only its own, on its device, to"
+            " the same values (a model too large for one host, M6-1T; the builder must not write expert"
+            " weights)"
+        ),
+    )
     param_dtype: str = option(
         "fp32",
         (
@@ -165,6 +178,7 @@ class TrainConfig:
             require_int("threads", self.threads, 1)
         require_choice("device", self.device, DEVICES)
         require_choice("param_dtype", self.param_dtype, PRECISIONS)
+        require_choice("experts_init", self.experts_init, EXPERTS_INIT)
         require_nonneg_float("dist_timeout_s", self.dist_timeout_s)
         if self.dist_timeout_s < 1:
             raise ValueError(f"dist_timeout_s must be a number of seconds >= 1, got {self.dist_timeout_s!r}")

@@ -29,10 +29,11 @@ from moetrain.balance import balance_batch, calibrate_speeds
 from moetrain.checkpoint import CheckpointWriter
 from moetrain.config import TrainConfig
 from moetrain.cpus import cpus_per_rank, default_threads
+from moetrain.layers import experts_on_meta
 from moetrain.metrics import check_sinks
 from moetrain.offload import GroupwiseApply, OffloadOptimizer
 from moetrain.parallel import ParallelContext, check_sizes, init_distributed, read_launch_environment
-from moetrain.parallelize import default_strategy, parallelize
+from moetrain.parallelize import default_strategy, parallelize, to_device_but_meta
 from moetrain.phase_times import PhaseTimer
 from moetrain.registry import DataShard, spec_for_config
 from moetrain.run_dir import RunLock, check_out_dir
@@ -159,17 +160,21 @@ class RunSetUp:
         spec = spec_for_config(config.model)
         p = self.parallel
         shard = DataShard(p.data_index, p.data_count, p.rank, p.world_size, p.dense_group)
-        self.model, self.batches, self.loss_fn = spec.builder(config, shard)
+        # experts_init local: the experts on meta, this rank's own allocated after sharding
+        with experts_on_meta(config.experts_init == "local"):
+            self.model, self.batches, self.loss_fn = spec.builder(config, shard)
         if config.threads is None:
             self._choose_threads()
         self.position.model = self.model
-        self.model.to(self.device)
+        to_device_but_meta(self.model, self.device)
         if config.param_dtype != "fp32":  # fp32 masters: built by the OffloadOptimizer below
             self.model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[config.param_dtype])
         self.loss_weight = 1.0  # hardware-aware balancing: W * n_r / N
         self.global_batch = config.data.micro_batch_size * self.parallel.data_count
         self.strategy = run_strategy(config, spec, self.model)
         self.trained = parallelize(self.model, self.parallel, self.strategy, auto=self.auto)
+        if any(p.device.type == "meta" for p in self.model.parameters()):
+            self.trained.materialize(self.device)
         self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_at(step, config))
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)

@@ -535,3 +535,76 @@ def test_a_run_holds_no_copy_of_the_experts_beside_the_model(tmp_path):
     [(expert_shapes, stray)] = run_distributed(stray_expert_copies_worker, 1, str(tmp_path))
     assert expert_shapes
     assert not stray, f"tensors of the experts' shapes outside the model and its optimizer: {stray}"
+
+
+# (world, overrides): the layouts experts_init local is checked in against the whole build
+EXPERTS_INIT_LAYOUTS = {
+    "one-rank": (1, {}),
+    "ep2": (2, {"parallel": {"ep_size": 2}}),
+    "ddp-experts-replicated": (2, {"parallel": {"ep_size": 1}}),
+    "fsdp-ep2": (2, {"parallel": {"ep_size": 2, "replica": "fsdp"}}),
+    "tp2": (2, {"parallel": {"ep_size": 1, "tp_size": 2}}),
+    "pp2": (2, {"parallel": {"ep_size": 1, "pp_size": 2}, "grad_accum": 2}),
+    "offload-bf16-ep2": (
+        2,
+        {
+            "parallel": {"ep_size": 2},
+            "optim": {"name": "offload", "lr": 3e-3, "warmup_steps": 2},
+            "param_dtype": "bf16",
+            "precision": "bf16",
+        },
+    ),
+}
+
+
+def experts_init_worker(rank, world, out_dir, experts_init, layout):
+    """Trains the tiny run (2 layers) in ``layout``; returns the losses and gradient norms, this
+    rank's weights, the expert count of every GroupedExperts initialised with memory (on ``meta``
+    nothing is) and of every GroupedExperts the trained model holds."""
+    from moetrain.layers.experts import GroupedExperts
+
+    initialised = []
+    reset = GroupedExperts.reset_parameters
+
+    def recording_reset(self):
+        if self.w1_EDF.device.type != "meta":
+            initialised.append(self.num_experts)
+        reset(self)
+
+    GroupedExperts.reset_parameters = recording_reset
+    _, overrides = EXPERTS_INIT_LAYOUTS[layout]
+    config = {**tiny(out_dir, steps=4, log_every=1), **overrides, "experts_init": experts_init}
+    config["model"] = {**config["model"], "num_layers": 2}
+    trainer = Trainer(config_from_dict(TrainConfig, config))
+    history = [(m["loss"], m["grad_norm"]) for m in trainer.train()]
+    weights = {  # a split or sharded weight: this rank's part
+        name: (value.to_local() if hasattr(value, "to_local") else value).detach().clone()
+        for name, value in trainer.model.state_dict().items()
+    }
+    held = [m.num_experts for m in trainer.model.modules() if isinstance(m, GroupedExperts)]
+    trainer.close()
+    return history, weights, initialised, held
+
+
+@pytest.mark.parametrize("layout", sorted(EXPERTS_INIT_LAYOUTS))
+def test_experts_init_local_allocates_only_this_ranks_experts_and_trains_the_same(tmp_path, layout):
+    """experts_init local: a rank allocates and initialises exactly the experts it keeps (the whole
+    build: every expert of every layer), and the run equals the whole build's bit for bit in every
+    layout: the same losses and gradient norms, the same weights (dense ones drawn from the same
+    generator sequence, experts from their per-expert seeds, in the weights' own dtype)."""
+    world, _ = EXPERTS_INIT_LAYOUTS[layout]
+    whole = run_distributed(experts_init_worker, world, str(tmp_path / "whole"), "whole", layout)
+    local = run_distributed(experts_init_worker, world, str(tmp_path / "local"), "local", layout)
+    for (history, weights, built, _), (local_history, local_weights, initialised, held) in zip(
+        whole, local, strict=True
+    ):
+        assert local_history == history and len(history) == 4
+        assert local_weights.keys() == weights.keys()
+        for name, value in weights.items():
+            assert local_weights[name].dtype == value.dtype and torch.equal(local_weights[name], value), name
+        assert sorted(initialised) == sorted(held) and built == [4, 4]
+
+
+def test_experts_init_must_be_whole_or_local(tmp_path):
+    with pytest.raises(ValueError, match="experts_init must be one of 'whole', 'local', got 'lazy'"):
+        config_from_dict(TrainConfig, tiny(tmp_path, experts_init="lazy"))
