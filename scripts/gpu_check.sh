@@ -18,6 +18,7 @@
 #                    TORCH_CUDA_ARCH_LIST, when set, picks others)
 #   import           the pre-built extension loads with its CUDA kernels
 #   train_lm         moetrain train configs/tiny_lm.yaml on cuda          } started in the background,
+#   train_lm_local   the same with experts_init local (experts allocated on the GPU after sharding)
 #   train_m6_bf16    moetrain train models/m6_moe/tiny.yaml, bf16 autocast } 2 host threads each
 #   train_m6_fp16    the same under fp16 autocast with loss scaling       }
 #   train_m6_offload bf16 weights with optim.name offload (fp32 masters and Adam on the host)
@@ -121,6 +122,7 @@ assert ext.EXTENSION == 'prebuilt' and ext.HAS_CUDA_KERNELS
 workers=()
 "$python" -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-4}")
 smoke train_lm configs/tiny_lm.yaml steps=30 checkpoint_every=30
+smoke train_lm_local configs/tiny_lm.yaml steps=30 experts_init=local
 smoke train_m6_bf16 models/m6_moe/tiny.yaml precision=bf16 steps=30
 smoke train_m6_fp16 models/m6_moe/tiny.yaml precision=fp16 steps=30
 smoke train_m6_offload models/m6_moe/tiny.yaml precision=bf16 param_dtype=bf16 optim.name=offload steps=30

@@ -50,9 +50,10 @@ def _smoke_overrides() -> list[str]:
     return words[2:]
 
 
-def test_the_script_has_the_four_training_smokes():
+def test_the_script_has_the_five_training_smokes():
     assert [smoke[0] for smoke in SMOKES] == [
         "train_lm",
+        "train_lm_local",
         "train_m6_bf16",
         "train_m6_fp16",
         "train_m6_offload",
