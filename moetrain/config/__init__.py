@@ -47,7 +47,7 @@ from moetrain.config.parallel import (
     check_pipeline_virtual,
     validate_strategy,
 )
-from moetrain.config.train import DEVICES, PRECISIONS, RESUME_CHOICES, TrainConfig
+from moetrain.config.train import DEVICES, EXPERTS_INIT, PRECISIONS, RESUME_CHOICES, TrainConfig
 
 # re-exported: models validate their own configs with the same helpers
 from moetrain.validation import (
@@ -66,6 +66,7 @@ __all__ = [
     "ALL_TO_ALL_ALGORITHMS",
     "COMM_DTYPES",
     "DEVICES",
+    "EXPERTS_INIT",
     "EP_LAYOUTS",
     "KERNEL_CHOICES",
     "METRIC_SINKS",

@@ -368,6 +368,7 @@ def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
             "offload": train.optim.name == "offload",
             "offload_apply_groups": train.optim.num_apply_groups,
             "optim_overlap": train.optim.overlap,
+            "experts_init": train.experts_init,
             "async_checkpoint": train.async_checkpoint,
             "pp_size": train.parallel.pp_size,
             "pp_schedule": train.parallel.pp_schedule,

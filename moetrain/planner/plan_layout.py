@@ -155,6 +155,15 @@ def layout_stage(
             f"{100 * pipeline.bubble:.1f}% of the step; no recompute planned with stages"
         )
     layers_here = pipeline.moe_layers if pipeline is not None else len(moe_layers)  # MoE layers per rank
+    whole_build = 4 * params.total  # experts_init whole: every parameter, fp32, on every rank's host
+    host_share = cluster.host_memory_bytes // cluster.gpus_per_node
+    if settings.experts_init == "whole" and params.expert_total and whole_build > host_share:
+        notes.append(
+            f"experts_init 'whole': every rank first builds the whole model on its host "
+            f"({whole_build / 2**30:,.0f} GiB in fp32), more than its share of the node's host memory "
+            f"({host_share / 2**30:,.0f} GiB): set experts_init: local (each rank allocates only its own "
+            "experts)"
+        )
     if moe_layers and cf is None:
         notes.append(
             "dropless routing: activations assume balanced routing (N = T*k rows); an imbalanced step "

@@ -9,6 +9,7 @@ from moetrain.config import (
     ALL_TO_ALL_ALGORITHMS,
     COMM_DTYPES,
     EP_LAYOUTS,
+    EXPERTS_INIT,
     OPTIM_OVERLAPS,
     PP_SCHEDULES,
     check_pipeline_microbatches,
@@ -48,6 +49,9 @@ class PlanSettings:
       ``optim_overlap``: ``"none"`` (the host step between two GPU steps) or ``"delayed"`` (with
       ``offload`` only: the host step of step t runs during step t+1's forward and backward, which
       use weights one update old; host staging: every gradient and weight copy once, pinned).
+    - ``experts_init``: how the engine builds the model (``TrainConfig.experts_init``): ``"whole"``
+      (every rank builds every parameter on its host first, in fp32: a note when that exceeds its
+      share of the node's host memory) or ``"local"`` (each rank allocates only its own experts).
     - ``recompute``: ``"none"``; ``"full"`` (every layer recomputed whole); ``"fraction"`` (the
       first ``ceil(recompute_fraction * layers)`` layers whole); ``"budget"`` (the cheapest
       per-layer choice of none / attn / ffn / attn+ffn / layer whose activations fit
@@ -93,6 +97,7 @@ class PlanSettings:
     offload: bool = False
     offload_apply_groups: int = 4
     optim_overlap: str = "none"
+    experts_init: str = "whole"
     recompute: str = "auto"
     recompute_fraction: float | None = None
     recompute_budget_bytes: int | None = None
@@ -146,6 +151,7 @@ class PlanSettings:
         require_bool("offload", self.offload)
         require_int("offload_apply_groups", self.offload_apply_groups, 1)
         require_choice("optim_overlap", self.optim_overlap, OPTIM_OVERLAPS)
+        require_choice("experts_init", self.experts_init, EXPERTS_INIT)
         if self.optim_overlap == "delayed" and not self.offload:
             raise ValueError("optim_overlap 'delayed' needs offload (the host optimizer is what it overlaps)")
         require_choice("recompute", self.recompute, RECOMPUTE_MODES)

@@ -493,6 +493,14 @@ def test_m6_1t_config_is_the_recommendation_with_headroom(capsys):
     assert staged.host_memory["checkpoint_staging"] == per_node > 256 * GiB
     assert staged.checkpoint["rank_bytes"] == staged.params["per_rank"] * (4 + 12)  # fp32 weights + Adam
     assert not staged.fits and "host memory per node" in staged.overflow
+    # the config builds its experts locally: built whole, every rank's host would first hold all of them
+    assert defaults["experts_init"] == "local" and not any("experts_init" in note for note in data["notes"])
+    whole = make_plan(model, m6_cluster(), PlanSettings(**{**defaults, "experts_init": "whole"}))
+    [note] = [note for note in whole.notes if "experts_init" in note]
+    assert "(3,736 GiB in fp32)" in note and "(64 GiB)" in note and "set experts_init: local" in note
+    small, small_defaults = resolve_model(str(ROOT / "configs" / "tiny_lm.yaml"))
+    tiny_plan = make_plan(small, m6_cluster(), PlanSettings(**small_defaults))
+    assert small_defaults["experts_init"] == "whole" and not any("experts_init" in n for n in tiny_plan.notes)
     # micro-batch 12 in one micro-step fits 32 GiB only within the 10% headroom
     assert _run([*argv, "--micro-batch", "12", "--grad-accum", "1"]) == 1
     assert "does not fit: GPU memory" in capsys.readouterr().out

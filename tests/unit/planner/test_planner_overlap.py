@@ -75,6 +75,11 @@ def test_settings_refuse_delayed_without_offload():
         PlanSettings(offload=True, optim_overlap="async")
 
 
+def test_settings_refuse_an_unknown_experts_init():
+    with pytest.raises(ValueError, match="experts_init must be one of 'whole', 'local', got 'lazy'"):
+        PlanSettings(experts_init="lazy")
+
+
 def test_recommend_tries_the_delayed_update_for_offloaded_candidates():
     model, defaults = resolve_model("configs/tiny_lm.yaml")
     cluster = cluster_preset("a100-80gb", 1)
