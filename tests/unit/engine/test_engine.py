@@ -605,6 +605,25 @@ def test_experts_init_local_allocates_only_this_ranks_experts_and_trains_the_sam
         assert sorted(initialised) == sorted(held) and built == [4, 4]
 
 
+def experts_init_resume_worker(rank, world, out_dir, experts_init, until):
+    config = {**tiny(out_dir, steps=4, log_every=1), "parallel": {"ep_size": 2}, "experts_init": experts_init}
+    trainer = Trainer(config_from_dict(TrainConfig, config))
+    losses = [m["loss"] for m in trainer.train(until=until)]
+    trainer.close()
+    return losses
+
+
+def test_experts_init_local_resumes_where_the_whole_build_runs_on(tmp_path):
+    """Stopped at step 2 and resumed on 2 expert-parallel ranks with experts_init local, the run's
+    losses are the whole build's straight run (the checkpoint's experts load into the experts
+    allocated after sharding)."""
+    straight = run_distributed(experts_init_resume_worker, 2, str(tmp_path / "whole"), "whole", None)
+    first = run_distributed(experts_init_resume_worker, 2, str(tmp_path / "local"), "local", 2)
+    second = run_distributed(experts_init_resume_worker, 2, str(tmp_path / "local"), "local", None)
+    assert [a + b for a, b in zip(first, second, strict=True)] == straight
+    assert all(len(losses) == 4 for losses in straight)
+
+
 def test_experts_init_must_be_whole_or_local(tmp_path):
     with pytest.raises(ValueError, match="experts_init must be one of 'whole', 'local', got 'lazy'"):
         config_from_dict(TrainConfig, tiny(tmp_path, experts_init="lazy"))
