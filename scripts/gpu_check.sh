@@ -17,10 +17,11 @@
 #   build            pip install --no-build-isolation --no-deps -e . (CUDA kernels for this machine's GPU;
 #                    TORCH_CUDA_ARCH_LIST, when set, picks others)
 #   import           the pre-built extension loads with its CUDA kernels
-#   train_lm         moetrain train configs/tiny_lm.yaml on cuda          } started in the background,
+#   the smokes, started in the background (2 host threads each):
+#   train_lm         moetrain train configs/tiny_lm.yaml on cuda
 #   train_lm_local   the same with experts_init local (experts allocated on the GPU after sharding)
-#   train_m6_bf16    moetrain train models/m6_moe/tiny.yaml, bf16 autocast } 2 host threads each
-#   train_m6_fp16    the same under fp16 autocast with loss scaling       }
+#   train_m6_bf16    moetrain train models/m6_moe/tiny.yaml, bf16 autocast
+#   train_m6_fp16    the same under fp16 autocast with loss scaling
 #   train_m6_offload bf16 weights with optim.name offload (fp32 masters and Adam on the host)
 #   tests            tests/gpu/test_cuda_kernels.py (every kernel, the layer on CUDA vs the CPU and fp64),
 #                    tests/unit/layers/test_compile.py; then the smokes are waited for
