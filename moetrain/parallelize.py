@@ -446,9 +446,9 @@ def materialize(model: nn.Module, device) -> nn.Module:
     A model only partly on ``meta`` (built within :func:`moetrain.layers.experts_on_meta`: the
     experts alone) keeps every tensor it has: only the modules with tensors of their own on
     ``meta`` are allocated on ``device`` and reset, so it equals the model built whole and
-    sharded. Returns the model."""
+    sharded; a model with nothing on ``meta`` is left as it is. Returns the model."""
     tensors = [*model.parameters(), *model.buffers()]
-    everything = all(t.device.type == "meta" for t in tensors)
+    everything = bool(tensors) and all(t.device.type == "meta" for t in tensors)
     modules = list(model.modules())
     pending = modules if everything else [module for module in modules if _has_own_meta_tensors(module)]
     # Allocated in place: each parameter stays the object that parallelize's gradient reducers

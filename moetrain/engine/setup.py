@@ -173,8 +173,7 @@ class RunSetUp:
         self.global_batch = config.data.micro_batch_size * self.parallel.data_count
         self.strategy = run_strategy(config, spec, self.model)
         self.trained = parallelize(self.model, self.parallel, self.strategy, auto=self.auto)
-        if any(p.device.type == "meta" for p in self.model.parameters()):
-            self.trained.materialize(self.device)
+        self.trained.materialize(self.device)  # experts_init local: this rank's experts (else a no-op)
         self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_at(step, config))
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
