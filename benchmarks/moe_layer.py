@@ -180,9 +180,7 @@ def host_ms(fn, repeats: int = 5) -> float:
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+        times += timed(fn, 1)
     torch.cuda.synchronize()
     return round(1e3 * statistics.median(times), 2)
 
