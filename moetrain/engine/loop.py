@@ -84,6 +84,8 @@ class TrainingLoop:
                 if failed:
                     self.writer.wait()  # raises the background save's error, on every rank
                 if stop or due:
+                    if self.step == config.steps:  # the run's last checkpoint holds every update
+                        self._apply_pending_update()
                     self.save()
                 if stop:
                     self.writer.wait()

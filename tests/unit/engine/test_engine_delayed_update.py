@@ -1,13 +1,15 @@
 """``optim.overlap: delayed`` through the engine (moetrain/engine/ with moetrain/offload): warm-up
 steps exact, a run stopped and resumed in the middle equals one that never stopped (the pending
-update is recorded in the checkpoint and replayed), the finished run's weights hold every update,
-and each logging step reports where the step's time went (time/*_s, read by ``plan --calibrate``)."""
+update is recorded in the checkpoint and replayed), the finished run's weights and its last
+checkpoint hold every update, and each logging step reports where the step's time went
+(time/*_s, read by ``plan --calibrate``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from moetrain.checkpoint import load_checkpoint
 from moetrain.config import TrainConfig, config_from_dict
 from moetrain.engine import Trainer
 from tests.unit.engine.test_engine import tiny
@@ -34,6 +36,22 @@ def test_a_delayed_run_resumed_in_the_middle_equals_one_that_never_stopped(tmp_p
     assert [m["loss"] for m in first + rest] == [m["loss"] for m in straight]
     for name, weight in straight_weights.items():
         assert torch.equal(weight, resumed_weights[name]), name
+
+
+@pytest.mark.parametrize("checkpoint_every", [4, 3])
+def test_the_last_checkpoint_holds_the_last_update(tmp_path, checkpoint_every):
+    """Saved inside the loop (``checkpoint_every`` divides ``steps``) or after it, the run's last
+    checkpoint loaded model-only (as export and evaluation load it) equals the finished weights."""
+    config = tiny(tmp_path / "run", checkpoint_every=checkpoint_every, **DELAYED)
+    _, finished, _ = _train(config)
+    fresh = Trainer(config_from_dict(TrainConfig, tiny(tmp_path / "fresh")))
+    try:
+        loaded = load_checkpoint(tmp_path / "run" / "checkpoints", model=fresh.model)
+        assert loaded["step"] == config["steps"]
+        stale = [n for n, p in fresh.model.named_parameters() if not torch.equal(p.detach(), finished[n])]
+    finally:
+        fresh.close()
+    assert not stale
 
 
 def test_warm_up_steps_are_exact_and_the_delay_changes_what_follows(tmp_path):
