@@ -30,6 +30,7 @@ from moetrain.checkpoint import CheckpointWriter
 from moetrain.config import TrainConfig
 from moetrain.cpus import cpus_per_rank, default_threads
 from moetrain.layers import experts_on_meta
+from moetrain.layers.experts import GroupedExperts
 from moetrain.metrics import check_sinks
 from moetrain.offload import GroupwiseApply, OffloadOptimizer
 from moetrain.parallel import ParallelContext, check_sizes, init_distributed, read_launch_environment
@@ -246,13 +247,7 @@ class RunSetUp:
     # ------------------------------------------------------------------------------------------
     def _build_optimizer(self) -> torch.optim.Optimizer:
         optim = self.config.optim
-        decay, no_decay = [], []
-        for name, param in self.model.named_parameters():
-            (no_decay if param.dim() < 2 or "norm" in name else decay).append(param)
-        groups = [
-            {"params": decay, "weight_decay": optim.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
+        groups = weight_decay_groups(self.model, optim.weight_decay)
         if optim.name == "offload":
             return OffloadOptimizer(
                 groups, lr=optim.lr, betas=optim.betas, eps=optim.eps,
@@ -353,3 +348,15 @@ class RunSetUp:
             y = F.gelu(x @ w1) @ w2
         y.float().square().mean().backward()
         w1.grad = w2.grad = None
+
+
+def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """The optimizer's two param groups: ``weight_decay`` for matrices, 0 for biases, norms and
+    other 1-D parameters. Each expert's parameters are judged by their own shape: the experts'
+    stacked biases (``b1_EF``, ``b2_ED``: 2-D, one row per expert) are biases."""
+    stacked = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters(False)}
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        per_item_dims = param.dim() - (id(param) in stacked)
+        (no_decay if per_item_dims < 2 or "norm" in name else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

@@ -627,3 +627,23 @@ def test_experts_init_local_resumes_where_the_whole_build_runs_on(tmp_path):
 def test_experts_init_must_be_whole_or_local(tmp_path):
     with pytest.raises(ValueError, match="experts_init must be one of 'whole', 'local', got 'lazy'"):
         config_from_dict(TrainConfig, tiny(tmp_path, experts_init="lazy"))
+
+
+def test_weight_decay_spares_the_experts_stacked_biases(tmp_path):
+    """Decay applies to matrices: the experts' weights (one matrix per expert) and the router;
+    not to norms or to the experts' biases, which are 2-D only because they stack one per expert."""
+    trainer = Trainer(config_from_dict(TrainConfig, tiny(tmp_path, **{"model.moe.expert_bias": True})))
+    try:
+        names = {id(p): name for name, p in trainer.model.named_parameters()}
+        groups = {group["weight_decay"]: group["params"] for group in trainer.optimizer.param_groups}
+        groups = {decay: {names[id(p)] for p in params} for decay, params in groups.items()}
+    finally:
+        trainer.close()
+    decayed, spared = groups[trainer.config.optim.weight_decay], groups[0.0]
+    expert_biases = {name for name in names.values() if name.endswith(("b1_EF", "b2_ED"))}
+    expert_weights = {name for name in names.values() if name.endswith(("w1_EDF", "w2_EFD"))}
+    norms = {name for name in names.values() if "norm" in name}
+    assert expert_biases and expert_weights and norms
+    assert expert_biases | norms <= spared
+    assert expert_weights <= decayed
+    assert any(name.endswith("router.weight") for name in decayed)
