@@ -258,18 +258,20 @@ def optimizer_state_dict(
         raise ValueError(
             f"optimizer: {len(optimizer.param_groups)} param groups here, {count} in checkpoint {path}"
         )
-    groups, index = [], 0
+    # State is keyed by parameter name, so a parameter may change groups (a newer version's
+    # grouping applies); the parameters of all groups together must be the checkpoint's.
     names_in_order = [plan.name for plan in plans]
-    for g, (saved, group) in enumerate(zip(saved_groups, optimizer.param_groups, strict=True)):
-        here = names_in_order[index : index + len(group["params"])]
-        if (not set(here) <= set(saved["params"])) if stage else sorted(here) != sorted(saved["params"]):
-            missing = sorted(set(here) - set(saved["params"]))
-            extra = sorted(set(saved["params"]) - set(here))
-            raise ValueError(
-                f"optimizer param group {g}: parameters differ from checkpoint {path}: "
-                f"not in the checkpoint's group: {missing[:5]}, only in the checkpoint's group: {extra[:5]}"
-            )
+    here, saved_names = set(names_in_order), {name for saved in saved_groups for name in saved["params"]}
+    if (not here <= saved_names) if stage else here != saved_names:
+        missing, extra = sorted(here - saved_names), sorted(saved_names - here)
+        raise ValueError(
+            f"optimizer: parameters differ from checkpoint {path}: not in the checkpoint's param groups: "
+            f"{missing[:5]}, only in the checkpoint's: {extra[:5]}"
+        )
+    groups, index = [], 0
+    for saved, group in zip(saved_groups, optimizer.param_groups, strict=True):
+        count = len(group["params"])
         options = {k: v for k, v in saved.items() if k != "params"}
-        groups.append({**options, "params": list(range(index, index + len(here)))})
-        index += len(here)
+        groups.append({**options, "params": list(range(index, index + count))})
+        index += count
     return {"state": state, "param_groups": groups}

@@ -125,6 +125,32 @@ def test_round_trip_continues_training_identically(tmp_path, caplog, make_optimi
     assert len(lines) == 4 and " s" in lines[1] and "iB" in lines[1] and "iB" in lines[3]
 
 
+def test_a_parameter_may_change_param_groups_but_the_parameters_must_be_the_checkpoints(tmp_path):
+    """Optimizer state is found by parameter name: a version that groups a parameter differently
+    (weight decay sparing the experts' stacked biases) resumes a run saved by an older one; an
+    optimizer without one of the checkpoint's parameters is refused, naming it."""
+    model, optimizer, scheduler = _setup(0, _adamw, torch.float32)
+    _train(model, optimizer, scheduler, 2)
+    save_checkpoint(tmp_path, 2, model=model, optimizer=optimizer, scheduler=scheduler)
+
+    def regrouped(target, leave_out=()):
+        named = [(n, p) for n, p in target.named_parameters() if n not in leave_out]
+        first = [p for n, p in named if p.ndim >= 2 or n == "inp.bias"]  # inp.bias moves to group 0
+        rest = [p for n, p in named if p.ndim < 2 and n != "inp.bias"]
+        return torch.optim.AdamW([{"params": first}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
+
+    model2, _, _ = _setup(1, _adamw, torch.float32)
+    optimizer2 = regrouped(model2)
+    load_checkpoint(tmp_path, model=model2, optimizer=optimizer2)
+    loaded = dict(model2.named_parameters())
+    for name, param in model.named_parameters():
+        saved, restored = optimizer.state[param], optimizer2.state[loaded[name]]
+        assert saved.keys() == restored.keys() and all(torch.equal(saved[k], restored[k]) for k in saved)
+
+    with pytest.raises(ValueError, match=r"only in the checkpoint's: \['out.bias'\]"):
+        load_checkpoint(tmp_path, model=model2, optimizer=regrouped(model2, leave_out={"out.bias"}))
+
+
 # ------------------------------------------------------------------------------------------------
 # Resharding: save at world 4 / ep_size 4, load at world 2 / ep_size 2 and at world 1
 
