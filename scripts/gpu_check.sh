@@ -24,7 +24,8 @@
 #   train_m6_fp16    the same under fp16 autocast with loss scaling
 #   train_m6_offload bf16 weights with optim.name offload (fp32 masters and Adam on the host)
 #   tests            tests/gpu/test_cuda_kernels.py (every kernel, the layer on CUDA vs the CPU and fp64),
-#                    tests/unit/layers/test_compile.py; then the smokes are waited for
+#                    tests/unit/layers/test_compile.py, the offloaded optimizer's CUDA staging against the
+#                    CPU (tests/unit/machinery/test_offload_optimizer.py); then the smokes are waited for
 #   bench_layer_e8   benchmarks/moe_layer.py --device cuda --dtype bf16 (T=16384, d 4096, d_ff 14336,
 #                    8 experts, top-2: ours over the dense floor, the plain and the torchtitan-style
 #                    MoE, kernel bandwidth, host synchronizations per call)
@@ -128,7 +129,9 @@ smoke train_m6_bf16 models/m6_moe/tiny.yaml precision=bf16 steps=30
 smoke train_m6_fp16 models/m6_moe/tiny.yaml precision=fp16 steps=30
 smoke train_m6_offload models/m6_moe/tiny.yaml precision=bf16 param_dtype=bf16 optim.name=offload steps=30
 run_step tests "$python" -m pytest -v -p no:cacheprovider -rfE --durations=15 -o "timeout=${TEST_TIMEOUT_S:-90}" \
-    "${workers[@]}" tests/gpu/test_cuda_kernels.py tests/unit/layers/test_compile.py
+    "${workers[@]}" tests/gpu/test_cuda_kernels.py tests/unit/layers/test_compile.py \
+    tests/unit/machinery/test_offload_optimizer.py::test_cuda_bf16_model_matches_the_cpu_model \
+    tests/unit/machinery/test_offload_optimizer.py::test_cuda_staging_of_large_groups_with_different_layouts_matches_the_cpu
 finish_steps
 run_step bench_layer_e8 "$python" benchmarks/moe_layer.py --device cuda --dtype bf16 --json "$out/moe_layer_e8.json"
 run_step bench_layer_e64 "$python" benchmarks/moe_layer.py --device cuda --dtype bf16 --tokens 16384 \

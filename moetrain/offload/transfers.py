@@ -46,10 +46,11 @@ class Transfers:
     Staged: a slot of host memory (pinned for CUDA) per group in flight, two slots in all; group i
     uses slot ``i % 2``, each segment a gradient slice then a weight slice, 64-byte aligned. CUDA:
     D2H copies run on ``d2h_stream``, H2D on ``h2d_stream`` (both first wait for the compute stream,
-    whose backward wrote the gradients and read the weights); the host waits, before stepping group
-    i, for its D2H event and for the H2D event of group i - 2 (the last reader of the slot's weight
-    slices). Group i + 1's D2H is issued before group i's step, group i's H2D right after it, so
-    both directions overlap the next step. ``finish`` waits for the last H2D copies and makes the
+    whose backward wrote the gradients and read the weights). Group i's D2H copies wait on the
+    device for the H2D event of group i - 2 (the last reader of the slot, whose layout differs), so
+    the host, waiting for group i's D2H event before stepping it, also knows the slot's weight
+    slices free. Group i + 1's D2H is issued before group i's step, group i's H2D right after it,
+    so both directions overlap the next step. ``finish`` waits for the last H2D copies and makes the
     compute stream wait for both side streams. On the CPU the same code copies synchronously.
     """
 
@@ -93,6 +94,8 @@ class Transfers:
             return [seg.grad_N for seg in segments], [seg.param_N for seg in segments]
         slot = self.slots[i % 2]
         grads, copies = [], []
+        if self.cuda and i >= 2:  # group i - 2's H2D copies still read this slot's weight slices
+            self.d2h_stream.wait_event(self.h2d_done[i - 2])
         with self._on(self.d2h_stream if self.cuda else None):
             for seg, (grad_offset, copy_offset) in zip(segments, self.layouts[i], strict=True):
                 grad_N = slot[grad_offset : grad_offset + seg.numel * seg.grad_N.element_size()]
@@ -106,11 +109,10 @@ class Transfers:
         return grads, copies
 
     def wait(self, i: int) -> None:
-        """Blocks until group i's gradients are on the host and its slot's weight slices are free."""
+        """Blocks until group i's gradients are on the host; its D2H copies ran after group i - 2's
+        H2D copies, so the slot's weight slices are free too."""
         if self.cuda:
             self.d2h_done[i].synchronize()
-            if i >= 2:
-                self.h2d_done[i - 2].synchronize()
 
     def write_back(self, i: int, copies: list[torch.Tensor | None]) -> None:
         """Starts the H2D copies of group i's updated weights into the model's parameters."""

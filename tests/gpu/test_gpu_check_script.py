@@ -38,6 +38,21 @@ def test_the_script_parses_and_refuses_a_machine_without_a_gpu(tmp_path):
     assert done.stderr.strip() == expected
 
 
+def test_every_test_the_script_names_is_collected():
+    """The tests step's files and test ids exist (pytest would end the step at once otherwise)."""
+    line = next(line for line in _logical_lines() if line.startswith("run_step tests "))
+    named = [word for word in shlex.split(line) if word.startswith("tests/")]
+    assert len(named) >= 4, line
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *named],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    collected = [row for row in done.stdout.splitlines() if "::" in row]
+    for name in named:
+        assert any(row == name or row.startswith(f"{name}::") for row in collected), name
+
+
 SMOKES = [line.split()[1:] for line in _logical_lines() if line.startswith("smoke ")]
 
 

@@ -533,3 +533,24 @@ def test_cuda_bf16_model_matches_the_cpu_model():
         cuda_opt.step()
         for param, cuda_param in zip(cpu_model.parameters(), cuda_model.parameters(), strict=True):
             assert torch.equal(param, cuda_param.cpu())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_staging_of_large_groups_with_different_layouts_matches_the_cpu():
+    """Copies that take milliseconds, in apply groups whose slot layouts differ (1-D parameters,
+    then matrices): group i + 2's gradients must not reach the slot before group i's staged
+    weights have left it (the order itself is checked on the CPU: test_offload_transfers.py)."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(4096,)] * 64 + [(2048, 4096)] * 8  # 67M parameters, about 17M per apply group
+    cpu_params = [torch.nn.Parameter(torch.randn(s, generator=generator).bfloat16()) for s in shapes]
+    cuda_params = [torch.nn.Parameter(p.detach().cuda()) for p in cpu_params]
+    cpu_opt = OffloadOptimizer(cpu_params, lr=1e-2, weight_decay=0.1)
+    cuda_opt = OffloadOptimizer(cuda_params, lr=1e-2, weight_decay=0.1, num_apply_groups=4)
+    for _ in range(3):
+        for param, cuda_param in zip(cpu_params, cuda_params, strict=True):
+            param.grad = torch.randn(param.shape, generator=generator).bfloat16()
+            cuda_param.grad = param.grad.cuda()
+        cpu_opt.step()
+        cuda_opt.step()
+    for param, cuda_param in zip(cpu_params, cuda_params, strict=True):
+        assert torch.equal(param, cuda_param.cpu())
