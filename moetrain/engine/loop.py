@@ -132,9 +132,11 @@ class TrainingLoop:
     def _extra_state(self) -> dict:
         return {
             "data": self.batches.state_dict(),
+            "data_index": self.parallel.data_index,  # the stream that state belongs to
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "config": asdict(self.config),
             "skipped_steps": self.skipped_steps,
+            "consecutive_skips": self.consecutive_skips,  # a streak goes on across a resume
         }
 
     def save(self) -> None:
@@ -184,13 +186,17 @@ class TrainingLoop:
         self.step = self.saved_step = loaded["step"]
         self._set_aside_newer(steps)
         extra = loaded["extra_state"]
-        if loaded["extra_state_rank"] == self.parallel.data_leader:
+        stream = self.parallel.data_index
+        saved_stream = extra.get("data_index", stream)  # older checkpoints did not record it
+        if loaded["extra_state_rank"] == self.parallel.data_leader and saved_stream == stream:
             self.batches.load_state_dict(extra["data"])
-        else:  # a rank the saved run did not have: a fresh stream, distinct from the others
-            self.batches.reseed(self.config.seed, self.parallel.data_index, self.step)
+        else:  # a rank the saved run did not have, or whose saved rank read another stream (tp_size
+            # changed): a fresh stream, distinct from the others
+            self.batches.reseed(self.config.seed, stream, self.step)
         if self.scaler is not None and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
         self.skipped_steps = int(extra.get("skipped_steps", 0))
+        self.consecutive_skips = int(extra.get("consecutive_skips", 0))
         changes = config_changes(extra.get("config") or {}, json.loads(json.dumps(asdict(self.config))))
         changes.pop("resume_from", None)
         self._apply_optimizer_config()

@@ -85,6 +85,24 @@ def test_a_loss_that_stays_nan_stops_the_run_naming_the_step_and_keeps_the_finit
     assert all(torch.isfinite(v).all() for v in model.state_dict().values() if v.is_floating_point())
 
 
+def test_a_run_of_skipped_steps_goes_on_counting_across_a_resume(tmp_path):
+    """Steps 4 and 5 skipped, the run stopped at 5 and resumed: the NaN at step 6 is the third in a
+    row (as without the stop), and the weights named are those of step 3."""
+    out_dir = tmp_path / "run"
+    settings = {"checkpoint_every": 1, "keep_last": 10, "max_consecutive_skips": 3}
+    first = write_config(tmp_path, tiny_config(out_dir, steps=5, **settings))
+    results = finish(start_ranks([first, first], faults={0: "nan-loss-from@4"}), timeout=90)
+    assert [code for code, _ in results] == [0, 0], results
+    resumed = write_config(tmp_path, tiny_config(out_dir, steps=20, **settings), name="resumed.json")
+    # the fault counts this process's steps: its first is step 6
+    results = finish(start_ranks([resumed, resumed], faults={0: "nan-loss-from@1"}), timeout=90)
+    for code, err in results:
+        lines = error_lines(err)
+        assert code == 1 and len(lines) == 1, err
+        assert "step 6: 3 consecutive steps had non-finite gradients" in lines[0], lines
+        assert "the weights are those of step 3" in lines[0]
+
+
 @pytest.mark.parametrize("precision,stops", [("fp16", False), ("fp32", True)])
 def test_an_fp16_gradient_overflow_with_a_finite_loss_is_calibration(tmp_path, precision, stops):
     """max_consecutive_skips 1: under fp16 a step whose backward overflowed while its loss was finite

@@ -231,6 +231,28 @@ def test_tensor_parallel_training_equals_one_process_and_resumes(tmp_path):
     assert recomputed[0] == pytest.approx(single, rel=1e-4)  # activation checkpointing of split layers
 
 
+def first_batch_after_resuming(rank, world, out_dir, tp_size):
+    overrides = {"parallel.tp_size": tp_size, "parallel.ep_size": world // tp_size, "model.num_heads": 4}
+    trainer = Trainer(config_from_dict(TrainConfig, tiny(out_dir, steps=4, **overrides)))
+    try:
+        trainer.maybe_resume()
+        return trainer.step, trainer.batches.next()[0]
+    finally:
+        trainer.close()
+
+
+@pytest.mark.timeout(240)
+def test_ranks_that_shared_a_tensor_parallel_stream_resume_as_two_streams_on_different_data(tmp_path):
+    """Saved under tp_size 2 (both ranks read stream 0), resumed under ep_size 2 (two streams):
+    rank 1's saved data position was stream 0's, so it starts a stream of its own."""
+    run_distributed(tensor_parallel_worker, 2, str(tmp_path), 2)
+    (step0, batch0), (step1, batch1) = run_distributed(first_batch_after_resuming, 2, str(tmp_path), 1)
+    assert step0 == step1 == 2
+    assert not torch.equal(batch0, batch1)
+    (_, again0), (_, again1) = run_distributed(first_batch_after_resuming, 2, str(tmp_path), 2)
+    assert torch.equal(again0, again1)  # under tp_size 2 again: one stream, as saved
+
+
 def overflow_worker(rank, world, out_dir):
     """fp16, ep_size = world: each rank's experts are its own (expert-DP group of one), so an
     overflow in rank 0's expert gradient reaches no other rank through the gradient reductions."""
