@@ -235,7 +235,7 @@ def _dense_mesh(parallel: ParallelContext):
 def _apply_fsdp(model, parallel, assignments, experts, cpu_offload: bool) -> None:
     """FSDP2 units: each sharded layer's experts over the expert-data-parallel ranks (gradients
     summed, divided by dp * ep), each outermost ``replica`` module and the root over the dense mesh."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, register_fsdp_forward_method
 
     # pinned host memory needs an accelerator; a CPU run (tests, gloo) offloads to pageable memory
     pinned = torch.accelerator.is_available()
@@ -244,6 +244,7 @@ def _apply_fsdp(model, parallel, assignments, experts, cpu_offload: bool) -> Non
     units = []  # (unit, its mesh's size)
     for layer in experts:
         unit = fully_shard(layer.experts, mesh=parallel.submesh("dp"), **options)
+        register_fsdp_forward_method(unit, "forward_rows")  # the chunked exchange's expert pass
         unit.set_gradient_divide_factor(float(parallel.data_count))
         units.append((unit, parallel.dp_size))
     dense_mesh = _dense_mesh(parallel)

@@ -10,7 +10,7 @@ Two paths, same math. Eager runs read the row counts once and use the autograd f
 expert, in-place activation backward, reused gradient buffers: the speed of
 ``benchmarks/moe_layer.py``; each row's result independent of the other rows in the call). The
 chunked all-to-all (:mod:`moetrain.layers.overlap`) runs the same phases over chunks of rows
-(:meth:`GroupedExperts.row_math`).
+(:meth:`GroupedExperts.forward_rows`).
 Compiled graphs and the ``meta`` device use the operators of :mod:`moetrain.kernels.grouped_mm`,
 whose row counts stay a tensor. Eager CUDA calls that torch's grouped GEMM can take run whichever of
 the two measured faster on that GPU for that shape class (:mod:`moetrain.layers.expert_path`).
@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -82,7 +83,7 @@ class ExpertRowMath:
     runs once over all rows, in the unchunked order. ``weights`` is ``(w1_EDF, w2_EFD, b1_EF,
     b2_ED)`` in the rows' dtype (biases None without ``bias``; the backward phases use w1 and w2
     only): an argument, so that the autograd function running the phases saves the weights as its
-    inputs. Made by :meth:`GroupedExperts.row_math`; the module's eager path and the chunked
+    inputs. Made by :meth:`GroupedExperts.forward_rows`; the module's eager path and the chunked
     exchange (:mod:`moetrain.layers.overlap`) both run it."""
 
     def __init__(self, activation: str, grad_buffers: tuple[ReusableGradBuffer, ReusableGradBuffer]):
@@ -332,12 +333,14 @@ class GroupedExperts(nn.Module):
         candidates = {"grouped": candidate(True), "per_expert": candidate(False)}
         return expert_path.CHOOSER.choose(key, x_ND.device, candidates) == "grouped"
 
-    def row_math(self, dtype: torch.dtype) -> tuple[tuple, ExpertRowMath]:
-        """(the weights ``(w1, w2, b1, b2)`` for rows of ``dtype``, :class:`ExpertRowMath` over
-        them): the experts in phases, for a caller that runs them over chunks of rows in one autograd
-        function (the chunked exchange, :mod:`moetrain.layers.overlap`)."""
-        w1, w2, b1, b2, buffers = self.weights_for(dtype)
-        return (w1, w2, b1, b2), ExpertRowMath(self.activation, buffers)
+    def forward_rows(self, x_ND: torch.Tensor, compute: Callable) -> torch.Tensor:
+        """``compute(x_ND, (w1, w2, b1, b2), math)``: the experts in phases (:class:`ExpertRowMath`
+        ``math`` over the weights cast for rows of ``x_ND``'s dtype), for a caller that runs them over
+        chunks of rows in one autograd function (the chunked exchange, :mod:`moetrain.layers.overlap`).
+        A forward of this module that is not ``forward``: :func:`moetrain.parallelize.parallelize`
+        registers it with FSDP2, which gathers sharded weights around it as around ``forward``."""
+        w1, w2, b1, b2, buffers = self.weights_for(x_ND.dtype)
+        return compute(x_ND, (w1, w2, b1, b2), ExpertRowMath(self.activation, buffers))
 
     def weights_for(self, dtype: torch.dtype):
         """``(w1, w2, b1, b2, grad_buffers)`` for rows of ``dtype``: the weights cast to it (biases

@@ -195,5 +195,8 @@ def chunked_experts(x_ND, experts, settings: OverlapSettings, rows: TripRows | N
     :class:`~moetrain.layers.experts.GroupedExperts`) -> return exchange gives it) for the permuted
     rows ``x_ND`` (send order, ``N_s`` rows); differentiable in the rows and the weights. ``rows``:
     filled rows are reused instead of communicating, empty ones are filled (module docstring)."""
-    weights, math = experts.row_math(x_ND.dtype)
-    return _ChunkedExperts.apply(x_ND, *weights, settings, math, rows)
+
+    def compute(x_ND, weights, math):
+        return _ChunkedExperts.apply(x_ND, *weights, settings, math, rows)
+
+    return experts.forward_rows(x_ND, compute)

@@ -62,8 +62,9 @@ def _compare(model, reference, parallel) -> dict[str, float]:
 
 def lm_worker(rank, world, layouts):
     reports = []
-    for ep, tp, replica in layouts:
-        parallel = ParallelContext(ParallelConfig(ep_size=ep, tp_size=tp, replica=replica))
+    for ep, tp, replica, *chunks in layouts:  # chunks: a2a_chunks (default 1)
+        chunks = chunks[0] if chunks else 1
+        parallel = ParallelContext(ParallelConfig(ep_size=ep, tp_size=tp, replica=replica, a2a_chunks=chunks))
         torch.manual_seed(0)
         model = MoETransformerLM(LM, seed=3)
         reference = copy.deepcopy(model)
@@ -252,8 +253,9 @@ def test_split_head_keeps_logits_sharded_and_matches_one_process():
 def test_fsdp_replicas_and_experts_equal_one_process():
     """replica 'fsdp' (FSDP2): dense parameters HSDP over (dp, ep) or FSDP over ep, experts
     sharded over the expert-data-parallel ranks with gradients summed / (dp * ep), composed with TP
-    (tp2 x ep2): the same checks as the DDP layouts."""
-    _check_lm(run_distributed(lm_worker, 4, [(2, 1, "fsdp"), (2, 2, "fsdp")]))
+    (tp2 x ep2) and with the chunked exchange (a2a_chunks 2: the experts' weights are gathered
+    around its expert pass, which is not the module's forward): the same checks as the DDP layouts."""
+    _check_lm(run_distributed(lm_worker, 4, [(2, 1, "fsdp"), (2, 2, "fsdp"), (2, 1, "fsdp", 2)]))
 
 
 def m6_config():
