@@ -107,8 +107,9 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.d_model))
         if config.score_bias_rate > 0:
             self.register_buffer("score_bias_E", torch.zeros(config.num_experts, dtype=torch.float32))
+            # integer counts: a model cast to bf16 / fp16 weights leaves them exact
             self.register_buffer(
-                "load_E", torch.zeros(config.num_experts, dtype=torch.float64), persistent=False
+                "load_E", torch.zeros(config.num_experts, dtype=torch.int64), persistent=False
             )
         else:
             self.score_bias_E = self.load_E = None
@@ -144,6 +145,15 @@ class TopKRouter(nn.Module):
         for buffer in (self.score_bias_E, self.load_E):
             if buffer is not None and buffer.device.type != "meta":
                 buffer.zero_()
+
+    def _apply(self, fn, recurse=True):
+        """As :meth:`nn.Module._apply`, but ``score_bias_E`` stays fp32 when the module is cast
+        (bf16 / fp16 weights): steps of ``score_bias_rate`` are lost next to a bias in bf16."""
+        bias = self.score_bias_E
+        super()._apply(fn, recurse)
+        if bias is not None and self.score_bias_E.dtype != torch.float32:
+            self.score_bias_E = bias.to(self.score_bias_E.device, torch.float32)
+        return self
 
     def router_dtype(self, x: torch.Tensor) -> torch.dtype:
         return torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -190,11 +200,12 @@ class TopKRouter(nn.Module):
     def observe(self, routed_per_expert_E: torch.Tensor) -> None:
         """Adds a forward's routed slots per expert to ``load_E`` (aux-free balancing only)."""
         if self.load_E is not None:
-            self.load_E += routed_per_expert_E.to(self.load_E.device, torch.float64)
+            self.load_E += routed_per_expert_E.to(self.load_E.device, torch.int64)
 
     @torch.no_grad()
     def update_score_bias(self, load_E: torch.Tensor) -> None:
         """``score_bias_E += rate * sign(mean(load_E) - load_E)``; clears ``load_E``."""
+        load_E = load_E.double()
         step = torch.sign(load_E.mean() - load_E) * self.config.score_bias_rate
         self.score_bias_E += step.to(self.score_bias_E)
         self.load_E.zero_()

@@ -86,6 +86,29 @@ def _replica(rank, world, steps):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_layer_cast_to_half_weights_keeps_exact_counts_and_fp32_biases(dtype):
+    """``param_dtype`` bf16 / fp16 casts the model: the counts stay integers (bf16 stops counting
+    at 256, fp16 overflows at 65504) and the biases fp32 (a 0.001 step is lost beside 0.5 in bf16)."""
+    layer = skewed_layer(rate=0.001)
+    with torch.no_grad():
+        layer.router.score_bias_E.fill_(0.5)
+    layer = layer.to(dtype)
+    router = layer.router
+    assert router.weight.dtype == dtype
+    assert router.score_bias_E.dtype == torch.float32 and torch.equal(
+        router.score_bias_E, torch.full((E,), 0.5)
+    )
+    load = torch.tensor([70001, 70002, 70000, 70001, 1, 2, 3, 4])
+    for _ in range(3):
+        router.observe(load)
+    assert torch.equal(router.load_E, 3 * load)
+    update_score_biases(layer)
+    expected = 0.5 + 0.001 * torch.sign(load.double().mean() - load.double())
+    assert torch.equal(router.score_bias_E, expected.float())
+    assert torch.equal(router.load_E, torch.zeros(E, dtype=router.load_E.dtype))
+
+
 def test_replicas_stay_bit_identical_and_equal_one_process_on_four_ranks():
     steps = 12
     biases = run_distributed(_replica, 4, steps)
