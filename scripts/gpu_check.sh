@@ -83,7 +83,7 @@ start_step() {  # start_step NAME COMMAND...: run_step in the background, its ou
 }
 finish_steps() {  # waits for the background steps; their logs join this one in the order they started
     local entry
-    for entry in "${background[@]}"; do
+    for entry in ${background[@]+"${background[@]}"}; do  # (bash < 4.4: an empty array is unset)
         wait "${entry#* }"
         cat "$out/logs/${entry%% *}.log"
     done
@@ -129,7 +129,7 @@ smoke train_m6_bf16 models/m6_moe/tiny.yaml precision=bf16 steps=30
 smoke train_m6_fp16 models/m6_moe/tiny.yaml precision=fp16 steps=30
 smoke train_m6_offload models/m6_moe/tiny.yaml precision=bf16 param_dtype=bf16 optim.name=offload steps=30
 run_step tests "$python" -m pytest -v -p no:cacheprovider -rfE --durations=15 -o "timeout=${TEST_TIMEOUT_S:-90}" \
-    "${workers[@]}" tests/gpu/test_cuda_kernels.py tests/unit/layers/test_compile.py \
+    ${workers[@]+"${workers[@]}"} tests/gpu/test_cuda_kernels.py tests/unit/layers/test_compile.py \
     tests/unit/machinery/test_offload_optimizer.py::test_cuda_bf16_model_matches_the_cpu_model \
     tests/unit/machinery/test_offload_optimizer.py::test_cuda_staging_of_large_groups_with_different_layouts_matches_the_cpu
 finish_steps
