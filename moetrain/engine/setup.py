@@ -41,6 +41,7 @@ from moetrain.run_dir import RunLock, check_out_dir
 from moetrain.scope import has_marks
 from moetrain.watchdog import Watchdog
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the config's names
 log = logging.getLogger(__name__)
 
 
@@ -168,8 +169,12 @@ class RunSetUp:
             self._choose_threads()
         self.position.model = self.model
         to_device_but_meta(self.model, self.device)
-        if config.param_dtype != "fp32":  # fp32 masters: built by the OffloadOptimizer below
-            self.model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[config.param_dtype])
+        param_dtype = DTYPES[config.param_dtype]  # bf16 / fp16: the OffloadOptimizer keeps fp32 masters
+        built = sorted({str(p.dtype) for p in self.model.parameters() if p.is_floating_point()})
+        if built != [str(param_dtype)]:
+            if self.is_main:
+                log.info("model built with %s weights, cast to param_dtype %s", ", ".join(built), param_dtype)
+            self.model.to(param_dtype)
         self.loss_weight = 1.0  # hardware-aware balancing: W * n_r / N
         self.global_batch = config.data.micro_batch_size * self.parallel.data_count
         self.strategy = run_strategy(config, spec, self.model)
@@ -177,7 +182,7 @@ class RunSetUp:
         self.trained.materialize(self.device)  # experts_init local: this rank's experts (else a no-op)
         self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_at(step, config))
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision)
+        self.autocast_dtype = DTYPES[config.precision] if config.precision != "fp32" else None
         self.device_type = self.device.type
         self.scaler = torch.amp.GradScaler(self.device_type) if config.precision == "fp16" else None
         self.checkpoint_dir = self.out_dir / "checkpoints"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
@@ -669,3 +671,25 @@ def test_weight_decay_spares_the_experts_stacked_biases(tmp_path):
     assert expert_biases | norms <= spared
     assert expert_weights <= decayed
     assert any(name.endswith("router.weight") for name in decayed)
+
+
+def test_a_model_built_in_another_dtype_is_cast_to_param_dtype(tmp_path, monkeypatch, caplog):
+    """A builder may return bf16 weights (an HF config's torch_dtype): param_dtype fp32 trains fp32."""
+    from moetrain import registry
+
+    spec = registry.get_model("moe_lm")
+
+    def bf16_builder(config, shard):
+        model, batches, loss_fn = spec.builder(config, shard)
+        return model.to(torch.bfloat16), batches, loss_fn
+
+    monkeypatch.setitem(registry._REGISTRY, "moe_lm", dataclasses.replace(spec, builder=bf16_builder))
+    caplog.set_level("INFO", logger="moetrain.engine.setup")
+    trainer = Trainer(config_from_dict(TrainConfig, tiny(tmp_path, steps=2)))
+    try:
+        assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+        losses = [m["loss"] for m in trainer.train()]
+    finally:
+        trainer.close()
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+    assert "model built with torch.bfloat16 weights, cast to param_dtype torch.float32" in caplog.text
