@@ -43,6 +43,14 @@ def _auto_split(config):
     return RunAutoSplit(config.parallel.auto_gpu, model, settings)
 
 
+def _resume_override(value: str) -> str:
+    """``--resume-from VALUE`` as a ``--set`` override: a step of ASCII digits is read in base 10
+    (``00001000`` is step 1000, never YAML 1.1 octal); anything else is passed on as written."""
+    if value.isascii() and value.isdigit():
+        return f"resume_from={int(value, 10)}"
+    return f"resume_from={value}"
+
+
 def _train(args) -> int:
     import signal
 
@@ -61,7 +69,7 @@ def _train(args) -> int:
     from moetrain.launch import report_to_launcher
     from moetrain.parallel import read_launch_environment
 
-    overrides = list(args.set) + ([f"resume_from={args.resume_from}"] if args.resume_from else [])
+    overrides = list(args.set) + ([_resume_override(args.resume_from)] if args.resume_from else [])
     config = build_train_config(args.config, overrides, args.strategy)
     launch = read_launch_environment()
     configure_console(args.log_level, launch.rank)

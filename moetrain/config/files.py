@@ -4,21 +4,73 @@ Shared by the ``moetrain`` command and the planner, which reads the same files."
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
-import sys
 from pathlib import Path
 
 import yaml
 
-from moetrain.config.loading import config_from_dict
+from moetrain.config.loading import config_from_dict, import_model_modules
 from moetrain.config.train import TrainConfig
+
+_INT_TAG = "tag:yaml.org,2002:int"
+_ALLOWED_VALUES = "strings, numbers, true/false, null, lists and mappings"
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML 1.2 numbers: ``1e-4`` is a float (PyYAML's YAML 1.1 rules read it as a string)."""
+    """YAML 1.2 numbers: ``1e-4`` is a float (PyYAML's YAML 1.1 rules read it as a string) and an
+    integer is decimal even with leading zeros (``010`` is 10; ``0o17`` is octal, ``0x1f`` hex;
+    no YAML 1.1 ``0b`` binary or ``1:30`` base 60). A key given twice in one mapping is an error."""
+
+    def construct_mapping(self, node, deep=False):
+        """The mapping of ``node``; raises ``ConstructorError`` naming a key given twice and its lines."""
+        if isinstance(node, yaml.MappingNode):
+            _reject_duplicate_keys(self, node)
+        return super().construct_mapping(node, deep=deep)
 
 
+def _reject_duplicate_keys(loader: _Loader, node: yaml.MappingNode) -> None:
+    """Raises ``ConstructorError`` when two scalar keys of ``node`` are equal (``<<`` merges, whose
+    keys the mapping's own keys may override, are not counted)."""
+    first_line = {}
+    for key_node, _ in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node)
+        line = key_node.start_mark.line + 1
+        if key in first_line:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} on line {line} (first given on line {first_line[key]})"
+            )
+        first_line[key] = line
+
+
+def _construct_int(loader: _Loader, node) -> int:
+    """A YAML 1.2 integer: decimal (leading zeros allowed), ``0o`` octal or ``0x`` hex; ``_`` ignored."""
+    text = loader.construct_scalar(node)
+    digits = text.replace("_", "")
+    sign = -1 if digits.startswith("-") else 1
+    digits = digits[1:] if digits[:1] in ("-", "+") and digits else digits
+    base = {"0o": 8, "0x": 16}.get(digits[:2].lower(), 10)
+    try:
+        return sign * int(digits if base == 10 else digits[2:], base)
+    except ValueError:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{text!r} is not an integer (decimal, 0o octal or 0x hex)", node.start_mark
+        ) from None
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _INT_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    _INT_TAG,
+    re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"),
+)
+_Loader.add_constructor(_INT_TAG, _construct_int)
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(
@@ -29,7 +81,49 @@ _Loader.add_implicit_resolver(
 
 
 def parse_yaml(text: str):
+    """``text`` parsed as YAML with :class:`_Loader` (YAML 1.2 numbers, no duplicate keys)."""
     return yaml.load(text, Loader=_Loader)
+
+
+class _DuplicateJsonKey(ValueError):
+    """A key given twice in one JSON object."""
+
+
+def _json_mapping(pairs: list) -> dict:
+    """A JSON object's pairs as a dict; raises :class:`_DuplicateJsonKey` naming a key given twice."""
+    mapping = {}
+    for key, value in pairs:
+        if key in mapping:
+            raise _DuplicateJsonKey(f"duplicate key {key!r}")
+        mapping[key] = value
+    return mapping
+
+
+def reject_non_json_values(value, where: str = "") -> None:
+    """Raises ``ValueError`` naming the key path (``out_dir``, ``optim.betas[0]``) of the first value
+    in ``value`` that JSON cannot hold (what safe YAML makes of a date, ``!!binary`` or ``!!set``)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            path = f"{where}.{key}" if where else str(key)
+            if not isinstance(key, (str, int, float, bool, type(None))):
+                raise ValueError(f"{path}: {_non_json_reason(key)} (as a key)")
+            reject_non_json_values(item, path)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            reject_non_json_values(item, f"{where}[{index}]")
+    elif not isinstance(value, (str, int, float, bool, type(None))):
+        raise ValueError(f"{where or 'config'}: {_non_json_reason(value)}")
+
+
+def _non_json_reason(value) -> str:
+    """Why ``value`` may not stand in a config, and what to write instead."""
+    if isinstance(value, datetime.date):
+        return "a date is not allowed here; quote it to make a string"
+    if isinstance(value, bytes):
+        return f"binary data (!!binary) is not allowed here; allowed: {_ALLOWED_VALUES}"
+    if isinstance(value, (set, frozenset)):
+        return "a set (!!set) is not allowed here; write a list ([a, b])"
+    return f"a {type(value).__name__} is not allowed here; allowed: {_ALLOWED_VALUES}"
 
 
 def load_config_file(path: str) -> dict:
@@ -40,20 +134,26 @@ def load_config_file(path: str) -> dict:
         raise ValueError(f"cannot read config {path}: {error.strerror}") from None
     except UnicodeDecodeError as error:
         raise ValueError(f"config {path} is not UTF-8 text (byte {error.start} is not valid UTF-8)") from None
+    is_json = path.endswith(".json")
     try:
-        data = json.loads(text) if path.endswith(".json") else parse_yaml(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as error:
+        data = json.loads(text, object_pairs_hook=_json_mapping) if is_json else parse_yaml(text)
+    except (json.JSONDecodeError, _DuplicateJsonKey, yaml.YAMLError) as error:
         raise ValueError(
-            f"config {path} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: "
-            f"{' '.join(str(error).split())}"
+            f"config {path} is not valid {'JSON' if is_json else 'YAML'}: {' '.join(str(error).split())}"
         ) from None
     if not isinstance(data, dict):
         raise ValueError(f"config {path} must hold a mapping of keys to values")
+    try:
+        reject_non_json_values(data)
+    except ValueError as error:
+        raise ValueError(f"config {path}: {error}") from None
     return data
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """``["optim.lr=1e-3"]`` -> ``data["optim"]["lr"] = 0.001`` (on a copy)."""
+    """``["optim.lr=1e-3"]`` -> ``data["optim"]["lr"] = 0.001`` (on a copy). A value JSON cannot hold
+    (a date, ``!!binary``, ``!!set``) in ``data`` or an override is a ``ValueError`` naming its key."""
+    reject_non_json_values(data)
     data = json.loads(json.dumps(data))
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -70,6 +170,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         except yaml.YAMLError as error:
             reason = " ".join(str(error).split())
             raise ValueError(f"--set {key}: the value {raw!r} is not valid YAML ({reason})") from None
+        try:
+            reject_non_json_values(node[leaf], key)
+        except ValueError as error:
+            raise ValueError(f"--set {error}") from None
     return data
 
 
@@ -106,13 +210,13 @@ def build_train_config(
 ) -> TrainConfig:
     """The validated config of a file, ``--set`` overrides and a ``--strategy`` file (its
     ``strategy`` and ``parallel`` sizes replace the config's). Modules named under ``imports`` are
-    looked up next to the config file first (a user's model beside its config)."""
-    directory = str(Path(config_path).resolve().parent)
-    if directory not in sys.path:
-        sys.path.insert(0, directory)
+    looked up next to the config file first (a user's model beside its config); the config's folder
+    is on ``sys.path`` only while they import, and not at all for a config without ``imports``."""
     data = apply_overrides(load_config_file(config_path), overrides)
     if strategy_file is not None:
         chosen = load_strategy_file(strategy_file)
         section = data.get("parallel") or {}
         data["parallel"] = {**section, **chosen["parallel"], "strategy": chosen["strategy"]}
+    if data.get("imports"):
+        import_model_modules(data["imports"], "imports", beside=str(Path(config_path).resolve().parent))
     return config_from_dict(TrainConfig, data)

@@ -4,6 +4,8 @@ the ``imports`` a config names imported first. Errors name the key path."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from dataclasses import MISSING, fields
 
 from moetrain.config.moe import MoEConfig
@@ -75,8 +77,8 @@ def _prefixed(path: str, message: str) -> str:
 
 def _model_config_from_dict(data, path: str):
     classes = model_config_classes()
-    if not isinstance(data, dict) or data.get("name") not in classes:
-        name = data.get("name") if isinstance(data, dict) else data
+    name = data.get("name") if isinstance(data, dict) else data
+    if not isinstance(data, dict) or not isinstance(name, str) or name not in classes:
         raise ValueError(f"{path}.name must be one of {', '.join(map(repr, classes))}, got {name!r}")
     cls = classes[data["name"]]
     body = {k: v for k, v in data.items() if k not in ("name", "preset")}
@@ -85,9 +87,11 @@ def _model_config_from_dict(data, path: str):
     return config_from_dict(cls, body, path)
 
 
-def import_model_modules(modules, where: str = "imports") -> None:
+def import_model_modules(modules, where: str = "imports", beside: str | None = None) -> None:
     """Imports the modules a config names under ``imports`` (user models that register themselves
-    with :func:`moetrain.registry.register_model` when imported), before its model is parsed."""
+    with :func:`moetrain.registry.register_model` when imported), before its model is parsed.
+    ``beside`` (the config file's folder) is searched first while they import, then taken off
+    ``sys.path`` again, so no other import later finds a file there."""
     import importlib
 
     if isinstance(modules, str) or not isinstance(modules, (list, tuple)):
@@ -96,12 +100,28 @@ def import_model_modules(modules, where: str = "imports") -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"{where} must be a list of module names, got {modules!r}")
         try:
-            importlib.import_module(name)
+            with _first_on_path(beside):
+                importlib.import_module(name)
         except ImportError as error:
             raise ValueError(
                 f"{where}: cannot import {name!r} ({error}); the module must be installed, on PYTHONPATH, or "
                 "next to the config file"
             ) from None
+
+
+@contextlib.contextmanager
+def _first_on_path(directory: str | None):
+    """``directory`` first on ``sys.path`` inside the block (nothing changes for ``None``); the entry
+    added is removed on the way out, whatever the block raised."""
+    if directory is None:
+        yield
+        return
+    sys.path.insert(0, directory)
+    try:
+        yield
+    finally:
+        if directory in sys.path:
+            sys.path.remove(directory)
 
 
 def preset_names(cls: type) -> tuple[str, ...]:

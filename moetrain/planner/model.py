@@ -18,7 +18,6 @@ the terms saved outside its layers (``ModelArch.outside``; see :mod:`moetrain.pl
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -339,19 +338,10 @@ def strategy_from_marks(model: ModelDescription, tp_size: int, pp_size: int = 1)
 
 
 def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
-    import yaml
-
     from moetrain.config import config_from_dict, model_config_classes
+    from moetrain.config.files import load_config_file
 
-    text = path.read_text(encoding="utf-8")
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as error:
-        raise ValueError(
-            f"model config {path} is not valid YAML/JSON: {' '.join(str(error).split())}"
-        ) from None
-    if not isinstance(data, dict):
-        raise ValueError(f"model config {path} must hold a mapping")
+    data = load_config_file(str(path))  # as `moetrain train` reads it: YAML 1.2 numbers, no repeated key
     if "model" in data:
         from moetrain.config.files import build_train_config
 
@@ -384,7 +374,7 @@ def _model_from_file(path: Path) -> tuple[ModelDescription, dict]:
             defaults.update(tp_size=train.parallel.tp_size, strategy=strategy)
         return model, defaults
     classes = model_config_classes()
-    if data.get("name") not in classes:
+    if not isinstance(data.get("name"), str) or data["name"] not in classes:
         raise ValueError(
             f"model config {path}: 'name' must be one of {', '.join(map(repr, classes))}, "
             f"got {data.get('name')!r}"
