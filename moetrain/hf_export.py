@@ -18,7 +18,6 @@ the folder. The way back to ``moetrain train``: a builder that loads the folder 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 from pathlib import Path
@@ -33,25 +32,22 @@ log = logging.getLogger(__name__)
 HF_CONFIG_DIR = "hf_config"  # a run's moefied Hugging Face config, beside its checkpoints/
 
 
-def checkpoint_location(path: str | os.PathLike) -> tuple[Path, int | None]:
-    """``(checkpoints directory, step)`` for ``path``: a step's checkpoint (``.../step_00000010``),
-    a checkpoints directory (its latest complete checkpoint: step None) or a run's ``out_dir``
-    (its ``checkpoints/``)."""
+def checkpoint_location(path: str | os.PathLike) -> tuple[Path, Path]:
+    """``(what load_checkpoint loads, the checkpoints directory)`` for ``path``: a checkpoint (a
+    folder holding ``manifest.json``, whatever its name: ``.../step_00000010``, a set-aside
+    ``step_00000010.rejected-...``, a copy) is loaded as it is, and the folder holding it is the
+    checkpoints directory; a checkpoints directory (its latest complete checkpoint) or a run's
+    ``out_dir`` (its ``checkpoints/``) is both. The run's ``hf_config/`` is looked for beside the
+    checkpoints directory."""
     path = Path(path)
     if (path / MANIFEST).is_file():
-        try:
-            step = json.loads((path / MANIFEST).read_text(encoding="utf-8"))["step"]
-        except (OSError, KeyError, TypeError, json.JSONDecodeError) as error:
-            raise ValueError(
-                f"{path / MANIFEST}: unreadable manifest ({type(error).__name__}: {error})"
-            ) from None
-        return path.parent, step
+        return path, path.parent
     directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     if not directory.is_dir():
         raise ValueError(f"{path}: no such checkpoint, checkpoints directory or run directory")
     if latest_checkpoint(directory) is None:
         raise ValueError(f"{path}: no complete checkpoint in {directory}")
-    return directory, None
+    return directory, directory
 
 
 def _hf_config_folder(config: str | os.PathLike | None, directory: Path) -> Path:
@@ -96,19 +92,21 @@ def export_hf(
     """Writes the moefied model of ``checkpoint`` (see :func:`checkpoint_location`) as a Hugging
     Face folder ``out_dir`` (``save_pretrained``; an existing folder is written over). ``config``:
     the folder (or ``config.json``) with the ``moetrain_moefy`` entry; default: the run's
-    ``hf_config/``. Returns ``step``, ``checkpoint`` (the step's directory), ``out_dir`` and
+    ``hf_config/``. Returns ``step``, ``checkpoint`` (the checkpoint's folder), ``out_dir`` and
     ``model`` (the exported model, on the CPU). One-line ``ValueError`` / ``CheckpointError`` /
     ``FileNotFoundError`` for a missing checkpoint or config, an invalid entry, or a checkpoint
     that does not fit the model the config describes."""
-    directory, step = checkpoint_location(checkpoint)
+    source, directory = checkpoint_location(checkpoint)
     folder = _hf_config_folder(config, directory)
     model = build_moefied(resolve_model_class(model_class), folder)
     try:
-        loaded = checkpoints.load_checkpoint(directory, model=model, step=step)  # DCP loads on first use
+        loaded = checkpoints.load_checkpoint(source, model=model)  # DCP loads on first use
+    except checkpoints.CheckpointError:  # a damaged checkpoint, not one of another model
+        raise
     except (KeyError, RuntimeError) as error:  # entries that are not the model's
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise ValueError(
-            f"{directory}: the checkpoint does not fit the model that {folder / 'config.json'} describes: "
+            f"{source}: the checkpoint does not fit the model that {folder / 'config.json'} describes: "
             f"{message}"
         ) from None
     out = Path(out_dir)
@@ -129,7 +127,8 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     export.add_argument(
-        "checkpoint", help="a step's checkpoint, a checkpoints directory (its latest) or an out_dir"
+        "checkpoint",
+        help="a checkpoint (a folder with manifest.json), a checkpoints directory (its latest) or an out_dir",
     )
     export.add_argument("out_dir", help="the Hugging Face folder to write (config.json, model.safetensors)")
     export.add_argument(

@@ -392,14 +392,30 @@ def build_moefied(model_class, path: str | os.PathLike, **config_kwargs) -> nn.M
     return model
 
 
+def _index_entry(folder: Path, index: Path, name: Any) -> Path:
+    """The weight file ``name`` that ``index`` lists, in ``folder``: a plain file name (not absolute,
+    no path separator, no ``..``), so the index cannot name a file elsewhere. A link the folder
+    itself holds is followed (a Hugging Face hub snapshot links each shard to its blob). A one-line
+    ``ValueError`` naming the index file and the entry otherwise."""
+    plain = isinstance(name, str) and name not in ("", ".") and ".." not in name
+    if not plain or os.path.isabs(name) or "/" in name or "\\" in name:
+        raise ValueError(
+            f"{index}: weight_map entry {name!r}: must be a file name in {folder} "
+            "(not absolute, no path separator, no '..')"
+        )
+    return folder / name
+
+
 def _safetensors_files(folder: Path) -> list[Path]:
+    """The safetensors files of ``folder``: those ``model.safetensors.index.json`` lists (each checked
+    by :func:`_index_entry`), else ``model.safetensors``. One-line ``ValueError`` otherwise."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            return [folder / name for name in sorted(set(weight_map.values()))]
-        except (KeyError, TypeError, json.JSONDecodeError) as error:
+            names = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as error:
             raise ValueError(f"{index}: not a safetensors index ({type(error).__name__}: {error})") from None
+        return [_index_entry(folder, index, name) for name in sorted(names, key=str)]
     single = folder / "model.safetensors"
     if single.is_file():
         return [single]
@@ -409,6 +425,21 @@ def _safetensors_files(folder: Path) -> list[Path]:
     )
 
 
+def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of safetensors ``file`` on the CPU; a file that is missing or not safetensors is a
+    one-line ``ValueError`` naming it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(file), device="cpu")
+    except (SafetensorError, OSError) as error:
+        line = (str(error).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"{file}: not a readable safetensors file ({type(error).__name__}: {line})"
+        ) from None
+
+
 def load_safetensors_strictly(
     model: nn.Module, folder: str | os.PathLike, *, keep_saved_dtypes: bool = True
 ) -> None:
@@ -416,14 +447,13 @@ def load_safetensors_strictly(
     of the model's, of the same shape, and every entry of the model's state dict must be saved,
     except a parameter tied to a saved one (``lm_head.weight`` of a model with tied embeddings,
     which ``save_pretrained`` leaves out). ``keep_saved_dtypes``: each floating tensor takes the
-    saved dtype (exact values); otherwise values are cast to the model's dtypes.
-    ``ValueError`` naming the folder and the first offending keys otherwise."""
-    from safetensors.torch import load_file
-
+    saved dtype (exact values); otherwise values are cast to the model's dtypes. Only files in
+    ``folder`` are read: an index entry naming another place, or a file that is not safetensors,
+    is a one-line ``ValueError`` naming it; so are weights that do not fit (the first offending keys)."""
     folder = Path(folder)
     saved: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(folder):
-        saved.update(load_file(str(file), device="cpu"))
+        saved.update(_read_safetensors(file))
     own = model.state_dict()
     unexpected = sorted(set(saved) - set(own))
     names_by_tensor: dict[int, set[str]] = {}

@@ -42,6 +42,14 @@ def _require_step(step: Any) -> None:
 
 
 def _resolve(directory: Path, step: int | None) -> Path:
+    """The checkpoint to load: ``directory`` itself when it holds a manifest (any name: a copied or
+    set-aside checkpoint; ``step`` must be None), else ``directory``'s checkpoint of ``step``."""
+    if (directory / MANIFEST).is_file():
+        if step is not None:
+            raise ValueError(
+                f"{directory}: step must be None for a checkpoint directory (it holds one step), got {step}"
+            )
+        return directory
     if step is None:
         path = latest_checkpoint(directory)
         if path is None:
@@ -121,7 +129,8 @@ def load_checkpoint(
     step: int | None = None,
     extra_state_rank: int | None = None,
 ) -> dict[str, Any]:
-    """Loads ``directory``'s checkpoint of ``step`` (None: the latest complete one); a collective.
+    """Loads ``directory``'s checkpoint of ``step`` (None: the latest complete one), or
+    ``directory`` itself when it is a checkpoint (holds ``manifest.json``; ``step`` None); a collective.
 
     Verifies the files, then checks and reads the entries this rank needs, then sets the model
     (values cast to each parameter's dtype), the optimizer (state mapped by parameter name), the

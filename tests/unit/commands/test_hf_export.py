@@ -6,16 +6,18 @@ example's own builder and loaded by load_checkpoint; the way back to training; t
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 
 import pytest
 import torch
 
 import moetrain
-from moetrain.checkpoint import load_checkpoint
+from moetrain.checkpoint import load_checkpoint, save_checkpoint, set_aside_newer
 from moetrain.hf_export import checkpoint_location, export_hf
 from moetrain.moefy import RECORD_KEY
 from tests.helpers.doc_commands import ROOT, run_moetrain
+from tests.unit.machinery.test_moefy import tiny_gpt2
 
 transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
 
@@ -91,8 +93,9 @@ def test_a_trained_checkpoint_exports_to_a_hugging_face_folder_that_loads_exactl
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_export_errors_are_one_line(run, tmp_path):
-    assert checkpoint_location(run) == (run / "checkpoints", None)
-    assert checkpoint_location(run / "checkpoints" / "step_00000003") == (run / "checkpoints", 3)
+    assert checkpoint_location(run) == (run / "checkpoints", run / "checkpoints")
+    step3 = run / "checkpoints" / "step_00000003"
+    assert checkpoint_location(step3) == (step3, run / "checkpoints")
     with pytest.raises(ValueError, match="no such checkpoint, checkpoints directory or run directory"):
         export_hf(tmp_path / "nothing", tmp_path / "out")
     (tmp_path / "empty").mkdir()
@@ -134,3 +137,71 @@ def test_a_checkpoint_saved_under_expert_parallelism_exports(example, tmp_path):
     w1 = loaded.transformer.h[0].mlp[0].experts.w1_EDF
     assert w1.shape[0] == 4 and not torch.equal(w1[0], w1[3])  # each rank's experts trained apart
     assert torch.equal(logits(loaded), logits(checkpoint_model(example, out, 4)))
+
+
+def _moefied_gpt2(seed: int):
+    """A tiny moefied GPT-2 whose weights depend on ``seed``."""
+    model = tiny_gpt2()
+    moetrain.moefy(model, match="transformer.h.*.mlp", num_experts=4, top_k=2)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.01 * torch.randn(parameter.shape, generator=generator))
+    return model
+
+
+def _same_weights(model, other) -> bool:
+    mine, theirs = model.state_dict(), other.state_dict()
+    return mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+@pytest.fixture
+def rolled_back(tmp_path):
+    """A run directory whose step 4 was set aside by a rollback to step 2 and saved again with other
+    weights: ``(run, {name: model saved there})``."""
+    run = tmp_path / "run"
+    checkpoints_dir = run / "checkpoints"
+    saved = {"step2": _moefied_gpt2(2), "old4": _moefied_gpt2(4), "new4": _moefied_gpt2(44)}
+    saved["step2"].config.save_pretrained(run / "hf_config")
+    save_checkpoint(checkpoints_dir, 2, model=saved["step2"])
+    save_checkpoint(checkpoints_dir, 4, model=saved["old4"])
+    (rejected,) = set_aside_newer(checkpoints_dir, 2)
+    save_checkpoint(checkpoints_dir, 4, model=saved["new4"])
+    return run, rejected, saved
+
+
+def test_a_set_aside_checkpoint_exports_its_own_weights(rolled_back, tmp_path):
+    run, rejected, saved = rolled_back
+    old = export_hf(rejected, tmp_path / "old")
+    assert _same_weights(old["model"], saved["old4"]) and not _same_weights(old["model"], saved["new4"])
+    assert (old["step"], old["checkpoint"]) == (4, rejected)
+    assert checkpoint_location(rejected) == (rejected, run / "checkpoints")
+    new = export_hf(run / "checkpoints" / "step_00000004", tmp_path / "new")
+    assert new["checkpoint"] == run / "checkpoints" / "step_00000004"
+    assert _same_weights(new["model"], saved["new4"])
+    latest = export_hf(run, tmp_path / "latest")
+    assert latest["checkpoint"] == run / "checkpoints" / "step_00000004"
+    with pytest.raises(ValueError, match="step must be None for a checkpoint directory") as caught:
+        load_checkpoint(rejected, model=_moefied_gpt2(0), step=4)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_copied_checkpoint_exports_like_the_original(rolled_back, tmp_path):
+    from safetensors.torch import load_file
+
+    run, _, saved = rolled_back
+    best = tmp_path / "saved" / "best"
+    shutil.copytree(run / "checkpoints" / "step_00000002", best)
+    copied = export_hf(best, tmp_path / "copied", config=run / "hf_config")
+    assert (copied["step"], copied["checkpoint"]) == (2, best)
+    assert _same_weights(copied["model"], saved["step2"])
+    export_hf(run / "checkpoints" / "step_00000002", tmp_path / "original")
+    original, exported = (load_file(tmp_path / name / "model.safetensors") for name in ("original", "copied"))
+    assert original.keys() == exported.keys() and all(torch.equal(original[k], exported[k]) for k in original)
+    loaded = moetrain.moefy.from_pretrained(transformers.AutoModelForCausalLM, tmp_path / "copied")
+    assert _same_weights(loaded, saved["step2"])
+    with pytest.raises(ValueError, match="no Hugging Face config beside these checkpoints"):
+        export_hf(best, tmp_path / "no_config")  # no hf_config/ beside saved/
+    (best / "__0_0.distcp").write_bytes(b"damaged")  # the copy's manifest is verified as usual
+    with pytest.raises(moetrain.checkpoint.CheckpointError, match="__0_0.distcp"):
+        export_hf(best, tmp_path / "damaged", config=run / "hf_config")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -199,6 +201,68 @@ def test_sharded_safetensors_load(tmp_path):
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
     loaded = from_pretrained(transformers.LlamaForCausalLM, tmp_path)
     assert torch.equal(logits(loaded), logits(model))
+
+
+def _sharded(folder):
+    """A sharded moefied Llama in ``folder``; returns the index, its content and its first shard."""
+    trained_moe(tiny_llama).save_pretrained(folder, max_shard_size="40KB")
+    index = folder / "model.safetensors.index.json"
+    content = json.loads(index.read_text())
+    return index, content, folder / sorted(set(content["weight_map"].values()))[0]
+
+
+def _point_shard(index, content, shard, entry):
+    """Rewrites ``index`` so the tensors of ``shard`` are read from ``entry``."""
+    weight_map = {key: entry if name == shard.name else name for key, name in content["weight_map"].items()}
+    index.write_text(json.dumps({**content, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute", "subfolder", "dot-dot"])
+def test_an_index_entry_outside_the_folder_is_refused(tmp_path, where):
+    """A weight file name in the index is a plain name of a file in the folder: a copy of the
+    shard elsewhere (which would load) is never read, nor is an absolute path."""
+    folder = tmp_path / "model"
+    index, content, shard = _sharded(folder)
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "sub").mkdir(parents=True)
+    (elsewhere / shard.name).write_bytes(shard.read_bytes())
+    (folder / "sub").mkdir()
+    (folder / "sub" / shard.name).write_bytes(shard.read_bytes())
+    entry = {
+        "parent": f"../elsewhere/{shard.name}",
+        "absolute": str(elsewhere / shard.name),
+        "subfolder": f"sub/{shard.name}",
+        "dot-dot": "..",
+    }[where]
+    _point_shard(index, content, shard, entry)
+    refused = "model.safetensors.index.json: weight_map entry"
+    _one_line_error(folder, rf"{refused} '{re.escape(entry)}': must be a file name in .*no path separator")
+    _point_shard(index, content, shard, "/etc/passwd")
+    _one_line_error(folder, f"{refused} '/etc/passwd': must be a file name")
+
+
+def test_a_hub_snapshot_whose_shards_link_to_blobs_loads(tmp_path):
+    """A Hugging Face hub cache snapshot holds each shard as a link to ``../../blobs``: the folder's
+    own links are followed (only the index's names are checked)."""
+    folder = tmp_path / "snapshots" / "abc"
+    index, content, _ = _sharded(folder)
+    expected = logits(from_pretrained(transformers.AutoModelForCausalLM, folder))
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    for name in set(content["weight_map"].values()):
+        (folder / name).rename(blobs / name)
+        (folder / name).symlink_to(Path("..", "..", "blobs", name))
+    assert all((folder / name).is_symlink() for name in set(content["weight_map"].values()))
+    assert torch.equal(logits(from_pretrained(transformers.AutoModelForCausalLM, folder)), expected)
+
+
+def test_a_shard_that_is_not_safetensors_is_one_clear_error(tmp_path):
+    index, content, shard = _sharded(tmp_path)
+    shard.write_bytes(b"root:x:0:0:root:/root:/bin/bash\n" * 64)
+    unreadable = f"{re.escape(shard.name)}: not a readable safetensors file"
+    _one_line_error(tmp_path, rf"{unreadable} \(SafetensorError: ")
+    shard.unlink()
+    _one_line_error(tmp_path, rf"{unreadable} \(FileNotFoundError: ")
 
 
 def test_a_record_left_by_plain_loading_is_replaced_when_the_dense_model_is_moefied_again(tmp_path, caplog):
