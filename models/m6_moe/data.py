@@ -66,7 +66,9 @@ class Record:
 
 def resolve_manifests(source: str | Path | Sequence[str | Path]) -> list[Path]:
     """A path, a glob pattern (``*``, ``?``, ``[``: its matches, sorted) or a list of them -> the
-    manifest paths in order. ``ValueError`` for an empty list or a pattern matching nothing."""
+    manifest paths in order. An existing file is taken as given even when its name holds those
+    characters (``caps[2024].jsonl``). ``ValueError`` for an empty list or a pattern matching
+    nothing."""
     entries = [source] if isinstance(source, (str, Path)) else list(source)
     if not entries:
         raise ValueError("data.source must name at least one manifest, got an empty list")
@@ -74,15 +76,20 @@ def resolve_manifests(source: str | Path | Sequence[str | Path]) -> list[Path]:
     for entry in entries:
         if not isinstance(entry, (str, Path)) or not str(entry):
             raise ValueError(f"data.source entries must be manifest paths or glob patterns, got {entry!r}")
-        text = str(entry)
-        if any(char in text for char in "*?["):
-            matches = sorted(glob.glob(text))
-            if not matches:
-                raise ValueError(f"data.source pattern {text!r} matches no file")
-            manifests += [Path(m) for m in matches]
-        else:
-            manifests.append(Path(text))
+        manifests += _resolve_entry(str(entry))
     return manifests
+
+
+def _resolve_entry(text: str) -> list[Path]:
+    """One ``data.source`` entry -> its manifest paths: the file itself when it exists or holds no
+    glob character (a missing file is reported when it is opened), else the pattern's sorted
+    matches."""
+    if not any(char in text for char in "*?[") or Path(text).is_file():
+        return [Path(text)]
+    matches = sorted(glob.glob(text))
+    if not matches:
+        raise ValueError(f"data.source pattern {text!r} matches no file")
+    return [Path(m) for m in matches]
 
 
 def image_to_tensor(image, size: int, channels: int) -> torch.Tensor:
@@ -146,7 +153,8 @@ class ManifestDataset:
     ``image_channels``: what :meth:`load_image` returns. ``cache_images``: keep decoded ``uint8``
     images in memory (small datasets). ``fallback_dir``: where indexes are cached when a manifest's
     directory is read-only. ``progress``: a progress bar while an index is built (None: for
-    manifests of 8 MiB or more)."""
+    manifests of 8 MiB or more). ``source``: ``manifests`` as given when it is one path or pattern
+    (e.g. ``"held/part-*.jsonl"``), None for a list."""
 
     def __init__(
         self,
@@ -159,6 +167,7 @@ class ManifestDataset:
         fallback_dir: str | Path | None = None,
         progress: bool | None = None,
     ):
+        self.source = str(manifests) if isinstance(manifests, (str, Path)) else None
         self.manifests = resolve_manifests(manifests)
         self.image_size = image_size
         self.image_channels = image_channels

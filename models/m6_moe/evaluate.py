@@ -36,9 +36,10 @@ EVAL_STRATEGIES = ("greedy", "beam")
 
 @dataclass
 class CaptionResult:
-    """What :func:`caption_manifest` produced for one manifest: per image its absolute path,
-    prediction and references (``predictions[i]`` is the caption of ``images[i]``), and the teacher-forced
-    token counts over every reference."""
+    """What :func:`caption_manifest` produced for one dataset (``manifest``: its
+    :func:`manifest_label`): per image its absolute path, prediction and references
+    (``predictions[i]`` is the caption of ``images[i]``), and the teacher-forced token counts over
+    every reference."""
 
     manifest: str
     images: list[str] = field(default_factory=list)
@@ -49,6 +50,22 @@ class CaptionResult:
     truncated_references: int = 0  # longer than the model's text positions: cut for token accuracy
     skipped_images: int = 0  # bad image files skipped (tasks.skip_bad_records)
     text_only_records: int = 0
+
+
+def manifest_names(dataset: ManifestDataset, shown: int = 3) -> str:
+    """The file names of ``dataset``'s manifests for a label: ``"held.jsonl"``, or the first
+    ``shown`` joined by ``", "`` with ``" ... (<n> manifests)"`` when there are more."""
+    names = ", ".join(m.name for m in dataset.manifests[:shown])
+    more = len(dataset.manifests) - shown
+    return names + (f" ... ({len(dataset.manifests)} manifests)" if more > 0 else "")
+
+
+def manifest_label(dataset: ManifestDataset) -> str:
+    """What a report calls ``dataset``: its manifest's path (one manifest), the pattern it was
+    given (``"held/part-*.jsonl"`` matching several), else ``"<n> manifests (<first> ...)"``."""
+    if len(dataset.manifests) > 1 and dataset.source is not None:
+        return dataset.source
+    return str(dataset.manifest)
 
 
 def images_with_references(dataset: ManifestDataset) -> list[list[int]]:
@@ -118,15 +135,15 @@ def caption_manifest(
     require_int("batch_size", batch_size, 1)
     require_int("limit", limit, 1, allow_none=True)
     groups = images_with_references(dataset)
-    result = CaptionResult(str(dataset.manifest))
+    result = CaptionResult(manifest_label(dataset))
     result.text_only_records = sum(record.image is None for record in dataset.records)
     if not groups:
-        raise ValueError(f"manifest {dataset.manifest} has no record with an image to caption")
+        raise ValueError(f"manifest {result.manifest} has no record with an image to caption")
     groups = groups[:limit]
     starts = range(0, len(groups), batch_size)
     bar = None
     if progress:
-        label = description or f"eval {dataset.manifest.name}"
+        label = description or f"eval {manifest_names(dataset)}"
         bar = ProgressBar(len(starts), label, log_every=max(1, len(starts) // 10))
     device = next(model.parameters()).device
 
@@ -158,7 +175,7 @@ def caption_manifest(
         if bar is not None:
             bar.close()
     if not result.predictions:
-        raise ValueError(f"manifest {dataset.manifest}: every image was skipped ({dataset.skip_summary()})")
+        raise ValueError(f"manifest {result.manifest}: every image was skipped ({dataset.skip_summary()})")
     return result
 
 

@@ -28,17 +28,17 @@ log = logging.getLogger(__name__)
 
 
 def resolve_checkpoint(checkpoint: str | Path) -> tuple[Path, int | None]:
-    """``(checkpoints directory, step)`` for ``load_checkpoint``: a run's checkpoints directory
-    gives ``(it, None)`` (its newest complete checkpoint), a complete ``step_XXXXXXXX`` directory
-    ``(its parent, its step)``. Anything else is a one-line ``ValueError`` saying what was found."""
+    """``(directory, step)`` for ``load_checkpoint``: a run's checkpoints directory gives ``(it,
+    None)`` (its newest complete checkpoint), a complete checkpoint (a directory holding its
+    manifest, whatever its name: ``step_XXXXXXXX``, a copy, a set-aside one) ``(it, None)``: that
+    checkpoint itself. Anything else is a one-line ``ValueError`` saying what was found."""
     path = Path(checkpoint)
     if not path.exists():
         raise ValueError(f"checkpoint {path} does not exist")
     if not path.is_dir():
         raise ValueError(f"checkpoint {path} is not a directory")
-    for step, found in list_checkpoints(path.parent):
-        if found.name == path.name:
-            return path.parent, step
+    if (path / MANIFEST).is_file():
+        return path, None
     if path.name.startswith("step_") and not (path / MANIFEST).is_file():
         raise ValueError(
             f"checkpoint {path} is incomplete (no {MANIFEST}): pick another step or the directory"

@@ -1,10 +1,12 @@
 """The language model's data: the embedded byte corpus (``tiny_corpus.txt`` beside this module) or a
-UTF-8 text file as byte values, and :class:`TextBatches`, random windows of it for next-byte
-prediction whose position is saved in checkpoints."""
+UTF-8 text file as byte values (``uint8``; a file is memory-mapped, not read into memory), and
+:class:`TextBatches`, random int64 windows of it for next-byte prediction whose position is saved in
+checkpoints."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import codecs
+import os
 
 import torch
 
@@ -18,40 +20,76 @@ def load_tiny_corpus() -> torch.Tensor:
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
 
 
+# Bytes read at a time while a text file is checked to be UTF-8 (the file is never held whole).
+_CHECK_CHUNK_BYTES = 1 << 20
+
+
+def _first_invalid_utf8(source: str) -> int | None:
+    """The offset of the first byte of ``source`` that is not valid UTF-8 (a sequence cut by the end
+    of the file included), or None; read in chunks of ``_CHECK_CHUNK_BYTES``. ``OSError`` when the
+    file cannot be read."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(source, "rb") as file:
+        while True:
+            chunk = file.read(_CHECK_CHUNK_BYTES)
+            pending = len(decoder.getstate()[0])  # bytes of a sequence cut by the previous chunk
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as error:
+                return offset - pending + error.start
+            if not chunk:
+                return None
+            offset += len(chunk)
+
+
+def map_text_file(source: str, min_bytes: int) -> torch.Tensor:
+    """A UTF-8 text file of at least ``min_bytes`` bytes as ``uint8 [file bytes]`` whose storage is
+    a private memory map of the file (``MAP_PRIVATE``: pages are read on demand and shared with the
+    page cache, writes never reach the file). One-line ``ValueError`` naming the file when it
+    cannot be read, is not UTF-8 or is too short."""
+    try:
+        invalid = _first_invalid_utf8(source)
+        size = os.path.getsize(source)
+    except OSError as error:
+        raise ValueError(f"data.source: cannot read {source}: {error.strerror}") from None
+    if invalid is not None:
+        raise ValueError(
+            f"data.source {source} is not UTF-8 text (byte {invalid} is not valid UTF-8): the "
+            "language model trains on text files"
+        )
+    if size < min_bytes:
+        raise ValueError(f"data.source {source} holds {size} bytes; a sequence needs {min_bytes}")
+    return torch.from_file(source, shared=False, size=size, dtype=torch.uint8)
+
+
 def load_text_corpus(source: str, min_bytes: int) -> torch.Tensor:
-    """``"embedded"`` or a UTF-8 text file as byte values; errors name the file."""
+    """``"embedded"`` or a UTF-8 text file as byte values, ``uint8 [bytes]``: a file is memory-mapped
+    (:func:`map_text_file`), never copied whole; batches widen only their windows to int64.
+    Errors name the file."""
     if not isinstance(source, str):
         raise ValueError(f"data.source of moe_lm must be 'embedded' or one text file, got {list(source)!r}")
-    if source == "embedded":
-        corpus = load_tiny_corpus()
-    else:
-        try:
-            data = Path(source).read_bytes()
-        except OSError as error:
-            raise ValueError(f"data.source: cannot read {source}: {error.strerror}") from None
-        try:
-            data.decode("utf-8")
-        except UnicodeDecodeError as error:
-            raise ValueError(
-                f"data.source {source} is not UTF-8 text (byte {error.start} is not valid UTF-8): the "
-                "language model trains on text files"
-            ) from None
-        corpus = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    if source != "embedded":
+        return map_text_file(source, min_bytes)
+    corpus = load_tiny_corpus().to(torch.uint8)
     if corpus.numel() < min_bytes:
         raise ValueError(f"data.source {source} holds {corpus.numel()} bytes; a sequence needs {min_bytes}")
     return corpus
 
 
 def sample_batch(corpus: torch.Tensor, batch: int, seq: int, generator: torch.Generator):
-    """Random windows: inputs ``[B, S]`` and next-byte targets ``[B, S]``."""
+    """Random windows of ``corpus`` (byte values, any integer dtype): int64 inputs ``[B, S]`` and
+    next-byte targets ``[B, S]``."""
     starts = torch.randint(0, corpus.numel() - seq - 1, (batch,), generator=generator)
-    windows = torch.stack([corpus[s : s + seq + 1] for s in starts.tolist()])
+    windows = torch.stack([corpus[s : s + seq + 1] for s in starts.tolist()]).long()
     return windows[:, :-1], windows[:, 1:]
 
 
 class TextBatches:
-    """Random windows of a byte corpus for next-token prediction; the generator is seeded per
-    rank (``seed * 1000003 + rank``) and its state is the data position saved in checkpoints."""
+    """Random windows of a byte corpus (``uint8`` or int64 ``[bytes]``, e.g. the memory map of
+    :func:`load_text_corpus`) for next-token prediction, as int64 ``[batch, seq]`` inputs and
+    targets; the generator is seeded per rank (``seed * 1000003 + rank``) and its state is the
+    data position saved in checkpoints."""
 
     def __init__(self, corpus: torch.Tensor, batch: int, seq: int, seed: int, rank: int):
         self.corpus, self.batch, self.seq = corpus, batch, seq
@@ -61,7 +99,7 @@ class TextBatches:
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.randint(0, self.corpus.numel() - self.seq - 1, (self.batch,), generator=self.generator)
         offsets = torch.arange(self.seq + 1)
-        windows = self.corpus[starts.unsqueeze(1) + offsets]
+        windows = self.corpus[starts.unsqueeze(1) + offsets].long()  # only the drawn windows widen
         self.batches_drawn += 1
         return windows[:, :-1], windows[:, 1:]
 

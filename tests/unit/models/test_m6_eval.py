@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import sys
 from pathlib import Path
 
@@ -147,7 +148,7 @@ def test_bad_image_files_stop_or_are_skipped(workspace, tmp_path):
 def test_checkpoint_argument_forms(workspace, tmp_path):
     checkpoints = workspace["root"] / "run" / "checkpoints"
     assert resolve_checkpoint(checkpoints) == (checkpoints, None)
-    assert resolve_checkpoint(checkpoints / "step_00000003") == (checkpoints, 3)
+    assert resolve_checkpoint(checkpoints / "step_00000003") == (checkpoints / "step_00000003", None)
     with pytest.raises(ValueError, match="looks like a run's out_dir: use .*checkpoints"):
         resolve_checkpoint(workspace["root"] / "run")
     with pytest.raises(ValueError, match="does not exist"):
@@ -156,10 +157,12 @@ def test_checkpoint_argument_forms(workspace, tmp_path):
     with pytest.raises(ValueError, match="is incomplete \\(no manifest.json\\)"):
         resolve_checkpoint(tmp_path / "step_00000009")
     config = build_train_config(str(workspace["config"]), [])
-    model, loaded = load_trained_model(config, checkpoints)
-    assert loaded["step"] == 3 and not model.training
-    for name, value in workspace["model"].state_dict().items():
-        assert torch.equal(model.state_dict()[name], value), name
+    shutil.copytree(checkpoints / "step_00000003", tmp_path / "best")  # a copy under another name
+    for where in (checkpoints, tmp_path / "best"):
+        model, loaded = load_trained_model(config, where)
+        assert loaded["step"] == 3 and not model.training
+        for name, value in workspace["model"].state_dict().items():
+            assert torch.equal(model.state_dict()[name], value), name
 
 
 def _save_with_two_expert_parallel_ranks(rank: int, world_size: int, directory: str) -> None:
@@ -220,6 +223,33 @@ def test_eval_command_text_and_json(workspace, cli):
     lines = [json.loads(line) for line in predictions.read_text().splitlines()]
     assert len(lines) == 10 and set(lines[0]) == {"manifest", "image", "prediction", "references"}
     assert "[" not in err  # --no-progress
+
+
+def test_eval_command_takes_a_glob_matching_several_manifests(workspace, cli):
+    """``--manifest 'parts/part-*.jsonl'`` (two matches) is one dataset: the report and the
+    predictions name the pattern, the progress bar the files, and the scores are those of the
+    same records in one manifest."""
+    lines = (workspace["manifests"] / "relative.jsonl").read_text().splitlines()
+    parts = workspace["root"] / "parts"  # beside manifests/: the relative image paths still hold
+    parts.mkdir(exist_ok=True)
+    (parts / "part-0.jsonl").write_text("\n".join(lines[:4]) + "\n")
+    (parts / "part-1.jsonl").write_text("\n".join(lines[4:]) + "\n")
+    pattern = str(parts / "part-*.jsonl")
+    checkpoint = workspace["root"] / "run" / "checkpoints"
+    base = ["eval", "--config", workspace["config"], "--checkpoint", checkpoint]
+    predictions = workspace["root"] / "glob_predictions.jsonl"
+    code, out, err = cli(*base, "--manifest", pattern, "--max-new-tokens", "6", "--batch-size", "2",
+                         "--predictions", predictions)  # fmt: skip
+    assert code == 0, err
+    assert out.splitlines()[0] == f"{pattern}: 5 images, 10 references"
+    assert "eval part-0.jsonl, part-1.jsonl [" in err
+    assert {json.loads(line)["manifest"] for line in predictions.read_text().splitlines()} == {pattern}
+    code, out, err = cli(*base, "--manifest", pattern, "--max-new-tokens", "6", "--json", "--no-progress")
+    assert code == 0, err
+    one_file = dataset(workspace["manifests"] / "relative.jsonl")
+    expected = evaluate_manifest(workspace["model"], TOKENIZER, one_file, max_new_tokens=6, progress=False)
+    assert json.loads(out)["manifests"] == [{"manifest": pattern, **expected}]
+    assert len(dataset(pattern).manifests) == 2 and dataset(pattern).source == pattern
 
 
 def test_eval_command_beam_and_bad_input(workspace, cli):

@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from m6_moe.config import M6TaskConfig
-from m6_moe.data import ManifestDataset
+from m6_moe.data import ManifestDataset, resolve_manifests
 from m6_moe.loader import M6Batches, rank_positions
 from m6_moe.manifest_index import ManifestIndex, cache_roots, ensure_index
 from m6_moe.shuffle import EpochPermutation
@@ -158,6 +158,21 @@ def test_many_manifests_and_glob_patterns_form_one_dataset(tmp_path):
         ManifestDataset([], image_size=8)
     sampler = TaskSampler(dataset, TOKENIZER, M6TaskConfig(), seq_len=24)
     assert sorted(sampler.record_at(0, i) for i in range(9)) == list(range(9))
+
+
+def test_a_file_whose_name_holds_glob_characters_is_taken_as_given(tmp_path):
+    """``caps[2024].jsonl`` exists: it is that file, not the pattern ``caps[2024].jsonl`` (which
+    matches ``caps2.jsonl`` ... and not itself); an entry that is no file is still a pattern."""
+    bracketed = write_corpus(tmp_path, 3, name="caps[2024].jsonl")
+    starred = write_corpus(tmp_path, 2, name="all*.jsonl")
+    plain = write_corpus(tmp_path, 4, name="caps2.jsonl")
+    assert resolve_manifests(str(bracketed)) == [bracketed]
+    assert resolve_manifests([bracketed, str(starred)]) == [bracketed, starred]
+    assert resolve_manifests(str(tmp_path / "caps[0-9].jsonl")) == [plain]  # no such file: a pattern
+    dataset = ManifestDataset(str(bracketed), image_size=8)
+    assert dataset.manifests == [bracketed] and len(dataset) == 3
+    with pytest.raises(ValueError, match=r"data.source pattern .*caps\[0-1\]\.jsonl' matches no file"):
+        resolve_manifests(str(tmp_path / "caps[0-1].jsonl"))
 
 
 # ------------------------------------------------------------------------- stream and epochs
