@@ -132,7 +132,8 @@ class MoELayer(nn.Module):
         """For activation checkpointing: when enabled, each forward that builds a graph records its
         routing decision (experts, capacity cut and, under expert parallelism, the all-to-all
         results), and a forward re-run during backward (a recompute) replays the oldest record
-        whose graph is still alive: the same experts and received rows, no communication. Gates
+        whose graph is still alive and whose input is the recomputed one (a layer called twice in
+        a forward replays each call's): the same experts and received rows, no communication. Gates
         and expert outputs are recomputed as usual. A forward whose graph is dropped without
         backward leaves nothing behind (compiled: see :mod:`moetrain.layers.replay`). Backward
         passes of graphs that are alive at the same time must run in the order of their forwards.

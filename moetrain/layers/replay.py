@@ -21,12 +21,13 @@ for batch-prioritised routing) and returns it; in a recompute it returns the rec
 Lifetime of a record. In eager mode the exchanger hangs the record on the autograd node of its
 round's output when the round closes, so it lives exactly as long as that forward's graph: a
 forward whose graph is dropped without backward leaves nothing behind. A compiled graph gives no
-such handle; there the record is kept by :class:`RoutingReplay` with a digest of the layer's input,
-and a recompute takes the oldest record whose digest matches the recomputed input (older records,
-whose backward never came, are dropped). ``RoutingReplay.clear()`` (``MoELayer.set_recompute_replay``)
-drops every record. A record is replayed once: the exchanger lets go of its rows as the recompute
-uses them (the rebuilt graph keeps what its backward needs), so they do not wait for the end of the
-step.
+such handle; there the record is kept by :class:`RoutingReplay` (older records, whose backward never
+came, are dropped when a newer one is taken). Every record keeps a digest of the layer's input, and
+a recompute takes the oldest live record whose digest matches the recomputed input: a layer called
+more than once in one forward, each call in its own checkpoint, is recomputed in reverse order.
+``RoutingReplay.clear()`` (``MoELayer.set_recompute_replay``) drops every record. A record is
+replayed once: the exchanger lets go of its rows as the recompute uses them (the rebuilt graph
+keeps what its backward needs), so they do not wait for the end of the step.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class DispatchRecord(DispatchRound):
     (``plans``) and rows (``exchanged``) by the name the dispatcher gave each exchange."""
 
     decision: list[torch.Tensor] = field(default_factory=list)
-    digest: torch.Tensor | None = None
+    digest: torch.Tensor | None = None  # of the layer's input (:func:`input_digest`)
+    held: bool = False  # kept by the RoutingReplay (compiled graphs), not by its forward's graph
     plans: dict[str, object] = field(default_factory=dict)
     exchanged: dict[str, torch.Tensor] = field(default_factory=dict)
     replayed: bool = False
@@ -119,31 +121,36 @@ class RoutingReplay:
         """Whether the layer runs inside a backward pass (a checkpoint's recompute)."""
         return in_backward_pass()
 
-    def record(self, decision: list[torch.Tensor], digest: torch.Tensor | None) -> DispatchRecord:
-        """Keeps ``decision`` for a recompute: weakly when ``digest`` is None (eager: the
-        exchanger hands the record to its autograd graph), else here, matched by ``digest`` later."""
-        self.current = DispatchRecord(decision=[t.detach() for t in decision], digest=digest)
-        if digest is None:
-            self._entries.append(_Entry(ref=weakref.ref(self.current)))
-        else:
-            self._entries.append(_Entry(record=self.current))
+    def record(self, decision: list[torch.Tensor], digest: torch.Tensor, held: bool) -> DispatchRecord:
+        """Keeps ``decision`` and the digest of the layer's input for a recompute: here when
+        ``held`` (compiled graphs), else weakly (eager: the exchanger hands the record to its
+        autograd graph)."""
+        self.current = DispatchRecord(decision=[t.detach() for t in decision], digest=digest, held=held)
+        entry = _Entry(record=self.current) if held else _Entry(ref=weakref.ref(self.current))
+        self._entries.append(entry)
         return self.current
 
-    def take(self, digest: torch.Tensor | None = None) -> DispatchRecord:
-        """The record a recompute replays: the oldest live one (with ``digest``: whose digest is
-        equal; older records whose backward never came are dropped)."""
-        while self._entries:
-            found = self._entries.popleft().get()
-            if found is None:
-                continue  # its graph was freed without backward
-            if found.digest is not None and (digest is None or not torch.equal(found.digest, digest)):
-                continue  # a compiled forward whose backward never ran
-            found.replayed = True
-            self.current = found
-            return found
+    def take(self, digest: torch.Tensor) -> DispatchRecord:
+        """The record a recompute of input digest ``digest`` replays: the oldest live one whose
+        digest is equal, so that a layer called more than once in a forward (each call its own
+        checkpoint, recomputed in reverse order) replays each call's own record. The digests are
+        compared only when more than one record is live (a comparison waits for the device).
+        Records freed without backward are dropped, and so are held (compiled) records older than
+        the one taken, whose backward never ran; older eager records stay (their backward may
+        still come)."""
+        live = [(entry, record) for entry in self._entries if (record := entry.get()) is not None]
+        only = len(live) == 1
+        for position, (_, record) in enumerate(live):
+            if only or torch.equal(record.digest, digest):
+                older = [e for e, _ in live[:position] if e.record is None]
+                self._entries = deque(older + [e for e, _ in live[position + 1 :]])
+                record.replayed = True
+                self.current = record
+                return record
         raise RuntimeError(
-            "MoELayer is recomputed during backward but holds no recorded forward to replay; "
-            "set_recompute_replay(True) must be on before the forward that is recomputed"
+            "MoELayer is recomputed during backward but holds no recorded forward of this input to "
+            "replay; set_recompute_replay(True) must be on before the forward that is recomputed, "
+            "and the recomputed forward must see the same input"
         )
 
     def exchange(
@@ -161,7 +168,7 @@ class RoutingReplay:
                 )
             return [t.clone() for t in found.decision]
         if record:
-            return [t.clone() for t in self.record([t.clone() for t in decision], digest).decision]
+            return [t.clone() for t in self.record([t.clone() for t in decision], digest, held=True).decision]
         self.current = None
         return [t.clone() for t in decision]
 
@@ -202,13 +209,15 @@ class ReplayedRoute:
         route, replay = self.inner, self.replay
         compiling = torch.compiler.is_compiling()
         if not compiling and replay.in_recompute():
-            record = replay.take()
+            record = replay.take(input_digest(x_TD))
             return route.router(x_TD, record.decision[0]), record.plan
         routing, priority_S = route.decide(x_TD)
         if compiling:
             routing, priority_S = self._through_operator(x_TD, routing, priority_S)
             return routing, route.plan(routing, capacity, priority_S, training)
-        record = replay.record([routing.expert_ids_TK], digest=None) if torch.is_grad_enabled() else None
+        record = None
+        if torch.is_grad_enabled():
+            record = replay.record([routing.expert_ids_TK], input_digest(x_TD), held=False)
         replay.current = record
         plan = route.plan(routing, capacity, priority_S, training)
         if record is not None:
@@ -278,8 +287,8 @@ class ReplayingExchanger(Exchanger):
         return y_ND
 
     def close(self, rnd, y_TD):
-        if isinstance(rnd, DispatchRecord) and not rnd.replayed and rnd.digest is None:
-            attach_to_graph(y_TD, rnd)  # compiled graphs' records (with a digest) stay in the replay
+        if isinstance(rnd, DispatchRecord) and not rnd.replayed and not rnd.held:
+            attach_to_graph(y_TD, rnd)  # compiled graphs' records stay in the replay
         self.replay.current = None
         return self.inner.close(rnd, y_TD)
 

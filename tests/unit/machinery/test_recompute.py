@@ -313,6 +313,39 @@ def test_recompute_replays_routing_instead_of_rerouting():
         assert same == replay
 
 
+class SharedBlock(torch.nn.Module):
+    """One MoE block applied twice per forward (weights shared): two calls of the same layer, each
+    in its own checkpoint when the block is recomputed, recomputed in reverse order."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(16, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.ffn = MoELayer(MoEConfig(d_model=16, d_ff=32, num_experts=4, top_k=2, router_jitter=0.2), seed=1)
+        self.block = torch.nn.Sequential(self.norm, self.ffn)
+
+    def forward(self, x):
+        x = self.inp(x)
+        x = x + self.block(x)
+        return x + self.block(torch.tanh(x) * 3)
+
+
+@pytest.mark.parametrize("plan", [["block"], ["ffn"]])
+def test_a_layer_called_twice_per_forward_replays_each_calls_routing(plan):
+    reference = SharedBlock()
+    model = copy.deepcopy(reference)
+    apply_recompute_plan(model, plan)
+    x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(2))
+    grads = {}
+    for kind, net in (("reference", reference), ("recompute", model)):
+        torch.manual_seed(5)
+        net(x).pow(2).mean().backward()
+        grads[kind] = {name: p.grad for name, p in net.named_parameters()}
+    for name, grad in grads["reference"].items():
+        torch.testing.assert_close(grads["recompute"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def rerouting_forward(router, in_backward):
     original = router.forward
 
