@@ -199,6 +199,13 @@ def _add_mode_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
+def cluster_and_settings(args, defaults: dict) -> tuple[ClusterSpec, PlanSettings]:
+    """The cluster and the settings planned: the flags over the model's ``defaults``, the precision
+    ``--precision``, else the config's, else bf16 where the GPU has it (fp16 otherwise)."""
+    precision = args.precision or defaults.get("precision") or default_precision(GPU_PRESETS[args.cluster])
+    return cluster_from_args(args, precision), settings_from_args(args, {"precision": precision, **defaults})
+
+
 def settings_from_args(args, defaults: dict) -> PlanSettings:
     """PlanSettings from the command line over the config file's ``defaults``."""
     values = dict(defaults)
@@ -222,10 +229,17 @@ def settings_from_args(args, defaults: dict) -> PlanSettings:
         "memory_headroom": args.memory_headroom,
     }
     values.update({k: v for k, v in options.items() if v is not None})
-    if args.autocast:
-        values["autocast"] = True
     if args.offload:
         values["offload"] = True
+    if args.precision is not None:  # the engine's layout for it: fp32 weights with autocast compute,
+        # unless the run stores its weights in its precision (param_dtype, with the offloaded optimizer)
+        stored_low = defaults.get("precision", "fp32") != "fp32" and not defaults.get("autocast", False)
+        values["autocast"] = args.precision != "fp32" and not (stored_low and values.get("offload"))
+    if values.get("precision", "fp32") != "fp32" and not values.get("offload") and not args.recommend:
+        values["autocast"] = True  # low-precision weights need the offloaded optimizer (--recommend:
+        # the search sets it for each candidate without offload)
+    if args.autocast:
+        values["autocast"] = True
     if args.optim_overlap is not None and (values.get("offload") or not args.recommend):
         values["optim_overlap"] = args.optim_overlap  # --recommend: applied to its offloaded candidates
     if not values.get("offload") and args.recommend:
@@ -358,9 +372,7 @@ def run_calibrate(args) -> int:
     model, defaults = resolve_model(args.model) if args.model is not None else run_model(run)
     # the plan recomputes what the run did
     defaults = {**defaults, **run_recompute_settings(run.config.get("recompute_budget_mb"))}
-    precision = args.precision or defaults.get("precision") or default_precision(GPU_PRESETS[args.cluster])
-    cluster = cluster_from_args(args, precision)
-    settings = settings_from_args(args, {**defaults, "precision": precision})
+    cluster, settings = cluster_and_settings(args, defaults)
     result = calibrate(model, cluster, settings, run)
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.format_table())
     return 0
@@ -373,9 +385,7 @@ def run_plan(args) -> int:
     if args.model is None:
         raise ValueError("--model is required (a preset or a config file), except with --calibrate RUN_DIR")
     model, defaults = resolve_model(args.model)
-    precision = args.precision or defaults.get("precision") or default_precision(GPU_PRESETS[args.cluster])
-    cluster = cluster_from_args(args, precision)
-    settings = settings_from_args(args, {**defaults, "precision": precision})
+    cluster, settings = cluster_and_settings(args, defaults)
     if args.mixed is not None:  # the flags were checked by cluster_from_args
         return run_mixed(args, model, settings)
     if args.global_batch is not None and not args.recommend:

@@ -23,6 +23,8 @@ from moetrain.planner.reserve import FRAGMENTATION, Communicator, reserve_terms
 from moetrain.planner.settings import PlanSettings
 from moetrain.recompute import RecomputeOption, solve_recompute
 
+AUTO_TRIES = 4  # "auto": budgets tried after the first choice (each less the last one's excess)
+
 
 @dataclass(frozen=True)
 class RecomputeChoice:
@@ -196,17 +198,28 @@ def _step_peak(
 
     # "auto": a first choice assumes every gradient, copy and the largest working set on top of the
     # kept activations; a second one uses what that choice's peak puts on top of them, and is taken
-    # when it fits.
+    # when it fits. The knapsack does not see every byte a choice keeps (the weight copies of the
+    # layers it does not recompute), so a second choice over the room is tried again with a budget
+    # less the excess and below its own bytes, a few times. A choice is feasible when its peak fits
+    # the room.
     recompute = choose_recompute(
         acts, settings, flops_per_s, max(room - gradient_bytes - copies - working, 0)
     )
     memory_peak = peak_of(recompute)
     if settings.recompute == "auto":
-        on_top = memory_peak.total - recompute.activation_bytes
-        second = choose_recompute(acts, settings, flops_per_s, max(room - on_top, 0))
-        second_peak = peak_of(second)
-        if second.feasible and second_peak.total <= room:
-            recompute, memory_peak = second, second_peak
+        budget = max(room - (memory_peak.total - recompute.activation_bytes), 0)
+        for _ in range(AUTO_TRIES):
+            second = choose_recompute(acts, settings, flops_per_s, budget)
+            second_peak = peak_of(second)
+            if second.feasible and second_peak.total <= room:
+                recompute, memory_peak = second, second_peak
+                break
+            if not second.feasible or budget == 0:
+                break
+            # less the excess, and below this choice's bytes so that the next choice keeps less
+            budget = max(min(budget - (second_peak.total - room), second.activation_bytes - 1), 0)
+        if not recompute.feasible and memory_peak.total <= room:
+            recompute = replace(recompute, feasible=True)  # below its first, pessimistic budget
     if not settings.offload:  # one temporary of one state's size (the state has the weight's dtype)
         optimizer_peak = optimizer_step_peak(gradient_bytes, layout.per_rank * weight_b, memory_peak.total)
         if optimizer_peak.total > memory_peak.total:

@@ -124,6 +124,8 @@ def recommend(
                         "ep_size": ep, "offload": off, "optim_overlap": overlap, "micro_batch": micro,
                         "recompute": mode,
                     }  # fmt: skip
+                    if not off and base.precision != "fp32":  # the engine keeps low-precision weights
+                        changes["autocast"] = True  # only with the offloaded optimizer's fp32 masters
                     if mode != "fraction":
                         changes["recompute_fraction"] = None
                     if mode != "budget":

@@ -54,6 +54,18 @@ def test_m6_1t_step_with_the_delayed_update(m6):
     assert delayed.fits and "delayed update" in delayed.format_table()
 
 
+def test_recompute_auto_is_feasible_whenever_its_peak_fits_and_recomputes_no_more_than_needed(m6):
+    """M6-1T at micro-batch 1 x 16: the first, pessimistic budget of "auto" is 0 (full recompute,
+    the knapsack's "infeasible"); its peak fits, so the plan fits, and a choice keeping more fits
+    too. The knapsack does not count the weight copies of the layers it keeps, so its first such
+    choice went over the room and the plan was reported infeasible with no reason."""
+    model, plan, _ = m6
+    small = make_plan(model, M6_CLUSTER, plan.settings.replace(micro_batch=1, grad_accum=16))
+    assert small.recompute.mode == "auto" and small.recompute.feasible
+    assert small.fits and small.overflow is None and small.gpu_total <= small.gpu_usable
+    assert 0 < small.recompute.layers_recomputed < model.arch.num_layers
+
+
 def test_a_host_step_longer_than_the_device_work_is_partly_exposed():
     model, defaults = resolve_model("configs/tiny_lm.yaml")
     cluster = cluster_preset("a100-80gb", 1, host_memory_bandwidth=1e9)  # a slow host
@@ -104,3 +116,35 @@ def test_plan_command_option(capsys):
     args = parser.parse_args([*common, "--optim-overlap", "delayed"])
     with pytest.raises(ValueError, match="optim_overlap 'delayed' needs offload"):
         args.run(args)
+
+
+@pytest.mark.parametrize(
+    "config, flags, expected",
+    [
+        ("configs/m6_1t.yaml", ["--precision", "fp32"], ("fp32", False)),  # was refused: autocast kept
+        ("configs/m6_1t.yaml", ["--precision", "bf16"], ("bf16", True)),
+        ("configs/tiny_lm.yaml", ["--precision", "bf16"], ("bf16", True)),  # was bf16 weights, no offload
+        ("configs/tiny_lm.yaml", ["--precision", "bf16", "--offload"], ("bf16", True)),
+        ("m6-base", [], ("bf16", True)),  # a preset's low precision without offload: autocast
+        ("m6-base", ["--offload"], ("bf16", False)),  # weights stored low beside the offloaded masters
+    ],
+)
+def test_the_planned_layout_is_one_the_engine_runs(config, flags, expected):
+    """``--precision`` over a config plans what ``--set precision=...`` trains (fp32 weights with
+    autocast compute unless the run stores its weights low, param_dtype with offload); low-precision
+    weights without the offloaded optimizer are planned with autocast, as the engine runs them."""
+    from moetrain.planner.cli import cluster_and_settings
+
+    parser = argparse.ArgumentParser()
+    add_plan_parser(parser.add_subparsers())
+    args = parser.parse_args(["plan", "--model", config, "--cluster", "a100-80gb", "--nodes", "1", *flags])
+    _, settings = cluster_and_settings(args, resolve_model(config)[1])
+    assert (settings.precision, settings.autocast) == expected
+
+
+def test_recommend_plans_autocast_for_every_candidate_without_offload():
+    model, _ = resolve_model("m6-base")
+    base = PlanSettings(seq_len=128, precision="bf16")  # autocast False: weights stored in bf16
+    result = recommend(model, cluster_preset("a100-80gb", 1), base, ep_sizes=[8], micro_batches=[4])
+    layouts = sorted((c.settings.offload, c.settings.autocast) for c in result.candidates)
+    assert layouts == [(False, True), (True, False)]
