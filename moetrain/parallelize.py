@@ -249,8 +249,12 @@ def _apply_fsdp(model, parallel, assignments, experts, cpu_offload: bool) -> Non
         units.append((unit, parallel.dp_size))
     dense_mesh = _dense_mesh(parallel)
     replica_names = [a.name for a in assignments if a.kind == "replica"]
+    # a pattern such as "*": "replica" also names the experts of an expert layer: they are its unit
+    sharded_experts = {id(m) for layer in experts for m in layer.experts.modules()}
     for a in assignments:
         outermost = not any(a.name.startswith(other + ".") for other in replica_names)
+        if id(a.module) in sharded_experts:
+            continue
         if a.kind == "replica" and outermost and any(True for _ in a.module.parameters()):
             units.append((fully_shard(a.module, mesh=dense_mesh, **options), parallel.data_count))
     units.append((fully_shard(model, mesh=dense_mesh, **options), parallel.data_count))

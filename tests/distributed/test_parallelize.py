@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_lm import LMConfig, MoETransformerLM, default_lm_strategy, lm_loss
-from moetrain import MoEConfig, ParallelConfig, ParallelContext, parallelize, set_aux_loss_scale
+from moetrain import MoEConfig, MoELayer, ParallelConfig, ParallelContext, parallelize, set_aux_loss_scale
 from moetrain.parallelize import resolve_strategy
 from tests.helpers.dist_utils import run_distributed
 
@@ -256,6 +256,46 @@ def test_fsdp_replicas_and_experts_equal_one_process():
     (tp2 x ep2) and with the chunked exchange (a2a_chunks 2: the experts' weights are gathered
     around its expert pass, which is not the module's forward): the same checks as the DDP layouts."""
     _check_lm(run_distributed(lm_worker, 4, [(2, 1, "fsdp"), (2, 2, "fsdp"), (2, 1, "fsdp", 2)]))
+
+
+class RootMoE(nn.Module):
+    """A MoE layer that is a direct child of the root: ``"*": "replica"`` also names its router
+    and its experts."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.moe = MoELayer(d_model=16, d_ff=16, num_experts=4, top_k=2, capacity_factor=None)
+
+    def forward(self, x):
+        return self.moe(self.inp(x))
+
+
+def root_moe_worker(rank, world):
+    parallel = ParallelContext(ParallelConfig(ep_size=2, replica="fsdp"))
+    torch.manual_seed(0)
+    model = RootMoE()
+    reference = copy.deepcopy(model)
+    trained = parallelize(model, parallel, {"moe": "expert", "*": "replica"})
+    inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(10 + i)) for i in range(4)]
+    out = trained(inputs[parallel.data_index])
+    out.square().mean().backward()
+    trained.reduce_gradients()
+    set_aux_loss_scale(reference, 1.0 / parallel.data_count)
+    outputs = [reference(x) for x in inputs]
+    (sum(y.square().mean() for y in outputs) / len(outputs)).backward()
+    return _rel(full(out).detach(), outputs[parallel.data_index].detach()), _compare(
+        model, reference, parallel
+    )
+
+
+@pytest.mark.timeout(120)
+def test_fsdp_with_a_replica_pattern_over_an_expert_layer_shards_its_experts_once():
+    """dp2 x ep2: the experts are their layer's FSDP unit over the expert-data-parallel ranks, not
+    a second one over the dense mesh (fully_shard twice: an error)."""
+    for out, grads in run_distributed(root_moe_worker, 4):
+        assert out < 1e-6
+        assert max(grads.values()) < 1e-5, grads
 
 
 def m6_config():
