@@ -282,11 +282,14 @@ class RunSetUp:
             profile = profile_activations(self.model, inputs, loss_fn=lambda out: self.loss_fn(out, targets))
         budget = self.config.recompute_budget_mb * 2**20 or profile.min_activation_bytes
         plan = plan_recompute(profile, int(budget), self.model)
-        names = [list(plan.recomputed)]
-        if self.parallel.world_size > 1:  # every rank recomputes what rank 0 chose
-            dist.broadcast_object_list(names, src=0)
+        names = list(plan.recomputed)
+        if self.parallel.world_size > 1:  # every rank recomputes what the rank that saves the most
+            # activations chose (expert parallelism: ranks receive different rows), once at start
+            plans = [None] * self.parallel.world_size
+            dist.all_gather_object(plans, (profile.baseline_bytes, names))
+            names = max(plans, key=lambda entry: entry[0])[1]
         remove_recompute(self.model)
-        apply_recompute_plan(self.model, names[0])
+        apply_recompute_plan(self.model, names)
         self.recompute_plan = plan
         if self.is_main:
             log.info("%s", plan.summary())
