@@ -368,16 +368,16 @@ class M6Model(nn.Module):
         """Encodes image and prefix (shapes as in :meth:`forward`) once and returns their
         :class:`KVCache`, with room for ``max_target_len`` target tokens (bos included) fed to
         :meth:`decode_step`. Eval mode only (dropout would make the cache disagree with
-        :meth:`forward`); MoE layers must be dropless in eval (``eval_capacity_factor`` None)."""
+        :meth:`forward`); MoE layers must be dropless in eval (``eval_capacity_factor`` None or 0)."""
         cfg = self.config
         if self.training:
             raise ValueError("decoding with a key/value cache needs eval mode: call model.eval() first")
         for block in self.blocks:
             factor = block.ffn.config.eval_capacity_factor if block.is_moe else None
-            if factor is not None:
+            if factor:  # None and 0 are dropless
                 raise ValueError(
                     "decoding with a key/value cache needs dropless MoE evaluation: moe.eval_capacity_factor "
-                    f"must be null, got {factor} (or decode without the cache)"
+                    f"must be null or 0, got {factor} (or decode without the cache)"
                 )
         batch, prefix_len = prefix_ids.shape
         require_int("max_target_len", max_target_len, 1)
@@ -495,10 +495,12 @@ def count_parameters(model: nn.Module) -> int:
 
 def count_active_parameters(config: M6Config) -> int:
     """Parameters one token uses in a forward: everything except the experts it is not routed to,
-    ``total - moe_layers * (E - k) * expert_size`` (experts are bias-free ``D x F`` and ``F x D``,
-    ``D x 2F`` for SwiGLU), for a model built from ``config`` on the meta device."""
+    ``total - moe_layers * (E - k) * expert_size`` (an expert is ``D x F`` and ``F x D``, ``D x 2F``
+    for SwiGLU, plus its ``F + D`` biases with ``expert_bias``; ``2F + D`` for SwiGLU), for a model
+    built from ``config`` on the meta device."""
     with torch.device("meta"):
         total = count_parameters(M6Model(config))
     moe = config.moe
-    expert = moe.d_model * moe.d_ff * (3 if moe.activation == "swiglu" else 2)
+    inner = moe.d_ff * (2 if moe.activation == "swiglu" else 1)
+    expert = moe.d_model * (inner + moe.d_ff) + (inner + moe.d_model if moe.expert_bias else 0)
     return total - config.num_moe_layers * (moe.num_experts - moe.top_k) * expert

@@ -127,6 +127,16 @@ def test_cache_is_refused_in_training_mode_and_under_a_capacity_cut():
         capped.train().start_decoding(context["prefix_ids"], max_target_len=2)
 
 
+def test_the_cache_takes_eval_capacity_factor_0_which_is_dropless():
+    torch.manual_seed(0)
+    dropless = M6Model(
+        decoding_config(moe={"d_ff": 64, "num_experts": 4, "top_k": 2, "eval_capacity_factor": 0})
+    ).eval()
+    context = build_context(dropless, TOKENIZER, prefixes=["ab", "c"])
+    cached = greedy_search(dropless, TOKENIZER, context, 5)
+    assert cached == greedy_search(dropless, TOKENIZER, context, 5, use_cache=False)
+
+
 def test_cache_bounds_and_shapes(model):
     context = build_context(model, TOKENIZER, prefixes=["abc"])
     with torch.no_grad():

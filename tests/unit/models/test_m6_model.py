@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -279,6 +281,20 @@ def test_preset_builds_on_meta_and_matches_published_size(name):
         assert count_active_parameters(config) < total
     else:
         assert count_active_parameters(config) == total
+
+
+@pytest.mark.parametrize("moe", [{}, {"expert_bias": True}, {"activation": "swiglu", "expert_bias": True}])
+def test_active_parameters_leave_out_the_unrouted_experts_whole(moe):
+    """Counted from the built model: every expert parameter (weights and biases) of the E - k
+    experts a token is not routed to, in every MoE layer."""
+    base = M6Config.preset("tiny")
+    config = dataclasses.replace(base, moe=dataclasses.replace(base.moe, **moe))
+    with torch.device("meta"):
+        model = M6Model(config)
+    layers = [block.ffn for block in model.blocks if block.is_moe]
+    per_expert = sum(p[0].numel() for p in layers[0].experts.parameters())
+    unrouted = len(layers) * (config.moe.num_experts - config.moe.top_k) * per_expert
+    assert count_active_parameters(config) == count_parameters(model) - unrouted
 
 
 def test_tiny_preset_uses_expert_prototyping():
