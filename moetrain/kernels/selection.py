@@ -4,8 +4,9 @@
 - ``torch``: the torch-native twin (:mod:`moetrain.kernels.native`), on every device.
 - ``auto`` (default): the custom kernel on the CPU and on ``meta`` (the C++ CPU kernels are tested
   against the twins in CI); on a CUDA device the custom kernel only after it has matched the twin
-  on that device: the first call of each op in the process runs both on a small random input and
-  compares values and gradients. A mismatch or an error logs one warning naming the op and selects
+  on that device: the first call of each op in the process runs both on small random inputs
+  (:data:`SAMPLES`: three dtypes, packet and element paths, weighted and not) and compares values
+  and gradients. A mismatch or an error logs one warning naming the op and selects
   the twin for the rest of the run (no GPU has run the CUDA kernels in this project's CI: this keeps
   a user's first GPU run from trusting code no test executed).
 
@@ -114,42 +115,56 @@ def kernel(op: str, device: torch.device, choice: str = "auto") -> Callable:
 # The start-up check.
 # ------------------------------------------------------------------------------------------------
 
-_SAMPLE = {"tokens": 37, "k": 2, "experts": 5, "hidden": 24, "capacity": 9}
+# The samples each op is checked on: the weighted fp32 packet path with top-2 and a capacity cut;
+# bf16 rows of odd width (the element path), top-3 (choices grouped by 8), unweighted, dropless;
+# fp16 rows with top-6.
+SAMPLES = tuple(
+    {"tokens": t, "k": k, "experts": e, "hidden": h, "capacity": c, "dtype": dtype, "weighted": weighted}
+    for t, k, e, h, c, dtype, weighted in (
+        (37, 2, 5, 24, 9, torch.float32, True),
+        (29, 3, 6, 7, -1, torch.bfloat16, False),
+        (16, 6, 8, 40, 12, torch.float16, True),
+    )
+)
 
 
-def _sample_plan(device: torch.device, generator: torch.Generator):
-    tokens, k, experts = _SAMPLE["tokens"], _SAMPLE["k"], _SAMPLE["experts"]
+def _sample_plan(sample: dict, device: torch.device, generator: torch.Generator):
+    tokens, k, experts = sample["tokens"], sample["k"], sample["experts"]
     expert_ids_TK = torch.rand(tokens, experts, generator=generator).topk(k, dim=-1).indices
-    plan = native.build_dispatch_plan(expert_ids_TK, None, experts, _SAMPLE["capacity"])
+    plan = native.build_dispatch_plan(expert_ids_TK, None, experts, sample["capacity"])
     return expert_ids_TK.to(device), [t.to(device) for t in plan]
 
 
-def _sample_inputs(op: str, device: torch.device) -> tuple[tuple, tuple[int, ...]]:
+def _sample_inputs(op: str, sample: dict, device: torch.device) -> tuple[tuple, tuple[int, ...]]:
     """(arguments, positions of the differentiable ones) for one call of ``op`` on ``device``."""
     generator = torch.Generator().manual_seed(20261123)
-    tokens, k, hidden = _SAMPLE["tokens"], _SAMPLE["k"], _SAMPLE["hidden"]
-    expert_ids_TK, (row_of_slot_TK, slot_of_row_N, _, _) = _sample_plan(device, generator)
+    tokens, k, hidden, dtype = sample["tokens"], sample["k"], sample["hidden"], sample["dtype"]
+    expert_ids_TK, (row_of_slot_TK, slot_of_row_N, _, _) = _sample_plan(sample, device, generator)
     rows = slot_of_row_N.shape[0]
 
-    def randn(*shape):
-        return torch.randn(*shape, generator=generator).to(device)
+    def randn(*shape, dtype=dtype):
+        return torch.randn(*shape, generator=generator).to(device, dtype)
 
     if op == "build_dispatch_plan":
         order_S = torch.randperm(tokens * k, generator=generator).to(device)
-        return (expert_ids_TK, order_S, _SAMPLE["experts"], _SAMPLE["capacity"]), ()
+        return (expert_ids_TK, order_S, sample["experts"], sample["capacity"]), ()
     if op == "permute_rows":
-        return (randn(tokens, hidden), slot_of_row_N, k, randn(tokens * k)), (0, 3)
+        if not sample["weighted"]:
+            return (randn(tokens, hidden), slot_of_row_N, k, None), (0,)
+        return (randn(tokens, hidden), slot_of_row_N, k, randn(tokens * k, dtype=torch.float32)), (0, 3)
     if op == "unpermute_rows":
-        return (randn(rows, hidden), row_of_slot_TK, randn(tokens, k)), (0, 2)
+        if not sample["weighted"]:
+            return (randn(rows, hidden), row_of_slot_TK, None), (0,)
+        return (randn(rows, hidden), row_of_slot_TK, randn(tokens, k, dtype=torch.float32)), (0, 2)
     if op == "unpermute_weight_grad":
         return (randn(tokens, hidden), randn(rows, hidden), row_of_slot_TK), (0, 1)
     if op == "transpose_chunks":
         sizes_AB = torch.randint(0, 4, (3, 5), generator=generator)
         return (randn(int(sizes_AB.sum()), hidden), sizes_AB), (0,)
-    if op == "pack_scaled_fp16":
-        return (randn(rows, hidden) * 1e3,), ()
+    if op == "pack_scaled_fp16":  # the wire codec packs fp32 rows
+        return (randn(rows, hidden, dtype=torch.float32) * 1e3,), ()
     if op == "unpack_scaled_fp16":
-        return (native.pack_scaled_fp16(randn(rows, hidden) * 1e-3), torch.float32), ()
+        return (native.pack_scaled_fp16(randn(rows, hidden, dtype=torch.float32) * 1e-3), torch.float32), ()
     raise ValueError(f"no sample input for op {op!r}")
 
 
@@ -158,10 +173,26 @@ def _flatten(result) -> list[torch.Tensor]:
 
 
 def compare_on_sample(op: str, custom: Callable, twin: Callable, device: torch.device) -> str | None:
-    """Runs ``custom`` and ``twin`` on the same sample input on ``device``; returns what differs
-    (values, or the gradients of the differentiable inputs for a random upstream gradient), or
-    None when they agree (integer and bit-pattern outputs exactly, floats within 1e-5)."""
-    args, differentiable = _sample_inputs(op, device)
+    """Runs ``custom`` and ``twin`` on the same inputs on ``device``, each of :data:`SAMPLES`, with
+    gradients on whatever the caller's grad mode (a first call under ``no_grad`` must not skip
+    them); returns what differs (values, or the gradients of the differentiable inputs for a random
+    upstream gradient, in which sample), or None when they agree (integer and bit-pattern outputs
+    exactly, floats within 1e-5, 16-bit floats within 1e-2)."""
+    with torch.inference_mode(False), torch.enable_grad():
+        for index, sample in enumerate(SAMPLES):
+            problem = _compare_one(op, custom, twin, device, sample)
+            if problem is not None:
+                return f"{problem} (sample {index}: {_describe(sample)})"
+    return None
+
+
+def _describe(sample: dict) -> str:
+    dtype = str(sample["dtype"]).removeprefix("torch.")
+    return f"{dtype}, {sample['tokens']} tokens, top-{sample['k']}, hidden {sample['hidden']}"
+
+
+def _compare_one(op: str, custom: Callable, twin: Callable, device: torch.device, sample: dict) -> str | None:
+    args, differentiable = _sample_inputs(op, sample, device)
     results = []
     for implementation in (custom, twin):
         call_args = [
@@ -190,7 +221,8 @@ def compare_on_sample(op: str, custom: Callable, twin: Callable, device: torch.d
             exact = not a.dtype.is_floating_point
             if exact and not torch.equal(a, b):
                 return f"{name} {index} differs from the torch-native result"
-            if not exact and not torch.allclose(a, b, rtol=1e-5, atol=1e-5, equal_nan=True):
+            tolerance = 1e-2 if a.element_size() == 2 else 1e-5
+            if not exact and not torch.allclose(a, b, rtol=tolerance, atol=tolerance, equal_nan=True):
                 error = (a.double() - b.double()).abs().max().item()
                 return f"{name} {index} differs from the torch-native result by up to {error:.3g}"
     return None

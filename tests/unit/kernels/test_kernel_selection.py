@@ -34,6 +34,18 @@ def _crashing_transpose(x, sizes):
     raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore detail")
 
 
+def _doubled_gradient_permute(x, slot_of_row, k, weights):
+    """Right values, doubled gradients: a wrong backward formula."""
+    out = native.permute_rows(x, slot_of_row, k, weights)
+    return out.detach() + (out - out.detach()) * 2.0
+
+
+def _bf16_only_wrong_unpermute(y, row_of_slot, weights):
+    """Right in fp32, wrong rows in bf16: a bug in one dtype's instantiation."""
+    out = native.unpermute_rows(y, row_of_slot, weights)
+    return torch.roll(out, 1, dims=0) if y.dtype == torch.bfloat16 else out
+
+
 def test_choices_pick_the_operator_or_the_twin():
     assert kernel("permute_rows", CPU, "custom") is torch.ops.moetrain.permute_rows
     assert (
@@ -76,6 +88,28 @@ def test_a_wrong_kernel_is_caught_once_with_one_warning(op, wrong, reason, caplo
     assert f"moetrain kernel {op} on cpu" in message and reason in message
     assert "using the torch-native implementation for the rest of this run" in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_first_check_without_grad_still_compares_the_gradients(mode):
+    """The first call of an op may come under no_grad (an evaluation before training): the check
+    still compares gradients, and its verdict holds for the rest of the process."""
+    verifier = KernelVerifier(
+        custom={"permute_rows": _doubled_gradient_permute}, checked_device_types=("cpu",)
+    )
+    with mode():
+        assert not verifier.trusts("permute_rows", "cpu")
+    assert not verifier.trusts("permute_rows", "cpu")
+    assert "gradient 0 differs" in verifier._problem("permute_rows", CPU)
+
+
+def test_a_kernel_wrong_in_one_dtype_is_caught_naming_the_sample():
+    verifier = KernelVerifier(
+        custom={"unpermute_rows": _bf16_only_wrong_unpermute}, checked_device_types=("cpu",)
+    )
+    problem = verifier._problem("unpermute_rows", CPU)
+    assert problem.startswith("output 0 differs from the torch-native result")
+    assert "(sample 1: bfloat16, 29 tokens, top-3, hidden 7)" in problem
 
 
 def test_layer_with_auto_falls_back_to_the_twin_after_a_failed_check(monkeypatch, caplog):
