@@ -174,7 +174,7 @@ torch::Tensor pack_scaled_fp16(const torch::Tensor& x) {
   checks::scaled_fp16_rows(x, c10::kCPU);
   const int64_t rows = x.size(0), hidden = x.size(1);
   torch::Tensor packed = torch::empty({rows, hidden + 1}, x.options().dtype(at::kShort));
-  const bool avx2 = simd_level() >= SimdLevel::kAVX2;
+  const bool avx2 = simd_level() >= SimdLevel::kAVX2 && cpu_has_f16c();  // the row code uses F16C
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "pack_scaled_fp16", [&] {
     const scalar_t* src = x.data_ptr<scalar_t>();
     int16_t* dst = packed.data_ptr<int16_t>();
@@ -202,7 +202,7 @@ torch::Tensor unpack_scaled_fp16(const torch::Tensor& packed, c10::ScalarType dt
   checks::scaled_fp16_packed(packed, dtype, c10::kCPU);
   const int64_t rows = packed.size(0), hidden = packed.size(1) - 1;
   torch::Tensor x = torch::empty({rows, hidden}, packed.options().dtype(dtype));
-  const bool avx2 = simd_level() >= SimdLevel::kAVX2;
+  const bool avx2 = simd_level() >= SimdLevel::kAVX2 && cpu_has_f16c();  // the row code uses F16C
   AT_DISPATCH_FLOATING_TYPES(dtype, "unpack_scaled_fp16", [&] {
     const int16_t* src = packed.data_ptr<int16_t>();
     scalar_t* dst = x.data_ptr<scalar_t>();

@@ -316,18 +316,6 @@ MOETRAIN_TARGET_AVX512 void kernel_avx512(const void* grad, float* p, float* m, 
 using ChunkKernel = void (*)(const void* grad, float* p, float* m, float* v, void* out, int64_t n,
                              const AdamScalars& s);
 
-bool cpu_has_f16c() {
-#if MOETRAIN_X86
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("f16c") != 0;
-  }();
-  return has;
-#else
-  return false;
-#endif
-}
-
 // The path the kernels take now: simd_level() (capped by set_max_simd_level); the AVX2 variant
 // also needs F16C.
 KernelPath current_kernel_path() {

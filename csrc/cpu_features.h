@@ -41,6 +41,19 @@ inline SimdLevel detected_simd_level() {
 #endif
 }
 
+// F16C (fp16 <-> fp32 conversion), which the AVX2 kernels that read or write fp16 also need.
+inline bool cpu_has_f16c() {
+#if MOETRAIN_X86
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("f16c") != 0;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
 inline std::atomic<int>& max_simd_level_storage() {
   static std::atomic<int> value{static_cast<int>(SimdLevel::kAVX512)};
   return value;
