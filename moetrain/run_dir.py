@@ -7,7 +7,9 @@ and every config the run was trained with.
 - :class:`RunLock` (rank 0): ``out_dir/.lock`` created exclusively, holding the host, pid and start
   time of the run that owns the directory; refreshed every ``REFRESH_S`` seconds while it runs. A
   second run is refused naming the owner. A lock is stale, and taken over with a warning, when its
-  process is gone (same host) or it was not refreshed for ``STALE_S`` seconds (any host).
+  process is gone (same host) or it was not refreshed for ``STALE_S`` seconds (any host). The
+  takeover is atomic: of runs that find one stale lock at once, one takes it and the others are
+  refused.
 - :func:`record_config` (rank 0): ``config.json`` is the config now in use; ``config_history.jsonl``
   gets one line per start: the step it starts at, what changed from the config saved in the
   checkpoint it resumes from, and the whole config.
@@ -22,6 +24,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,20 @@ log = logging.getLogger(__name__)
 LOCK_NAME = ".lock"
 REFRESH_S = 60.0
 STALE_S = 600.0
+
+
+def _parse_holder(content: bytes) -> dict[str, Any]:
+    """The run a lock file names (``{}`` when it is empty or not a JSON object)."""
+    try:
+        holder = json.loads(content.decode("utf-8"))
+    except ValueError:
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _identity(status: os.stat_result, content: bytes) -> tuple:
+    """Tells one lock file from another: its inode and what it holds (a refresh changes neither)."""
+    return status.st_dev, status.st_ino, content
 
 
 def check_out_dir(out_dir: str | os.PathLike, resume: bool) -> None:
@@ -61,47 +78,96 @@ class RunLock:
         self._thread: threading.Thread | None = None
 
     def acquire(self) -> None:
-        """Takes the lock or raises ``ValueError`` naming the run that holds it."""
+        """Takes the lock or raises ``ValueError`` naming the run that holds it. A stale lock is taken
+        over atomically: of several starters that judge it stale at once, one takes it and the others
+        are refused as by a live lock (see :meth:`_take_over`)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(2):
+            if self._create():
+                return
+            judged = self._judge()
+            if judged is None:
+                continue  # released since the create failed: try again
+            holder, stale, seen = judged
+            if stale is None:
+                raise self._in_use(holder)
+            log.log(
+                logging.DEBUG if "this process" in stale else logging.WARNING,
+                "taking over the stale lock %s (%s)", self.path, stale,
+            )  # fmt: skip
+            aside = self._take_over(seen)
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                holder = self._read_holder()
-                stale = self._stale_reason(holder)
-                if stale is None:
-                    raise ValueError(
-                        f"out_dir {self.path.parent} is in use by another run (host {holder.get('host')}, "
-                        f"pid {holder.get('pid')}, lock {self.path}); use another out_dir, or delete the "
-                        "lock if that run is gone"
-                    ) from None
-                log.log(
-                    logging.DEBUG if "this process" in stale else logging.WARNING,
-                    "taking over the stale lock %s (%s)", self.path, stale,
-                )  # fmt: skip
+                if self._create():
+                    return
+            finally:  # only now: while the stale file exists, the new one cannot get its inode
                 with contextlib.suppress(FileNotFoundError):
-                    self.path.unlink()
-                continue
-            with os.fdopen(fd, "w", encoding="utf-8") as stream:
-                json.dump(self.owner, stream)
-            self._thread = threading.Thread(target=self._refresh, name="moetrain-lock", daemon=True)
-            self._thread.start()
-            return
+                    aside.unlink()
+            raise self._in_use(self._read_holder())  # another starter created it after the takeover
         raise ValueError(f"out_dir {self.path.parent}: could not take the lock {self.path}")
+
+    def _create(self) -> bool:
+        """Creates the lock exclusively, writes this run into it and starts refreshing it; False when a
+        lock file is there already."""
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w", encoding="utf-8") as stream:
+            json.dump(self.owner, stream)
+        self._thread = threading.Thread(target=self._refresh, name="moetrain-lock", daemon=True)
+        self._thread.start()
+        return True
+
+    def _in_use(self, holder: dict[str, Any]) -> ValueError:
+        return ValueError(
+            f"out_dir {self.path.parent} is in use by another run (host {holder.get('host')}, "
+            f"pid {holder.get('pid')}, lock {self.path}); use another out_dir, or delete the "
+            "lock if that run is gone"
+        )
+
+    def _judge(self) -> tuple[dict[str, Any], str | None, tuple] | None:
+        """``(holder, why it is stale or None, what was seen)`` of the lock file there now, or None
+        when there is none. What was seen (inode, content) tells this file from a later one."""
+        try:
+            with open(self.path, "rb") as stream:
+                status, content = os.fstat(stream.fileno()), stream.read()
+        except FileNotFoundError:
+            return None
+        holder = _parse_holder(content)
+        return holder, self._stale_reason(holder, time.time() - status.st_mtime), _identity(status, content)
+
+    def _take_over(self, seen: tuple) -> Path:
+        """Moves the stale lock judged from ``seen`` aside and returns where to (the caller creates the
+        new lock, then deletes it), or raises ``ValueError`` (in use) when another starter took it
+        over first. The lock is renamed to a name of this process's own: a rename is atomic, so one
+        starter moves the stale lock and the others find it gone. A starter that judged it stale late
+        may move the new lock of the one that took over: it sees that the file it moved is not the one
+        it judged, and puts it back."""
+        aside = self.path.with_name(f"{LOCK_NAME}.{uuid.uuid4().hex}.stale")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            raise self._in_use(self._read_holder()) from None
+        try:
+            with open(aside, "rb") as stream:
+                status, content = os.fstat(stream.fileno()), stream.read()
+            moved = _identity(status, content)
+        except OSError:
+            moved = None
+        if moved != seen:
+            os.rename(aside, self.path)  # another starter's new lock: back to its place
+            raise self._in_use(self._read_holder())
+        return aside
 
     def _read_holder(self) -> dict[str, Any]:
         try:
-            holder = json.loads(self.path.read_text(encoding="utf-8"))
-            return holder if isinstance(holder, dict) else {}
-        except (OSError, ValueError):
+            return _parse_holder(self.path.read_bytes())
+        except OSError:
             return {}
 
-    def _stale_reason(self, holder: dict[str, Any]) -> str | None:
-        """Why the lock held by ``holder`` is stale, or None when its run may be alive."""
-        try:
-            age = time.time() - self.path.stat().st_mtime
-        except FileNotFoundError:
-            return "it was just released"
+    def _stale_reason(self, holder: dict[str, Any], age: float) -> str | None:
+        """Why the lock held by ``holder``, last refreshed ``age`` seconds ago, is stale, or None when its
+        run may be alive."""
         if age > STALE_S:
             return f"not refreshed for {age:.0f} s"
         if holder.get("host") == self.owner["host"] and holder.get("pid") == self.owner["pid"]:

@@ -1,14 +1,15 @@
 """Faults of the run directory: a full disk during a save (a real full tmpfs as root; anywhere, a
 file layer that runs out of room), a kill while pruning, ``resume: false`` over an existing run,
-two runs in one ``out_dir`` (a live lock, a dead one, an old one), a corrupt newest checkpoint,
-changed settings on resume. Each through ``moetrain train`` as users run it (in-process, one
-rank)."""
+two runs in one ``out_dir`` (a live lock, a dead one, an old one, two runs that find one stale lock
+at once), a corrupt newest checkpoint, changed settings on resume. Each through ``moetrain train`` as
+users run it (in-process, one rank), but the race for a stale lock (``RunLock`` in two processes)."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import json
+import multiprocessing
 import os
 import re
 import socket
@@ -21,7 +22,7 @@ import pytest
 from moetrain.checkpoint import list_checkpoints
 from moetrain.cli import main
 from moetrain.logs import detach_handlers
-from moetrain.run_dir import LOCK_NAME, STALE_S
+from moetrain.run_dir import LOCK_NAME, STALE_S, RunLock
 from tests.faults.launch import error_lines, tiny_config, write_config
 
 
@@ -189,6 +190,72 @@ def test_a_lock_not_refreshed_for_stale_s_is_taken_over_whatever_its_host(tmp_pa
     age = re.search(rf"taking over the stale lock {re.escape(str(lock))} \(not refreshed for (\d+) s\)", err)
     assert age and STALE_S < int(age.group(1)) < STALE_S + 60, err
     assert not lock.exists()  # released at the end
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
+def _start_together(out_dir: Path, together, results) -> None:
+    """One of two starters: tries to take the lock when the other does, reports, and stays alive until
+    the other has tried too (a lock naming a finished process would be stale)."""
+    lock = RunLock(out_dir)
+    together.wait()
+    try:
+        lock.acquire()
+        results.put("took")
+    except ValueError:
+        results.put("refused")
+    together.wait()
+
+
+def test_two_runs_that_find_one_stale_lock_at_once_do_not_both_take_it(tmp_path):
+    """Both judge the lock stale; before, the second one's takeover deleted the first one's new lock
+    and both ran (in most of these trials)."""
+    context = multiprocessing.get_context("fork")  # fast: the starters only need the lock's code
+    host, dead = socket.gethostname(), _dead_pid()
+    outcomes = []
+    for trial in range(40):
+        out_dir = tmp_path / str(trial)
+        out_dir.mkdir()
+        (out_dir / LOCK_NAME).write_text(json.dumps({"host": host, "pid": dead, "started": 0}))
+        together, results = context.Barrier(2, timeout=30), context.Queue()
+        starters = [context.Process(target=_start_together, args=(out_dir, together, results)) for _ in "ab"]
+        for starter in starters:
+            starter.start()
+        outcomes.append(sorted(results.get(timeout=30) for _ in starters))
+        for starter in starters:
+            starter.join(timeout=30)
+        assert json.loads((out_dir / LOCK_NAME).read_text())["pid"] in [s.pid for s in starters]
+        assert sorted(p.name for p in out_dir.iterdir()) == [LOCK_NAME]  # nothing left aside
+    both = outcomes.count(["took", "took"])
+    assert outcomes == [["refused", "took"]] * len(outcomes), f"both took it in {both} of {len(outcomes)}"
+
+
+def test_a_run_that_judged_a_lock_stale_after_another_took_it_over_is_refused(tmp_path, monkeypatch):
+    """The late starter moves the other's new lock aside, sees it is not the lock it judged stale,
+    puts it back and is refused."""
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    lock, host = out_dir / LOCK_NAME, socket.gethostname()
+    lock.write_text(json.dumps({"host": host, "pid": _dead_pid(), "started": 0}))
+    winner = {"host": host, "pid": os.getppid(), "started": time.time()}  # a live process
+    judge = RunLock._judge
+
+    def judged_then_taken_over(self):
+        judged = judge(self)
+        lock.unlink()  # the other starter's takeover, between this one's judging and its own
+        lock.write_text(json.dumps(winner))
+        return judged
+
+    monkeypatch.setattr(RunLock, "_judge", judged_then_taken_over)
+    refused = rf"is in use by another run \(host {re.escape(host)}, pid {winner['pid']},"
+    with pytest.raises(ValueError, match=refused):
+        RunLock(out_dir).acquire()
+    assert json.loads(lock.read_text()) == winner
+    assert sorted(p.name for p in out_dir.iterdir()) == [LOCK_NAME]
 
 
 def test_a_corrupt_newest_checkpoint_names_the_intact_one_and_resume_from_picks_it(tmp_path, capsys):
