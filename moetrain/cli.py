@@ -98,8 +98,8 @@ def _train(args) -> int:
         return code
     except (Exception, Interrupted) as error:  # noqa: BLE001 - every failure becomes one line + the log file
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun SIGTERMs the others once one rank failed
-        watchdog = position.watchdog
-        if watchdog is not None:
+        watchdog = position.watchdog  # after a failed set-up: stopped, having looked (Trainer)
+        if watchdog is not None and trainer is not None:
             watchdog.look_now(error)  # a crashed rank; a stall the timeout found before the look
         code = exit_code(error, position, INPUT_ERRORS)
         line = describe_failure(error, position, position.model, log_path)

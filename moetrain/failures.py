@@ -76,7 +76,8 @@ class RunPosition:
     number of completed optimizer steps + 1 inside a step, None before training starts).
     ``stall``: the watchdog's finding while this rank is stuck where it is (the ranks that stopped
     or lag behind; :class:`moetrain.watchdog.Watchdog`), None once it moves on. ``watchdog``: that
-    watchdog while it runs, asked to look once more (``look_now()``) before an error line is written."""
+    watchdog while it runs, asked to look once more (``look_now()``) before an error line is written;
+    after a failed set-up, stopped, having looked already (:class:`moetrain.engine.Trainer`)."""
 
     rank: int = 0
     step: int | None = None

@@ -138,10 +138,12 @@ class CheckpointWriter:
 
     ``asynchronous``: the caller returns after staging (a host-memory copy of its entries), the
     write and commit run on a background thread with their own process group; ``wait()`` returns
-    the last save's :class:`SaveResult` (raising its error, if any). ``keep_last``: complete
-    checkpoints kept (an integer >= 1, or None: keep all). ``timeout_s``: timeout of the background
-    process group (None: torch's default). Construct it on every rank (it creates a process group
-    when torch.distributed is initialised).
+    the last save's :class:`SaveResult` (raising its error, if any). ``last_blocking``: ``(step,
+    seconds)`` of the newest ``save()``, how long it held its caller (as ``SaveResult.blocking_s``),
+    known as soon as ``save()`` returns. ``keep_last``: complete checkpoints kept (an integer >= 1,
+    or None: keep all). ``timeout_s``: timeout of the background process group (None: torch's
+    default). Construct it on every rank (it creates a process group when torch.distributed is
+    initialised).
     """
 
     def __init__(
@@ -165,6 +167,7 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._outcome: SaveResult | BaseException | None = None
         self.last_result: SaveResult | None = None
+        self.last_blocking: tuple[int, float] | None = None
 
     # --------------------------------------------------------------------------------------------
     @property
@@ -295,9 +298,11 @@ class CheckpointWriter:
         if not self.asynchronous:
             job.blocking_s = None
             self.last_result = job.run()
+            self.last_blocking = (step, self.last_result.blocking_s)
             return final_dir
         job.entries = _stage(entries)
         job.blocking_s = time.perf_counter() - started
+        self.last_blocking = (step, job.blocking_s)
 
         def background() -> None:
             try:

@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 class TrainingLoop:
     """The loop part of :class:`moetrain.engine.Trainer`: :meth:`train`, checkpoints and resuming."""
 
+    _agreed_flags: tuple[int, list[bool]] | None = None  # (step, :meth:`_step_flags`) once agreed
+
     def train(self, until: int | None = None) -> list[dict]:
         """Runs to ``config.steps`` (resuming first when a checkpoint exists), or only to step
         ``until`` (then checkpoints, as if interrupted); returns the metrics of every logging step
@@ -59,6 +61,7 @@ class TrainingLoop:
         bar = ProgressBar(config.steps, "train", log_every=1, initial=self.step) if self.is_main else None
         history = []
         self._last_checkpoint_time = time.monotonic()
+        self._agreed_flags = None
         try:
             while self.step < last_step:
                 self.position.step = self.step + 1
@@ -77,10 +80,7 @@ class TrainingLoop:
                             **{"tok/s": int(metrics["tokens_per_s"])},
                             **load,
                         )
-                self.position.phase = "checkpoint"
-                stop, due, failed = self._agree_flags(
-                    self.stop_requested, self._checkpoint_due(), self.writer.failed()
-                )
+                stop, due, failed = self._step_flags()
                 if failed:
                     self.writer.wait()  # raises the background save's error, on every rank
                 if stop or due:
@@ -119,6 +119,18 @@ class TrainingLoop:
         minutes = config.checkpoint_every_minutes
         return bool(minutes) and time.monotonic() - self._last_checkpoint_time >= 60 * minutes
 
+    def _step_flags(self) -> list[bool]:
+        """``[stop, due, failed]`` after the current step: SIGTERM arrived, a checkpoint is due
+        (:meth:`_checkpoint_due`), the background save failed; each the same on every rank
+        (:meth:`_agree_flags`). Agreed once per step, by whichever asks first: the metrics, to log
+        the step at which the run stops (:meth:`_is_logging_step`), or the loop, after the step."""
+        agreed = self._agreed_flags
+        if agreed is None or agreed[0] != self.step:
+            self.position.phase = "checkpoint"
+            flags = self._agree_flags(self.stop_requested, self._checkpoint_due(), self.writer.failed())
+            agreed = self._agreed_flags = (self.step, flags)
+        return agreed[1]
+
     def _agree_flags(self, *flags: bool) -> list[bool]:
         """Each flag True on every rank when it is True on any rank (one small all-reduce), so
         that all ranks checkpoint and stop together."""
@@ -149,6 +161,7 @@ class TrainingLoop:
             scheduler=self.scheduler,
             extra_state=self._extra_state(),
         )
+        self._record_checkpoint_stall()
         self.saved_step = self.step
         self._last_checkpoint_time = time.monotonic()
 

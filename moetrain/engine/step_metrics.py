@@ -24,8 +24,25 @@ log = logging.getLogger(__name__)
 class StepMetrics:
     """The metrics part of :class:`moetrain.engine.Trainer`: what a logging step reports."""
 
+    _checkpoint_stall_s: float | None = None  # saves since the last logging step: seconds held
+
     def _is_logging_step(self, step: int) -> bool:
-        return step % self.config.log_every == 0 or step == self.config.steps
+        """Every ``log_every`` steps, the last step (``steps``), and the step at which the run
+        stops for SIGTERM (agreed by every rank: :meth:`TrainingLoop._step_flags`), so that the
+        steps since the previous logging step are logged before the run stops."""
+        if step % self.config.log_every == 0 or step == self.config.steps:
+            return True
+        stop, _, _ = self._step_flags()
+        return stop
+
+    def _record_checkpoint_stall(self) -> None:
+        """After ``writer.save()`` returned: adds the seconds it held the step (the writer's
+        ``last_blocking``: staging when asynchronous, the whole save otherwise) to the next logging
+        step's ``checkpoint_stall_s``. A save comes after its step's metrics, so it is reported on
+        the next logging step, once; several saves between two logging steps are summed."""
+        blocking = self.writer.last_blocking
+        if blocking is not None:
+            self._checkpoint_stall_s = (self._checkpoint_stall_s or 0.0) + blocking[1]
 
     def _logged_metrics(self, lr: float, grad_norm: float, loss_scale: float, skipped: bool) -> dict:
         """The metrics of a logging step: loss, aux loss and tokens/s over the steps since the last
@@ -66,9 +83,8 @@ class StepMetrics:
             metrics["time/optimizer_host_s"] = host_update_s
         if self.device.type == "cuda":
             metrics.update(self._peak_memory())
-        result = self.writer.last_result
-        if result is not None and result.step > self.step - len(window):
-            metrics["checkpoint_stall_s"] = result.blocking_s
+        if self._checkpoint_stall_s is not None:
+            metrics["checkpoint_stall_s"], self._checkpoint_stall_s = self._checkpoint_stall_s, None
         return {**metrics, **self._data_metrics(), **self._expert_metrics()}
 
     def _peak_memory(self) -> dict:

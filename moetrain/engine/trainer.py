@@ -37,16 +37,34 @@ class Trainer(TrainingLoop, TrainingStep, StepMetrics, RunSetUp):
         ``RunAutoSplit`` when ``parallel.auto_gpu`` is set). When set-up fails at any stage (or is
         interrupted: any exception, ``KeyboardInterrupt`` included) what it had started is released before the
         exception propagates: the ``out_dir`` lock, the watchdog, the data loader, the checkpoint
-        writer."""
+        writer. A watchdog already started first looks at the heartbeats (``look_now``: after a
+        lost connection it names the rank that crashed in ``position.stall``) and, stopped, stays
+        in ``position.watchdog`` for the caller's error path (:meth:`_release_failed_set_up`)."""
         self.config = config
         self.auto = auto
         self.position = position if position is not None else RunPosition()
         self.lock = self.watchdog = self.writer = self.batches = None
         try:
             self._set_up(config, on_out_dir_locked)
-        except BaseException:
-            self.release()
+        except BaseException as error:
+            self._release_failed_set_up(error)
             raise
+
+    def _release_failed_set_up(self, error: BaseException) -> None:
+        """Set-up failed with ``error``: the watchdog (if started) looks at the heartbeats while it
+        still runs, as the command line does for a failure in training, so that this rank's error
+        line names a rank that crashed during set-up; then :meth:`release`. The stopped watchdog is
+        left in ``position.watchdog``: the command line's error path no longer asks it to look (it
+        has), but a rank serving the rendezvous store still waits there for the others' look
+        (``keep_store_for_the_others``) after destroying its process groups."""
+        watchdog = self.watchdog
+        if watchdog is not None:
+            try:
+                watchdog.look_now(error)
+            except Exception as caught:  # noqa: BLE001 - set-up has already failed; this is secondary
+                log.error("watchdog: could not look at the heartbeats: %s", caught)
+        self.release()
+        self.position.watchdog = watchdog
 
     def close(self) -> None:
         """Waits for a checkpoint still being written, then :meth:`release`."""

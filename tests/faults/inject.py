@@ -5,10 +5,11 @@ loss from step S on is NaN); ``overflow-grad@S`` (the loss of step S is finite, 
 inf: an fp16 overflow in the backward); ``stop-in-moe@S`` (the first MoE layer's forward of step S, before
 its all-to-all, waits 2 s, long enough for the watchdog to publish where the rank is, then stops
 the process with SIGSTOP); ``kill9-rank@R:S`` (the process of RANK R kills itself with SIGKILL at the
-loss of step S: for launches where every rank runs the same command); ``slow-build@N`` (the model
-builder writes ``slow-build.started`` beside ``out_dir``, then sleeps N seconds: set-up in progress,
-the out_dir lock held). Otherwise only this
-process is affected (the tests pass the fault to one rank)."""
+loss of step S: for launches where every rank runs the same command); ``kill9-setup@R`` (the
+process of RANK R kills itself with SIGKILL in the model builder: set-up, after the watchdog
+started); ``slow-build@N`` (the model builder writes ``slow-build.started`` beside ``out_dir``,
+then sleeps N seconds: set-up in progress, the out_dir lock held). Otherwise only this process is
+affected (the tests pass the fault to one rank)."""
 
 import math
 import os
@@ -36,10 +37,11 @@ class _InfGradient(torch.autograd.Function):
 fault, args = sys.argv[1], sys.argv[2:]
 if fault != "none":
     kind, _, step_text = fault.partition("@")
-    if kind == "kill9-rank":
+    if kind in ("kill9-rank", "kill9-setup"):
         victim, _, step_text = step_text.partition(":")
         if int(os.environ.get("RANK", "0")) != int(victim):
             kind = "none"
+        step_text = step_text or "0"
     start = int(step_text)
     spec = get_model("moe_lm")
     original_builder = spec.builder
@@ -60,6 +62,8 @@ if fault != "none":
         layer.forward = forward
 
     def faulty_builder(config, shard):
+        if kind == "kill9-setup":
+            os.kill(os.getpid(), signal.SIGKILL)
         if kind == "slow-build":
             cue = os.path.join(os.path.dirname(os.path.abspath(config.out_dir)), "slow-build.started")
             with open(cue, "w"):

@@ -58,3 +58,40 @@ def test_a_killed_rank_is_named_by_every_survivor(tmp_path, world, victim):
         others = [r for r in ranks if r != rank]
         assert not any(f"rank {r} stopped making" in lines[0] for r in others), lines  # no survivor named
     assert elapsed < 30, elapsed  # not the collective timeout: the connection loss, then one look
+
+
+SET_UP_CASES = [(2, 1), (2, 0), (3, 1)]
+
+
+@pytest.mark.parametrize("world,victim", SET_UP_CASES, ids=[f"world{w}-kill{v}" for w, v in SET_UP_CASES])
+@pytest.mark.timeout(240)
+def test_a_rank_killed_during_set_up_is_named_by_every_survivor(tmp_path, world, victim):
+    """A rank SIGKILLed in the model builder (set-up, its watchdog started): each survivor's set-up
+    collective fails, and its line names the killed rank as in training (set-up used to release
+    the watchdog before the line was written: the line said only "Connection closed by peer")."""
+    out_dir = tmp_path / "run"
+    config = write_config(tmp_path, tiny_config(out_dir, steps=100000, log_every=5, dist_timeout_s=12))
+    procs = start_ranks([config] * world, faults={victim: f"kill9-setup@{victim}"})
+    try:
+        results = finish(procs, timeout=150)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert results[victim][0] == -9, results[victim]
+    cause = (
+        "rank 0 is gone (it served the rendezvous store, which no longer answers)"
+        if victim == 0
+        else f"rank {victim} stopped making progress"
+    )
+    for rank, (code, err) in enumerate(results):
+        if rank == victim:
+            continue
+        lines = error_lines(err)
+        assert code == EXIT_RUN_FAILED and len(lines) == 1, err
+        assert lines[0].startswith(f"moetrain: error: rank {rank}, "), lines
+        assert cause in lines[0], lines
+        assert "killed or crashed?" in lines[0] or victim == 0, lines
+        survivors = [r for r in range(world) if r not in (rank, victim)]
+        assert not any(f"rank {r} stopped making" in lines[0] for r in survivors), lines
+    assert not (out_dir / "metrics.jsonl").exists()  # set-up, not training

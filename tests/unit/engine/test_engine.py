@@ -723,3 +723,71 @@ def test_a_model_built_in_another_dtype_is_cast_to_param_dtype(tmp_path, monkeyp
         trainer.close()
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
     assert "model built with torch.bfloat16 weights, cast to param_dtype torch.float32" in caplog.text
+
+
+@pytest.mark.parametrize("async_checkpoint", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("log_every,checkpoint_every", [(2, 2), (1, 2), (2, 4)])
+def test_every_checkpoint_stall_is_reported_once_on_the_next_logging_step(
+    tmp_path, async_checkpoint, log_every, checkpoint_every
+):
+    """A save comes after its step's metrics line: its checkpoint_stall_s is on the next logging
+    line, once (it was lost whenever the checkpoint step was a logging step, and with async saves
+    until a later save waited for it). The last save (step 8, the end) has no line after it."""
+    config = tiny(
+        tmp_path, steps=8, log_every=log_every, checkpoint_every=checkpoint_every,
+        async_checkpoint=async_checkpoint, keep_last=10,
+    )  # fmt: skip
+    run(config)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    with_stall = [m["step"] for m in lines if "checkpoint_stall_s" in m]
+    saves = range(checkpoint_every, 8, checkpoint_every)
+    assert with_stall == [s + log_every - s % log_every for s in saves], with_stall
+    assert all(m["checkpoint_stall_s"] > 0 for m in lines if "checkpoint_stall_s" in m)
+
+
+def _sigterm_at_step(trainer: Trainer, step: int, rank: int = 0) -> None:
+    """Sends this process SIGTERM (on ``rank`` only) as ``trainer`` starts optimizer step ``step``."""
+    original = trainer.train_step
+
+    def train_step():
+        if trainer.step == step - 1 and trainer.rank == rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original()
+
+    trainer.train_step = train_step
+
+
+def test_sigterm_logs_the_steps_since_the_last_logging_step(tmp_path):
+    """SIGTERM at step 7 with log_every 5: step 7 is logged (steps 6-7, whose window was dropped)
+    before the checkpoint, and summary.json holds step 7's values beside last_step 7."""
+    trainer = Trainer(config_from_dict(TrainConfig, tiny(tmp_path, steps=100, log_every=5)))
+    _sigterm_at_step(trainer, 7)
+    history = trainer.train()
+    trainer.close()
+    assert trainer.preempted and trainer.step == 7
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [5, 7] == [m["step"] for m in history]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["last_step"] == 7 and summary["preempted"] is True
+    assert summary["loss"] == lines[-1]["loss"] and summary["lr"] == lines[-1]["lr"]
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000007"]
+
+
+def sigterm_on_one_rank_worker(rank, world, out_dir):
+    layout = {"parallel.ep_size": world, "parallel.local_world_size": 1}
+    config = tiny(out_dir, steps=100, log_every=5, **layout)
+    trainer = Trainer(config_from_dict(TrainConfig, config))
+    _sigterm_at_step(trainer, 7, rank=1)
+    history = trainer.train()
+    trainer.close()
+    return trainer.step, [m["step"] for m in history]
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_on_one_rank_logs_the_stop_step_on_every_rank(tmp_path):
+    """SIGTERM reaching rank 1 only: every rank agrees on the stop before the step's metrics (their
+    all-reduces stay matched), logs step 7 and stops there."""
+    results = run_distributed(sigterm_on_one_rank_worker, 2, tmp_path)
+    assert results == [(7, [5, 7]), (7, [5, 7])]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [5, 7]
