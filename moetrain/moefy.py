@@ -181,18 +181,25 @@ def moefy(
     types), or ``callable(name, module) -> bool``. Each matched module must be a supported FFN (see
     the module docstring). ``num_experts``, ``top_k`` and any other :class:`~moetrain.MoEConfig`
     option (``moe_options``) configure the layers; ``d_model``, ``d_ff``, ``activation`` and
-    ``expert_bias`` come from the FFN. Defaults that differ from MoEConfig's: dropless routing
-    (``capacity_factor=None``) and, with ``upcycle``, normalised gates (``normalize_gates=True``,
+    ``expert_bias`` come from the FFN (passing them is an error). Defaults that differ from
+    MoEConfig's: dropless routing in training and in evaluation (``capacity_factor=None``,
+    ``eval_capacity_factor=None``) and, with ``upcycle``, normalised gates (``normalize_gates=True``,
     which the step-0 equality needs; with ``top_k=1`` the gate is then 1 and the router learns
-    through the aux loss only). The new layers hold every expert and take the FFN's device and
-    dtype; expert parallelism is applied afterwards (:func:`moetrain.parallelize` with
-    ``expert``, or :func:`moetrain.shard_experts`).
+    through the aux loss only). The new layers hold every expert and take the FFN's device, dtype
+    and training or evaluation mode; expert parallelism is applied afterwards
+    (:func:`moetrain.parallelize` with ``expert``, or :func:`moetrain.shard_experts`).
 
     A Hugging Face model (``model.config`` a ``PretrainedConfig``) gets the call recorded in
     ``model.config.moetrain_moefy`` (see the module docstring): ``save_pretrained`` then writes it
     to ``config.json`` and :func:`from_pretrained` gives the MoE model back. Call ``moefy`` on the
     model you will save (the recorded names are relative to it).
     """
+    from_the_ffn = sorted(set(moe_options) & set(_NOT_OPTIONS))
+    if from_the_ffn:
+        raise ValueError(
+            f"moefy: {', '.join(from_the_ffn)} come from the FFN (or are moefy's own arguments), not from "
+            "moe_options: the experts copy the FFN, and the recorded call rebuilds them from it"
+        )
     accepts = _matcher(match)
     chosen = [(name, module) for name, module in model.named_modules() if name and accepts(name, module)]
     if not chosen:
@@ -206,7 +213,8 @@ def moefy(
                 "ReLU/GELU, Linear[, Dropout]), a GPT-2 MLP (c_fc, act, c_proj) or a gated MLP (gate_proj, "
                 "up_proj, down_proj, SiLU act_fn)"
             )
-        options = {"capacity_factor": None, **({"normalize_gates": True} if upcycle else {}), **moe_options}
+        dropless = {"capacity_factor": None, "eval_capacity_factor": None}
+        options = {**dropless, **({"normalize_gates": True} if upcycle else {}), **moe_options}
         has_bias = dense.b1_H is not None or dense.b2_D is not None
         config = config_from_dict(
             MoEConfig,
@@ -225,6 +233,7 @@ def moefy(
             layer = MoELayer(config).to(device=dense.w1_DH.device, dtype=dense.w1_DH.dtype)
         if upcycle:
             upcycle_into(layer, dense)
+        layer.train(module.training)  # an eval() model's new layer routes as in evaluation
         replacement = layer if dense.after is None else nn.Sequential(layer, dense.after)
         model.set_submodule(name, replacement)
         replaced.append(name)

@@ -57,6 +57,27 @@ def test_upcycled_sequential_ffn_equals_the_dense_one(activation):
     assert moe.router.weight.grad.abs().sum() > 0 and moe.experts.b1_EF.grad.abs().sum() > 0
 
 
+def test_an_eval_model_stays_in_eval_and_drops_no_token_even_with_a_skewed_router():
+    """moefy on an ``eval()`` model: the new layers evaluate (no router jitter, the evaluation
+    capacity rule), and that rule is dropless too, so a router that sends every token to the same
+    experts still gives the dense output (MoEConfig's evaluation default, 2.0, dropped them)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.Sequential(nn.Linear(16, 48), nn.ReLU(), nn.Linear(48, 16))
+    ).eval()
+    x = torch.randn(4, 6, 8)
+    dense = model(x)
+    moefy(model, match="1", num_experts=8, top_k=2, router_jitter=0.5)
+    moe = model[1]
+    assert not moe.training and moe.config.eval_capacity_factor is None
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[:2] = 1.0  # experts 0 and 1 win for every token
+    torch.testing.assert_close(model(x), dense, rtol=0, atol=1e-6)
+    assert moe.last_stats.dropped_fraction == 0.0
+    torch.testing.assert_close(model(x), model(x), rtol=0, atol=0)  # no jitter in evaluation
+
+
 def test_without_upcycling_the_ffn_is_swapped_for_a_freshly_initialised_layer():
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -174,3 +195,5 @@ def test_errors_name_the_module_and_what_is_supported():
     ffn = nn.Sequential(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)))
     with pytest.raises(ValueError, match="top_k must satisfy 1 <= top_k <= num_experts = 2, got 3"):
         moefy(ffn, match="0", num_experts=2, top_k=3)
+    with pytest.raises(ValueError, match="^moefy: activation, d_ff come from the FFN"):
+        moefy(ffn, match="0", num_experts=2, activation="gelu", d_ff=16)
