@@ -58,7 +58,14 @@ from moetrain.layers.experts import DenseFFN
 from moetrain.layers.moe_layer import MoELayer, shard_experts
 from moetrain.parallel import ParallelContext
 from moetrain.scope import has_marks, strategy_from_scopes
-from moetrain.tensor_split import SPLIT_KINDS, check_split, split_dense_ffn, split_styles
+from moetrain.tensor_split import (
+    SPLIT_KINDS,
+    check_split,
+    retie_parameters,
+    split_dense_ffn,
+    split_styles,
+    tied_parameters,
+)
 
 log = logging.getLogger(__name__)
 
@@ -395,12 +402,14 @@ def _shard_experts_and_splits(model: nn.Module, assignments, parallel: ParallelC
         from torch.distributed.tensor.parallel import parallelize_module
 
         tp_mesh = parallel.submesh("tp")
+        tied = tied_parameters(model)  # split modules get their own DTensors: tie them again after
         styles = split_styles(splits)
         if styles:
             parallelize_module(model, tp_mesh, styles)
         for a in splits:
             if isinstance(a.module, DenseFFN):
                 split_dense_ffn(a.module, tp_mesh)
+        retie_parameters(model, tied, {a.name: a.kind for a in assignments})
     return experts
 
 

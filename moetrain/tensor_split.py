@@ -1,7 +1,8 @@
 """Tensor parallelism of the modules a strategy marks ``split`` / ``split.row`` / ``split.head``
 (see :mod:`moetrain.parallelize`): the checks that ``tp`` ranks can split them (even shapes, whole
 attention heads), the ``ParallelStyle`` of each ``nn.Linear`` / ``nn.Embedding`` for
-``parallelize_module``, and Megatron's MLP split of a :class:`~moetrain.layers.experts.DenseFFN`."""
+``parallelize_module``, Megatron's MLP split of a :class:`~moetrain.layers.experts.DenseFFN`, and the
+re-tying of parameters several modules share (a tied embedding and head) after the split."""
 
 from __future__ import annotations
 
@@ -101,3 +102,60 @@ def split_dense_ffn(module: DenseFFN, mesh) -> None:
         return output.redistribute(device_mesh, [Replicate()]).to_local()
 
     distribute_module(module, mesh, partition, inputs, outputs)
+
+
+def tied_parameters(model: nn.Module) -> list[list[str]]:
+    """The names of each Parameter that several modules (or attributes) hold, one list per shared
+    Parameter, in ``named_parameters`` order: e.g. ``["embed.weight", "head.weight"]`` for an
+    embedding tied to its head. Found before splitting: ``parallelize_module`` gives each module
+    its own DTensor, so afterwards the aliases are separate Parameters."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _kind(name: str, kinds: dict[str, str]) -> str:
+    """The strategy kind of the module owning parameter ``name``: its own, else its nearest
+    assigned ancestor's, else ``'replica'``."""
+    module = name.rpartition(".")[0]
+    while module not in kinds and module:
+        module = module.rpartition(".")[0]
+    return kinds.get(module, "replica")
+
+
+def _layout(param: torch.Tensor):
+    """``(mesh, placements)`` of a DTensor parameter, ``None`` for a whole (replicated) one."""
+    from torch.distributed.tensor import DTensor
+
+    return (param.device_mesh, tuple(param.placements)) if isinstance(param, DTensor) else None
+
+
+def _describe(layout) -> str:
+    """``'whole'``, or the placements of a DTensor layout: ``'Shard(dim=0)'``."""
+    return "whole" if layout is None else ", ".join(map(repr, layout[1]))
+
+
+def retie_parameters(model: nn.Module, tied: list[list[str]], kinds: dict[str, str]) -> None:
+    """Ties again the parameters :func:`tied_parameters` found before splitting: when every alias
+    was split the same way (same mesh, same placements: an embedding ``split`` and its head
+    ``split.head`` both shard the ``[vocab, d]`` matrix by rows), each owning module is given the
+    first alias's DTensor Parameter, so the model trains one matrix as the one-process model does.
+    ``kinds`` maps module names to strategy kinds. Aliases split differently, or split and
+    replicated, are a ``ValueError``: their copies would train apart, silently."""
+    for names in tied:
+        held = [model.get_parameter(name) for name in names]
+        if all(param is held[0] for param in held):
+            continue
+        first = _layout(held[0])
+        for name, param in zip(names[1:], held[1:], strict=True):
+            layout = _layout(param)
+            if layout != first:
+                raise ValueError(
+                    f"tied parameter {names[0]!r} ({_kind(names[0], kinds)!r}: {_describe(first)}) and "
+                    f"{name!r} ({_kind(name, kinds)!r}: {_describe(layout)}) would train apart; split "
+                    "both modules the same way (e.g. embedding 'split', head 'split.head') or untie them"
+                )
+        for name in names[1:]:
+            module, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(module), attr, held[0])

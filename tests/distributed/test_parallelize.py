@@ -248,6 +248,98 @@ def test_split_head_keeps_logits_sharded_and_matches_one_process():
         assert max(r["grads"].values()) < 1e-5, r["grads"]
 
 
+class TiedLM(nn.Module):
+    """An embedding and a head that are one ``[64, 16]`` matrix (``tie_word_embeddings``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.mid = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 64, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mid(self.embed(tokens))))
+
+
+def _tied_step(trained, tokens, targets):
+    """The loss of ``tokens`` (inside the head's loss context) and its backward."""
+    logits = trained(tokens)
+    with trained.loss_context(logits):
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+    return loss
+
+
+def tied_worker(rank, world):
+    parallel = ParallelContext(ParallelConfig(tp_size=world))
+    torch.manual_seed(2)
+    model = TiedLM()
+    reference = copy.deepcopy(model)
+    trained = parallelize(model, parallel, {"embed": "split", "head": "split.head"})
+    tied = model.head.weight is model.embed.weight and len(list(model.parameters())) == 3
+    placements = repr(model.embed.weight.placements)
+    inputs, targets = _tokens(0)
+    loss = _tied_step(trained, inputs, targets)
+    trained.reduce_gradients()
+    ref_loss = F.cross_entropy(reference(inputs).flatten(0, 1), targets.flatten())
+    ref_loss.backward()
+    grads = {n: _rel(full(model.get_parameter(n).grad), p.grad) for n, p in reference.named_parameters()}
+    for m in (model, reference):  # one AdamW step each, then the loss of the next batch
+        torch.optim.AdamW(m.parameters(), lr=1e-2).step()
+        m.zero_grad()
+    inputs2, targets2 = _tokens(1)
+    loss2 = full(_tied_step(trained, inputs2, targets2)).item()
+    ref_loss2 = F.cross_entropy(reference(inputs2).flatten(0, 1), targets2.flatten()).item()
+    return {
+        "tied": tied,
+        "placements": placements,
+        "loss": (full(loss).item(), ref_loss.item()),
+        "grads": grads,
+        "loss2": (loss2, ref_loss2),
+        "weights": _rel(full(model.embed.weight).detach(), reference.embed.weight.detach()),
+    }
+
+
+@pytest.mark.timeout(120)
+def test_split_tied_embedding_and_head_stay_one_parameter_and_match_one_process():
+    """tp 2 on 2 ranks, embedding 'split' and head 'split.head' sharing their weight: after
+    parallelize both modules hold the same vocabulary-sharded DTensor Parameter (splitting gave
+    each its own, and the two copies trained apart), and the loss, the tied gradient (the sum of
+    both uses) and the loss after one AdamW step equal one process."""
+    for r in run_distributed(tied_worker, 2):
+        assert r["tied"] and r["placements"] == "(Shard(dim=0),)", r
+        assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-6)
+        assert max(r["grads"].values()) < 1e-5, r["grads"]
+        assert r["loss2"][0] == pytest.approx(r["loss2"][1], rel=1e-5), r
+        assert r["weights"] < 1e-5, r
+
+
+def tied_errors_worker(rank, world):
+    parallel = ParallelContext(ParallelConfig(tp_size=world))
+    messages = []
+    for strategy in ({"embed": "split"}, {"embed": "split", "head": "split.row"}):
+        try:
+            parallelize(TiedLM(), parallel, strategy)
+            messages.append(None)
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+@pytest.mark.timeout(120)
+def test_tied_parameters_split_two_ways_are_an_error():
+    """A tied embedding split with its head replicated, or the head split by rows (Shard(1) of the
+    matrix the embedding shards by rows): one-line ValueErrors naming both names and kinds."""
+    for replicated, by_rows in run_distributed(tied_errors_worker, 2):
+        assert replicated == (
+            "tied parameter 'embed.weight' ('split': Shard(dim=0)) and 'head.weight' ('replica': whole) "
+            "would train apart; split both modules the same way (e.g. embedding 'split', head "
+            "'split.head') or untie them"
+        )
+        assert "('split': Shard(dim=0)) and 'head.weight' ('split.row': Shard(dim=1))" in by_rows
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fsdp_replicas_and_experts_equal_one_process():
