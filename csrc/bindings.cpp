@@ -31,9 +31,12 @@ TORCH_LIBRARY(moetrain, m) {
   // Counting sort of the S routing slots by expert with a capacity cut (capacity < 0: none).
   // num_rows: slot_of_row's length, padded with -1 after the kept rows (a shape that does not
   // depend on the data, for compiled graphs); None: exactly the kept rows.
+  // The sizes are SymInt: a compiled graph passes them as symbols of the token count, which an
+  // `int` would specialise (one graph per length); the kernel, taking int64_t, gets them concrete.
   m.def(
-      "build_dispatch_plan(Tensor expert_ids, Tensor? priority_order, int num_experts, int capacity, "
-      "int? num_rows=None) -> (Tensor row_of_slot, Tensor slot_of_row, Tensor kept_counts, Tensor routed_counts)");
+      "build_dispatch_plan(Tensor expert_ids, Tensor? priority_order, SymInt num_experts, SymInt capacity, "
+      "SymInt? num_rows=None) -> (Tensor row_of_slot, Tensor slot_of_row, Tensor kept_counts, "
+      "Tensor routed_counts)");
   // out[r] = weights[s] * x[s // k] with s = slot_of_row[r]; s = -1 gives a zero row.
   m.def("permute_rows(Tensor x, Tensor slot_of_row, int k, Tensor? weights) -> Tensor");
   // out[t] = sum_j weights[t, j] * y[row_of_slot[t, j]], dropped slots (-1) skipped.

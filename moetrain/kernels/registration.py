@@ -30,9 +30,9 @@ from moetrain.kernels import native
 # The operators csrc/bindings.cpp defines, as torch prints their schemas (a test compares them with
 # the extension's); defined here only when no extension could be built (``_ext.EXTENSION``).
 SCHEMAS = {
-    "build_dispatch_plan": "build_dispatch_plan(Tensor expert_ids, Tensor? priority_order, int num_experts, "
-    "int capacity, int? num_rows=None) -> (Tensor row_of_slot, Tensor slot_of_row, Tensor kept_counts, "
-    "Tensor routed_counts)",
+    "build_dispatch_plan": "build_dispatch_plan(Tensor expert_ids, Tensor? priority_order, "
+    "SymInt num_experts, SymInt capacity, SymInt? num_rows=None) -> (Tensor row_of_slot, "
+    "Tensor slot_of_row, Tensor kept_counts, Tensor routed_counts)",
     "permute_rows": "permute_rows(Tensor x, Tensor slot_of_row, int k, Tensor? weights) -> Tensor",
     "unpermute_rows": "unpermute_rows(Tensor y, Tensor row_of_slot, Tensor? weights) -> Tensor",
     "unpermute_weight_grad": "unpermute_weight_grad(Tensor grad, Tensor y, Tensor row_of_slot) -> Tensor",

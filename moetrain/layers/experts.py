@@ -354,11 +354,20 @@ class GroupedExperts(nn.Module):
         return w1, w2, b1, b2, buffers
 
     def _forward_with_biases(self, x_ND, w1_EDF, w2_EFD, b1_EF, b2_ED, rows_per_expert_E, padded: bool):
-        """The operator path plus each row's expert bias, gathered by the row's expert index."""
+        """The operator path plus each row's expert bias, gathered by the row's expert index.
+
+        ``padded`` (a compiled graph's plan): ``x_ND`` may have more rows than
+        ``sum(rows_per_expert_E)`` (tokens were dropped); those padding rows, which belong to no
+        expert, get zero biases, as if from an extra expert ``E`` whose biases are zeros, so that
+        ``repeat_interleave`` fills exactly ``N`` rows. Unpadded: every row has an expert."""
         grouped_mm = torch.ops.moetrain.grouped_mm
-        expert_N = torch.repeat_interleave(
-            torch.arange(self.num_experts, device=x_ND.device), rows_per_expert_E, output_size=x_ND.shape[0]
-        )
+        counts_E, rows = rows_per_expert_E, x_ND.shape[0]
+        if padded:
+            counts_E = torch.cat([counts_E, (rows - counts_E.sum()).reshape(1)])
+            b1_EF = torch.cat([b1_EF, b1_EF.new_zeros((1, b1_EF.shape[1]))])
+            b2_ED = torch.cat([b2_ED, b2_ED.new_zeros((1, b2_ED.shape[1]))])
+        experts_E = torch.arange(counts_E.shape[0], device=x_ND.device)
+        expert_N = torch.repeat_interleave(experts_E, counts_E, output_size=rows)
         b1_NF, b2_ND = b1_EF[expert_N], b2_ED[expert_N]
         h_NF = grouped_mm(x_ND, w1_EDF, rows_per_expert_E, False, padded) + b1_NF
         a_NF = apply_activation(h_NF, self.activation)

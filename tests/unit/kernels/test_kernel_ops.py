@@ -147,6 +147,27 @@ def test_native_dispatch_plan_equals_the_cpp_counting_sort(shape, priority):
                 assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("op", ["build_dispatch_plan", "sort_dispatch_plan"])
+def test_plan_operators_take_symbolic_sizes(op):
+    """The plan's sizes are ``SymInt``: traced with a symbolic token count (a compiled graph's
+    dynamic shapes), capacity and rows stay expressions of it (an ``int`` would bake the traced
+    length's values in), so the one graph serves other lengths, equal to the operator's calls."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    build = getattr(moetrain_ops, op)
+
+    def plan(ids_TK):
+        tokens, k = ids_TK.shape
+        return build(ids_TK, None, 4, tokens // 3 + 1, tokens * k)
+
+    g = torch.Generator().manual_seed(3)
+    graph = make_fx(plan, tracing_mode="symbolic")(_routing(13, 2, 4, g))
+    for tokens in (7, 13, 20):
+        ids = _routing(tokens, 2, 4, g)
+        for got, want in zip(graph(ids), plan(ids), strict=True):
+            assert torch.equal(got, want), tokens
+
+
 def test_dispatch_plans_reject_bad_arguments_by_name():
     ids = torch.tensor([[0, 1], [1, 2]])
     for build, error in ((ops.build_dispatch_plan, RuntimeError), (native.build_dispatch_plan, ValueError)):

@@ -70,6 +70,40 @@ def test_moe_layer_compiles_to_one_graph_equal_to_eager(case):
     assert layer.last_stats.capacity == layer.capacity(21)
 
 
+def test_compiled_expert_biases_with_dropped_tokens_equal_eager():
+    """Expert biases (a moefied GPT-2's MLPs) with a capacity that drops tokens: the compiled
+    plan's padding rows belong to no expert and get no bias; values and gradients equal eager."""
+    torch.manual_seed(0)
+    layer = MoELayer(**{**BASE, "expert_bias": True, "capacity_factor": 1.0, "min_capacity": 1})
+    with torch.no_grad():
+        for bias in (layer.experts.b1_EF, layer.experts.b2_ED):
+            bias.normal_()  # initialised to zeros: make them count in values and gradients
+    x, upstream = torch.randn(3, 7, 16), torch.randn(3, 7, 16)
+    want = _run(layer, x, upstream)
+    padded_rows = min(21 * 2, 4 * layer.capacity(21))  # the compiled plan's rows
+    assert 0 < layer.last_stats.kept_per_expert.sum() < padded_rows  # dropped, and padding rows
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    _assert_equal_runs(_run(compiled, x, upstream), want)
+
+
+@pytest.mark.parametrize("case", ["capacity_drops", "dropless"])
+def test_compiled_layer_does_not_recompile_per_token_count(case):
+    """The plan's sizes (capacity, rows) are symbols of the token count, not constants: a layer
+    compiled once serves every length from its dynamic graph (the C++ plan operator's schema takes
+    them as ``SymInt``; an ``int`` specialised them, one graph per length until the recompile limit,
+    which ``fullgraph=True`` turns into an error), with values and gradients equal to eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    layer = MoELayer(**{**BASE, **CASES[case], "kernels": "custom"})
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
+    for tokens in (5, 9, 13, 17, 22, 30, 41):
+        x, upstream = torch.randn(tokens, 16), torch.randn(tokens, 16)
+        _assert_equal_runs(_run(compiled, x, upstream), _run(layer, x, upstream))
+    assert counter.frame_count <= 2  # the first length's static graph, then one dynamic graph
+
+
 def test_compiled_recompute_replay_reuses_the_recorded_decision():
     """A compiled layer under activation checkpointing: the recompute (inside backward) runs the
     same graph, whose replay operator returns the first forward's decision."""
