@@ -35,7 +35,17 @@ the run had reached (this rank's) and the silent rank's last heartbeat beside it
 
 Store traffic: one small ``set`` per rank every ``interval_s``; one ``multi_get`` of ``world`` keys
 per rank every ``stall_s / 2`` of a stall, until a silent rank is found, and once per failing rank
-after a lost connection.
+after a lost connection. The watchdog has a store connection of its own (:meth:`Watchdog.connection_to`):
+a client serialises its calls, so on the process groups' connection a heartbeat would wait behind a
+``get`` of the main thread (a group's rendezvous) and a healthy rank would look silent.
+
+Every store call has a deadline (``store_deadline_s``): against a server that is stopped (``kill
+-STOP`` of rank 0 serving the store, or of the launcher's agent) a client's ``get`` / ``multi_get``
+/ ``set`` wait forever whatever the store's timeout. A call past its deadline is left behind (its
+thread blocked) and the later ones fail at once until it returns; a look that cannot read the
+heartbeats in time says so in its finding (``the rendezvous store did not answer within N s: rank
+0, which serves it, is stopped or gone``). No store call is made while the thread and
+:meth:`Watchdog.look_now` share state (``_lock``), so a failing rank's last look always ends.
 """
 
 from __future__ import annotations
@@ -48,15 +58,47 @@ import time
 
 log = logging.getLogger(__name__)
 
+_FINAL = ("silent", "store")  # findings after which the thread stops looking (until this rank moves)
+
 
 def _key(rank: int) -> str:
     return f"heartbeat/{rank}"
 
 
+class StoreTimeout(TimeoutError):
+    """A store call of the watchdog that did not return within its deadline."""
+
+    def __init__(self, deadline_s: float):
+        super().__init__(f"the rendezvous store did not answer within {deadline_s:.0f} s")
+        self.deadline_s = deadline_s
+
+
+def _with_deadline(call, deadline_s: float):
+    """``call()`` on a helper thread, given ``deadline_s``: its value, or its error re-raised here;
+    :class:`StoreTimeout` when it has not returned by then (the helper is left blocked)."""
+    box: dict = {}
+    thread = threading.Thread(target=lambda: _into(box, call), name="moetrain-watchdog-store", daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    if thread.is_alive():
+        raise StoreTimeout(deadline_s)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _into(box: dict, call) -> None:
+    try:
+        box["value"] = call()
+    except BaseException as error:  # noqa: BLE001 - re-raised on the calling thread
+        box["error"] = error
+
+
 class Watchdog:
     """Publishes ``position`` (a :class:`moetrain.failures.RunPosition`) and reports stalls and
-    crashed ranks. ``store_served_by``: the rank whose process serves the store (0 under a per-task
-    launch; None when a launcher's agent serves it), named when the store cannot be reached."""
+    crashed ranks. ``store``: a connection of its own (:meth:`connection_to`). ``store_served_by``:
+    the rank whose process serves the store (0 under a per-task launch; None when a launcher's agent
+    serves it), named when the store cannot be reached."""
 
     def __init__(
         self, store, rank: int, world_size: int, position, interval_s: float, stall_s: float,
@@ -68,17 +110,39 @@ class Watchdog:
         self.store_served_by = store_served_by
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="moetrain-watchdog", daemon=True)
-        self._lock = threading.Lock()  # the thread and look_now() share where/since/finding
+        self._lock = threading.Lock()  # the thread and look_now() share where/since/finding (no store I/O)
+        self._io = threading.Lock()  # held by the store call in flight (released by its helper thread)
+        self._stuck = False  # a store call is past its deadline and has not returned yet
         self._seen, self._since, self._finding = None, time.monotonic(), None
         self._ended: str | None = None  # "failed" / "stopped": said in every heartbeat from then on
         self._looked = False  # after a lost connection: this rank has read the heartbeats
         self.reports: list[str] = []
+
+    @staticmethod
+    def connection_to(store, deadline_s: float = 30.0):
+        """A connection of the watchdog's own to ``store`` (``store.clone()``: same server, same
+        prefix), so that its heartbeats do not wait behind the process groups' calls on ``store``.
+        ``store`` itself, with a warning, when it cannot be cloned within ``deadline_s``."""
+        try:
+            return _with_deadline(store.clone, deadline_s)
+        except Exception as error:  # noqa: BLE001 - AttributeError (an older torch), a refused connection
+            log.warning(
+                "watchdog: no store connection of its own (%s); it shares the process groups' (a rank "
+                "waiting in a store call may then look silent)",
+                " ".join(str(error).split())[:200],
+            )
+            return store
 
     @property
     def lost_margin_s(self) -> float:
         """After a lost connection: how much longer than ``interval_s`` a rank must be silent to be
         taken for crashed (the slack for a live rank's late heartbeat)."""
         return max(2.0, self.interval_s / 2)
+
+    @property
+    def store_deadline_s(self) -> float:
+        """How long a store call may take before the store is taken for stopped or gone."""
+        return max(5.0, min(self.interval_s, 30.0))
 
     def start(self) -> Watchdog:
         self._publish()
@@ -88,13 +152,33 @@ class Watchdog:
     def stop(self) -> None:
         """Stops the thread; the last heartbeat says this rank ended (unless it already did)."""
         self._stop.set()
-        self._thread.join(timeout=self.interval_s + 5)
+        self._thread.join(timeout=self.interval_s + self.store_deadline_s + 5)
         if self._ended is None:
             self._ended = "stopped"
             try:
                 self._publish()
             except Exception as error:  # noqa: BLE001 - the store may be gone at shutdown
                 log.debug("watchdog: %s", error)
+
+    def _call(self, method: str, *args):
+        """``store.<method>(*args)`` within ``store_deadline_s``, one call at a time; raises
+        :class:`StoreTimeout` past it, and at once while an earlier call is still stuck."""
+        deadline_s = self.store_deadline_s
+        if not self._io.acquire(timeout=0 if self._stuck else deadline_s):
+            raise StoreTimeout(deadline_s)
+
+        def call():
+            try:
+                return getattr(self.store, method)(*args)
+            finally:
+                self._stuck = False
+                self._io.release()
+
+        try:
+            return _with_deadline(call, deadline_s)
+        except StoreTimeout:
+            self._stuck = True
+            raise
 
     def _where(self) -> tuple:
         return (self.position.step, self.position.phase)
@@ -106,7 +190,7 @@ class Watchdog:
             beat["ended"] = self._ended
         if self._looked:
             beat["looked"] = True
-        self.store.set(_key(self.rank), json.dumps(beat))
+        self._call("set", _key(self.rank), json.dumps(beat))
 
     def _run(self) -> None:
         with self._lock:
@@ -115,20 +199,62 @@ class Watchdog:
         while not self._stop.wait(self.interval_s):
             try:
                 self._publish()
-                with self._lock:
-                    now_where = self._where()
-                    waited = time.monotonic() - self._since
-                    if now_where != self._seen:
-                        next_look = self.stall_s
-                        self._seen, self._since, self._finding = now_where, time.monotonic(), None
-                        self.position.stall = None
-                    elif self._finding != "silent" and waited >= next_look:
-                        self._finding = self._report(now_where, waited, self._finding)
-                        next_look = waited + self.stall_s / 2
-            except Exception as error:  # noqa: BLE001 - the store may be gone at shutdown
+            except Exception as error:  # noqa: BLE001 - the store may be gone at shutdown, or stopped
                 log.debug("watchdog: %s", error)
                 if self._stop.is_set():
                     return
+            moved, due = self._due(next_look)
+            if moved:
+                next_look = self.stall_s
+            elif due is not None:
+                self._look(*due)
+                next_look = due[1] + self.stall_s / 2
+
+    def _due(self, after_s: float) -> tuple[bool, tuple | None]:
+        """``(moved, look)``: whether this rank has moved since the last call (which resets the
+        finding); look ``(where, waited_s)`` when it has been at the same place for
+        ``after_s`` or more and no final finding is known, else None."""
+        with self._lock:
+            where, waited = self._where(), time.monotonic() - self._since
+            if where != self._seen:
+                self._seen, self._since, self._finding = where, time.monotonic(), None
+                self.position.stall = None
+                return True, None
+            if self._finding in _FINAL or waited < after_s:
+                return False, None
+            return False, (where, waited)
+
+    def _look(self, where: tuple, waited_s: float) -> None:
+        """Reads every heartbeat (outside the lock), then keeps the finding if this rank is still
+        where it was; logs it unless it is the finding already kept (by a look made meanwhile)."""
+        try:
+            finding, line, cause = self._report(where, waited_s)
+        except StoreTimeout as error:
+            finding, line, cause = "store", *self._store_silent(where, waited_s, error)
+        except Exception as error:  # noqa: BLE001 - the store may be gone
+            log.debug("watchdog: %s", error)
+            return
+        with self._lock:
+            if self._where() != where or self._seen != where:
+                return  # this rank moved on while it looked: the finding is stale
+            previous, self._finding = self._finding, finding
+            if cause is not None:
+                self.position.stall = cause
+            self.reports.append(line)
+        if finding != previous:
+            log.log(logging.INFO if cause is None else logging.ERROR, "%s", line)
+
+    def _store_silent(self, where: tuple, waited_s: float, error: StoreTimeout) -> tuple[str, str]:
+        """``(line, cause)`` of a look that could not read the heartbeats in time."""
+        owner = self.store_served_by
+        if owner is None:
+            server = "the launcher's agent serving it (on the rendezvous host) is stopped or gone"
+        elif owner != self.rank:
+            server = f"rank {owner}, which serves it, is stopped or gone"
+        else:
+            server = "this rank serves it and cannot answer (overloaded?)"
+        cause = f"{error}: {server}"
+        return f"rank {self.rank} has waited {waited_s:.0f} s at step {where[0]}, {where[1]}; {cause}", cause
 
     def look_now(self, error: BaseException | None = None) -> None:
         """Called by a failing rank before it writes its error line. ``error`` a lost connection
@@ -136,19 +262,23 @@ class Watchdog:
         the module docstring; waits up to ``interval_s + lost_margin_s``). Otherwise: reads every
         heartbeat now if this rank has been in the same place for ``stall_s`` or more and no silent
         rank is known yet, so ``position.stall`` names the cause when a failing collective's error
-        line is written before the next periodic look."""
+        line is written before the next periodic look. Bounded: at most twice ``store_deadline_s``
+        when the store does not answer (the finding then says so)."""
         from moetrain.failures import is_lost_connection
 
         if error is not None and is_lost_connection(error):
             self._look_after_lost_connection()
             return
-        with self._lock:
-            waited = time.monotonic() - self._since
-            if self._where() == self._seen and self._finding != "silent" and waited >= self.stall_s:
-                try:
-                    self._finding = self._report(self._where(), waited, self._finding)
-                except Exception as caught:  # noqa: BLE001 - the store may be gone
-                    log.debug("watchdog: %s", caught)
+        if not self._lock.acquire(timeout=self.store_deadline_s):
+            log.debug("watchdog: the watchdog's state stayed locked; no last look")
+            return
+        try:
+            where, waited = self._where(), time.monotonic() - self._since
+            due = where == self._seen and self._finding not in _FINAL and waited >= self.stall_s
+        finally:
+            self._lock.release()
+        if due:
+            self._look(where, waited)
 
     def _look_after_lost_connection(self) -> None:
         lost_at = time.monotonic()
@@ -220,8 +350,9 @@ class Watchdog:
             log.debug("watchdog: %s", caught)
 
     def _read(self) -> list[tuple[int, dict | None, float]]:
-        """``(rank, heartbeat or None, age in s)`` of every other rank (one ``multi_get``)."""
-        beats = self.store.multi_get([_key(r) for r in range(self.world_size)])
+        """``(rank, heartbeat or None, age in s)`` of every other rank (one ``multi_get``, within
+        ``store_deadline_s``)."""
+        beats = self._call("multi_get", [_key(r) for r in range(self.world_size)])
         now = time.time()
         found = []
         for rank, raw in enumerate(beats):
@@ -235,9 +366,9 @@ class Watchdog:
             found.append((rank, beat, now - beat["time"]))
         return found
 
-    def _report(self, where: tuple, waited_s: float, previous: str | None = None) -> str:
-        """Reads every heartbeat; logs (unless the finding is ``previous`` again) and returns the
-        finding: ``"silent"``, ``"behind"`` or ``"waiting"`` (every rank at the same place)."""
+    def _report(self, where: tuple, waited_s: float) -> tuple[str, str, str | None]:
+        """Reads every heartbeat: ``(finding, line, cause)``; finding ``"silent"``, ``"behind"`` or
+        ``"waiting"`` (every rank at the same place, cause None), cause for ``position.stall``."""
         silent, behind, causes, ended, lagging = [], [], [], [], []
         for rank, beat, age in self._read():
             if beat is None:
@@ -256,22 +387,15 @@ class Watchdog:
                 lagging.append(f"rank {rank} is behind at {place}")
         here = f"step {where[0]}, {where[1]}"
         finding = "silent" if silent else "behind" if behind else "waiting"
-        if silent or behind:
-            parts = [f"rank {self.rank} has waited {waited_s:.0f} s at {here}"]
-            if silent:
-                parts.append(f"stopped or gone: {_first(silent)}")
-            if behind:
-                parts.append(f"behind: {_first(behind)}")
-            line = "; ".join(parts)
-            if finding != previous:
-                log.error("%s", line)
-            self.position.stall = _first(causes + ended + lagging)  # a crashed or stopped rank first
-        else:
+        if finding == "waiting":
             line = f"rank {self.rank}: every rank has been at {here} for {waited_s:.0f} s (a long phase)"
-            if finding != previous:
-                log.info("%s", line)
-        self.reports.append(line)
-        return finding
+            return finding, line, None
+        parts = [f"rank {self.rank} has waited {waited_s:.0f} s at {here}"]
+        if silent:
+            parts.append(f"stopped or gone: {_first(silent)}")
+        if behind:
+            parts.append(f"behind: {_first(behind)}")
+        return finding, "; ".join(parts), _first(causes + ended + lagging)  # a crashed or stopped rank first
 
 
 def _silent(rank: int, beat: dict, age: float, run_step: int | None) -> str:

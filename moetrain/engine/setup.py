@@ -151,7 +151,7 @@ class RunSetUp:
         if self.launch.store is not None:
             stall_s = max(2.0, config.dist_timeout_s / 2)
             self.watchdog = Watchdog(
-                self.launch.store, self.rank, self.parallel.world_size, self.position,
+                Watchdog.connection_to(self.launch.store), self.rank, self.parallel.world_size, self.position,
                 interval_s=min(10.0, stall_s / 4), stall_s=stall_s,
                 store_served_by=None if self.launch.agent_store else 0,
             ).start()  # fmt: skip

@@ -7,6 +7,7 @@ launcher with its static and its c10d rendezvous."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -178,3 +179,81 @@ def test_a_c10d_rendezvous_store_already_on_the_port_is_joined(tmp_path):
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=50)
     assert result.returncode == 0 and "rank 0" in result.stdout, result.stderr
     assert store.num_keys() > 0  # the rendezvous went through this store
+
+
+@pytest.mark.timeout(90)
+def test_a_stopped_rank_serving_the_store_is_named_and_the_others_end(tmp_path):
+    """Rank 0 serves the rendezvous store (per-task launch) and is stopped: a store client's calls
+    then wait forever whatever the store's timeout, so the watchdog's own calls have a deadline
+    and the survivor still ends after ``dist_timeout_s``, its line naming the store and rank 0."""
+    out_dir = tmp_path / "run"
+    config = write_config(tmp_path, tiny_config(out_dir, steps=100000, dist_timeout_s=12))
+    procs = start_ranks([config, config])
+    metrics = out_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.1)
+    time.sleep(2)  # let rank 1's watchdog publish a training step first
+    procs[0].send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        code, err = finish(procs[1:], timeout=40)[0]
+        elapsed = time.monotonic() - stopped_at
+    finally:
+        procs[0].kill()
+        procs[0].communicate()
+    lines = error_lines(err)
+    assert code == 1 and len(lines) == 1, err
+    assert lines[0].startswith("moetrain: error: rank 1, step "), lines
+    assert (
+        "the rendezvous store did not answer within 5 s: rank 0, which serves it, is stopped or gone"
+        in (lines[0])
+    ), lines
+    assert elapsed < 12 + 20, elapsed  # the timeout, plus the watchdog's store deadlines and slack
+
+
+_SLOW_BEFORE_GROUP = """
+import os, sys, time
+import moetrain.engine.setup as setup
+if os.environ["RANK"] == "1":  # sleeps before the checkpoint writer builds its gloo group
+    built = setup.CheckpointWriter
+    setup.CheckpointWriter = lambda *args, **kwargs: (time.sleep({sleep_s}), built(*args, **kwargs))[1]
+from moetrain.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_rank_waiting_in_a_store_call_is_not_taken_for_a_silent_one(tmp_path):
+    """Rank 1 is slow to reach a new group, so rank 0 waits in the group's rendezvous (a ``get`` on
+    the store) and times out. Rank 0 kept beating meanwhile (the watchdog's own store connection:
+    on the groups' connection its heartbeats waited behind that ``get``), so rank 1, failing later,
+    does not blame rank 0 for stopping."""
+    config = write_config(tmp_path, tiny_config(tmp_path / "run", steps=5, dist_timeout_s=8))
+    port, script = free_port(), _SLOW_BEFORE_GROUP.format(sleep_s=12)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, "train", "--config", str(config)],
+            cwd=ROOT,
+            env=_rank_environment(rank, 2, port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    (code0, err0), (code1, err1) = finish(procs, timeout=90)
+    for code, err in ((code0, err0), (code1, err1)):
+        assert code == 1 and len(error_lines(err)) == 1, err
+    assert error_lines(err0)[0].startswith("moetrain: error: rank 0, model set-up: "), err0
+    assert "rank 0 stopped making progress" not in err1 and "rank 0 (last heard" not in err1, err1
+
+
+def _rank_environment(rank: int, world: int, port: int) -> dict:
+    """A per-task (srun-style) launch's environment of ``rank``: rank 0 serves the store."""
+    return {
+        **os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }  # fmt: skip

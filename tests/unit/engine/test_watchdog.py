@@ -178,3 +178,86 @@ def test_the_rank_serving_the_store_stays_until_the_others_have_looked(monkeypat
         assert returned >= looked["at"]
     finally:
         watchdog.stop()
+
+
+class StoppedStore(DictStore):
+    """A store whose server is stopped once ``stopped`` is set: every call then waits forever, as a
+    TCPStore client's do against a stopped server (whatever the store's timeout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stopped = threading.Event()
+
+    def set(self, key, value):
+        if self.stopped.is_set():
+            threading.Event().wait()
+        super().set(key, value)
+
+    def multi_get(self, keys):
+        if self.stopped.is_set():
+            threading.Event().wait()
+        return super().multi_get(keys)
+
+
+def test_a_stopped_store_server_is_named_and_look_now_does_not_hang(monkeypatch):
+    """Rank 0 serves the store and is stopped: the thread's store calls never return. The look
+    still ends (the store calls have a deadline, no call is made under the shared lock) and the
+    finding says the store did not answer and who serves it."""
+    monkeypatch.setattr(Watchdog, "store_deadline_s", 1.0, raising=False)
+    store, position = StoppedStore(), RunPosition(rank=1, step=4, phase="forward")
+    watchdog = Watchdog(store, 1, 2, position, interval_s=0.05, stall_s=0.3, store_served_by=0).start()
+    try:
+        _beat(store, 0, 4, "forward", age_s=0.0)
+        store.stopped.set()
+        time.sleep(0.5)  # the thread is now blocked in a store call (for good, before the fix)
+        looked = threading.Thread(target=watchdog.look_now, args=(RuntimeError("Timed out waiting"),))
+        started = time.monotonic()
+        looked.start()
+        looked.join(10)
+        assert not looked.is_alive(), "look_now hung"
+        assert time.monotonic() - started < 2 * 1.0 + 1
+        assert position.stall == (
+            "the rendezvous store did not answer within 1 s: rank 0, which serves it, is stopped or gone"
+        )
+    finally:
+        stopper = threading.Thread(target=watchdog.stop, daemon=True)
+        stopper.start()
+        stopper.join(10)
+    assert not stopper.is_alive(), "stop hung"
+
+
+def test_heartbeats_go_on_while_the_process_groups_connection_waits_in_a_get():
+    """A TCPStore client serialises its calls: on the connection of the process groups, whose
+    main thread waits in a ``get`` (a group's rendezvous), a heartbeat would wait too and the
+    healthy rank look silent. The watchdog's own connection publishes at once."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=20), wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=timedelta(seconds=4))
+    shared = dist.PrefixStore("moetrain/0", client)
+
+    def in_get():
+        with pytest.raises(dist.DistStoreError):
+            shared.get("never-set")
+
+    waiting = threading.Thread(target=in_get, daemon=True)
+    waiting.start()
+    time.sleep(0.3)  # the groups' connection is now busy in its get
+    position = RunPosition(rank=0, step=2, phase="model set-up")
+    watchdog = Watchdog(Watchdog.connection_to(shared), 0, 1, position, interval_s=0.1, stall_s=3600.0)
+    started = time.monotonic()
+    watchdog.start()
+    try:
+        assert time.monotonic() - started < 1.0
+        beat = json.loads(server.get("moetrain/0/heartbeat/0"))
+        assert (beat["step"], beat["phase"]) == (2, "model set-up")
+    finally:
+        watchdog.stop()
+        waiting.join(10)
+
+
+def test_a_store_that_cannot_be_cloned_is_shared():
+    store = DictStore()
+    assert Watchdog.connection_to(store) is store
