@@ -71,5 +71,9 @@ tests=(tests/gpu/test_build.py tests/gpu/test_extension_jit.py tests/gpu/test_cu
        tests/unit/kernels/test_cpu_adam.py tests/unit/layers/test_compile.py tests/unit/layers/test_moe_layer.py
        tests/unit/machinery/test_offload_optimizer.py tests/unit/foundation/test_torch_compat.py
        tests/unit/engine/test_engine.py)
+# as make test: the tests that time real work (marker serial: rank-speed calibration) run alone after
+# the others, which run on 2 workers (beside another worker's test they measure its load)
 (cd "$copy" && OMP_NUM_THREADS=1 "$OLDPWD/$venv/bin/python" -m pytest -q --durations=10 -n 2 --dist loadfile --no-loadscope-reorder \
-    -m "not slow or build" "${tests[@]}")
+    -m "(not slow or build) and not serial" "${tests[@]}")
+(cd "$copy" && OMP_NUM_THREADS=2 "$OLDPWD/$venv/bin/python" -m pytest -q -m "serial and not slow" "${tests[@]}") \
+    || [ $? -eq 5 ]  # 5: no such test among these files
