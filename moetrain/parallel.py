@@ -116,25 +116,43 @@ def read_launch_environment(env: Mapping[str, str] | None = None) -> LaunchEnvir
     return LaunchEnvironment(0, 1, 0, 1, "127.0.0.1", DEFAULT_MASTER_PORT, "single")
 
 
-def _with_deadline(connect, seconds: float, failure: str):
-    """``connect()`` on a helper thread, given ``seconds``: a TCP store client that reached a port
-    held by something other than a store waits forever inside the handshake, and only a deadline
-    of our own turns that into an error."""
+class DeadlineExceeded(TimeoutError):
+    """A call given to :func:`call_with_deadline` that had not returned by its deadline."""
+
+
+def call_with_deadline(call, seconds: float, name: str = "moetrain-deadline"):
+    """``call()`` on a helper thread (daemon, named ``name``), given ``seconds``: its value, or its
+    error re-raised here; :class:`DeadlineExceeded` when it has not returned by then (the helper is
+    left blocked). A TCP store call whose server is gone, stopped, or not a store at all waits
+    forever whatever the store's timeout; only a deadline of our own turns that into an error."""
     box: dict = {}
 
     def attempt() -> None:
         try:
-            box["value"] = connect()
-        except Exception as error:  # noqa: BLE001 - re-raised below on the calling thread
+            box["value"] = call()
+        except BaseException as error:  # noqa: BLE001 - re-raised below on the calling thread
             box["error"] = error
 
-    thread = threading.Thread(target=attempt, name="moetrain-rendezvous", daemon=True)
+    thread = threading.Thread(target=attempt, name=name, daemon=True)
     thread.start()
-    thread.join(seconds + 5)
-    if "value" in box:
-        return box["value"]
-    cause = f" ({' '.join(str(box['error']).split())[:200]})" if "error" in box else ""
-    raise RendezvousError(failure + cause)
+    thread.join(seconds)
+    if thread.is_alive():
+        raise DeadlineExceeded(f"no answer within {seconds:.0f} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _with_deadline(connect, seconds: float, failure: str):
+    """``connect()`` within ``seconds`` (and 5 s of slack), else :class:`RendezvousError` with
+    ``failure`` and the cause (a client that reached a port held by something other than a store
+    waits forever inside the handshake)."""
+    try:
+        return call_with_deadline(connect, seconds + 5, "moetrain-rendezvous")
+    except DeadlineExceeded:
+        raise RendezvousError(failure) from None
+    except Exception as error:  # noqa: BLE001 - any failure to connect is the rendezvous'
+        raise RendezvousError(f"{failure} ({' '.join(str(error).split())[:200]})") from None
 
 
 class RendezvousError(RuntimeError):

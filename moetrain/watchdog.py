@@ -56,6 +56,8 @@ import math
 import threading
 import time
 
+from moetrain.parallel import DeadlineExceeded, call_with_deadline
+
 log = logging.getLogger(__name__)
 
 _FINAL = ("silent", "store")  # findings after which the thread stops looking (until this rank moves)
@@ -74,24 +76,12 @@ class StoreTimeout(TimeoutError):
 
 
 def _with_deadline(call, deadline_s: float):
-    """``call()`` on a helper thread, given ``deadline_s``: its value, or its error re-raised here;
-    :class:`StoreTimeout` when it has not returned by then (the helper is left blocked)."""
-    box: dict = {}
-    thread = threading.Thread(target=lambda: _into(box, call), name="moetrain-watchdog-store", daemon=True)
-    thread.start()
-    thread.join(deadline_s)
-    if thread.is_alive():
-        raise StoreTimeout(deadline_s)
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
-def _into(box: dict, call) -> None:
+    """``call()`` within ``deadline_s`` (:func:`moetrain.parallel.call_with_deadline`), else
+    :class:`StoreTimeout`."""
     try:
-        box["value"] = call()
-    except BaseException as error:  # noqa: BLE001 - re-raised on the calling thread
-        box["error"] = error
+        return call_with_deadline(call, deadline_s, "moetrain-watchdog-store")
+    except DeadlineExceeded:
+        raise StoreTimeout(deadline_s) from None
 
 
 class Watchdog:
