@@ -52,22 +52,23 @@ def write_config(directory: Path, config: dict, name: str = "run.json") -> Path:
     return path
 
 
+def rank_environment(rank: int, world: int, port: int) -> dict[str, str]:
+    """A per-task (srun-style) launch's environment of ``rank`` on this host: rank 0 serves the
+    rendezvous store on ``port``."""
+    return {
+        **os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }  # fmt: skip
+
+
 def start_ranks(configs: list[Path], extra_args=(), faults=None, port=None) -> list[subprocess.Popen]:
     """One process per config (config i is rank i's), srun-style environment."""
     port = port or free_port()
     world = len(configs)
     procs = []
     for rank, config in enumerate(configs):
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
+        env = rank_environment(rank, world, port)
         fault = (faults or {}).get(rank)
         command = [
             sys.executable,

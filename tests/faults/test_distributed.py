@@ -7,7 +7,6 @@ launcher with its static and its c10d rendezvous."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import socket
@@ -17,28 +16,42 @@ import time
 
 import pytest
 
-from tests.faults.launch import ROOT, error_lines, finish, start_ranks, tiny_config, write_config
+from tests.faults.launch import (
+    ROOT,
+    error_lines,
+    finish,
+    rank_environment,
+    start_ranks,
+    tiny_config,
+    write_config,
+)
 from tests.helpers.dist_utils import free_port
+
+
+def _survivor_after_stopping(procs: list[subprocess.Popen], stopped: int, out_dir, timeout: float):
+    """Stops rank ``stopped`` of two (SIGSTOP) once the run has logged 3 steps and the watchdogs
+    have published a training step (steps take milliseconds: 2 s more), waits for the other rank
+    to end; ``(its exit code, its stderr, seconds from the stop to its end)``."""
+    metrics = out_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.1)
+    time.sleep(2)
+    procs[stopped].send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        code, err = finish([procs[1 - stopped]], timeout=timeout)[0]
+        return code, err, time.monotonic() - stopped_at
+    finally:
+        procs[stopped].kill()
+        procs[stopped].communicate()
 
 
 @pytest.mark.timeout(60)
 def test_a_stopped_rank_is_named_and_the_others_end_within_the_timeout(tmp_path):
     out_dir = tmp_path / "run"
     config = write_config(tmp_path, tiny_config(out_dir, steps=100000, dist_timeout_s=6))
-    procs = start_ranks([config, config])
-    metrics = out_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 40
-    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.1)
-    time.sleep(2)  # steps take milliseconds: let rank 1's watchdog publish a training step first
-    procs[1].send_signal(signal.SIGSTOP)
-    stopped_at = time.monotonic()
-    try:
-        code, err = finish(procs[:1], timeout=30)[0]
-        elapsed = time.monotonic() - stopped_at
-    finally:
-        procs[1].kill()
-        procs[1].communicate()
+    code, err, elapsed = _survivor_after_stopping(start_ranks([config, config]), 1, out_dir, timeout=30)
     lines = error_lines(err)
     assert code == 1 and len(lines) == 1, err
     assert lines[0].startswith("moetrain: error: rank 0, step "), lines
@@ -188,20 +201,7 @@ def test_a_stopped_rank_serving_the_store_is_named_and_the_others_end(tmp_path):
     and the survivor still ends after ``dist_timeout_s``, its line naming the store and rank 0."""
     out_dir = tmp_path / "run"
     config = write_config(tmp_path, tiny_config(out_dir, steps=100000, dist_timeout_s=12))
-    procs = start_ranks([config, config])
-    metrics = out_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 40
-    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.1)
-    time.sleep(2)  # let rank 1's watchdog publish a training step first
-    procs[0].send_signal(signal.SIGSTOP)
-    stopped_at = time.monotonic()
-    try:
-        code, err = finish(procs[1:], timeout=40)[0]
-        elapsed = time.monotonic() - stopped_at
-    finally:
-        procs[0].kill()
-        procs[0].communicate()
+    code, err, elapsed = _survivor_after_stopping(start_ranks([config, config]), 0, out_dir, timeout=40)
     lines = error_lines(err)
     assert code == 1 and len(lines) == 1, err
     assert lines[0].startswith("moetrain: error: rank 1, step "), lines
@@ -236,7 +236,7 @@ def test_a_rank_waiting_in_a_store_call_is_not_taken_for_a_silent_one(tmp_path):
         subprocess.Popen(
             [sys.executable, "-c", script, "train", "--config", str(config)],
             cwd=ROOT,
-            env=_rank_environment(rank, 2, port),
+            env=rank_environment(rank, 2, port),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -248,12 +248,3 @@ def test_a_rank_waiting_in_a_store_call_is_not_taken_for_a_silent_one(tmp_path):
         assert code == 1 and len(error_lines(err)) == 1, err
     assert error_lines(err0)[0].startswith("moetrain: error: rank 0, model set-up: "), err0
     assert "rank 0 stopped making progress" not in err1 and "rank 0 (last heard" not in err1, err1
-
-
-def _rank_environment(rank: int, world: int, port: int) -> dict:
-    """A per-task (srun-style) launch's environment of ``rank``: rank 0 serves the store."""
-    return {
-        **os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": str(world),
-        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }  # fmt: skip

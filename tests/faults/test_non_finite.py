@@ -64,6 +64,15 @@ def test_an_inf_loss_on_one_rank_skips_that_step_on_every_rank(tmp_path, precisi
         assert all(torch.isfinite(v).all() for v in model.state_dict().values() if v.is_floating_point())
 
 
+def _every_rank_stopped_at_step_6_with_the_weights_of_step_3(results) -> None:
+    """Steps 4 to 6 skipped under ``max_consecutive_skips`` 3: each rank exits 1 with one line."""
+    for code, err in results:
+        lines = error_lines(err)
+        assert code == 1 and len(lines) == 1, err
+        assert "step 6: 3 consecutive steps had non-finite gradients" in lines[0], lines
+        assert "the weights are those of step 3" in lines[0]
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_a_loss_that_stays_nan_stops_the_run_naming_the_step_and_keeps_the_finite_checkpoints(
     tmp_path, precision
@@ -73,11 +82,7 @@ def test_a_loss_that_stays_nan_stops_the_run_naming_the_step_and_keeps_the_finit
     settings = {"checkpoint_every": 1, "keep_last": 2, "steps": 20, "max_consecutive_skips": 3}
     config = write_config(tmp_path, tiny_config(out_dir, precision=precision, **settings))
     results = finish(start_ranks([config, config], faults={0: "nan-loss-from@4"}), timeout=90)
-    for code, err in results:
-        lines = error_lines(err)
-        assert code == 1 and len(lines) == 1, err
-        assert "step 6: 3 consecutive steps had non-finite gradients" in lines[0], lines
-        assert "the weights are those of step 3" in lines[0]
+    _every_rank_stopped_at_step_6_with_the_weights_of_step_3(results)
     steps = [step for step, _ in list_checkpoints(out_dir / "checkpoints")]
     assert steps == [4, 5]  # written after skipped steps: the weights of step 3, finite
     model = MoETransformerLM(_lm_config(tiny_config(out_dir)["model"]))
@@ -96,11 +101,7 @@ def test_a_run_of_skipped_steps_goes_on_counting_across_a_resume(tmp_path):
     resumed = write_config(tmp_path, tiny_config(out_dir, steps=20, **settings), name="resumed.json")
     # the fault counts this process's steps: its first is step 6
     results = finish(start_ranks([resumed, resumed], faults={0: "nan-loss-from@1"}), timeout=90)
-    for code, err in results:
-        lines = error_lines(err)
-        assert code == 1 and len(lines) == 1, err
-        assert "step 6: 3 consecutive steps had non-finite gradients" in lines[0], lines
-        assert "the weights are those of step 3" in lines[0]
+    _every_rank_stopped_at_step_6_with_the_weights_of_step_3(results)
 
 
 @pytest.mark.parametrize("precision,stops", [("fp16", False), ("fp32", True)])
