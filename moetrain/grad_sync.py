@@ -85,7 +85,9 @@ def wrap_data_parallel(
 class GradReducer:
     """Sums gradients over ``group`` and divides by ``divisor``, in flat buckets of about
     ``bucket_bytes`` (one all-reduce per bucket, not per tensor). DTensor gradients are reduced
-    through their local shards (the same storage)."""
+    through their local shards (the same storage). An fp16 bucket is divided before the sum
+    (``sum_r g_r / divisor``): its largest value is 65504, and the sum of 480 ranks' gradients
+    overflows long before their mean does; wider dtypes divide after the sum."""
 
     def __init__(self, params: list[nn.Parameter], group, group_size: int, divisor: int,
                  bucket_bytes: int = 32 * 2**20):  # fmt: skip
@@ -117,8 +119,12 @@ class GradReducer:
             return
         for bucket in self._buckets(grads):
             flat = torch.cat([grad.reshape(-1) for grad in bucket])
+            divide_first = flat.dtype == torch.float16
+            if divide_first:
+                flat.mul_(scale)
             dist.all_reduce(flat, group=self.group)
-            flat.mul_(scale)
+            if not divide_first:
+                flat.mul_(scale)
             pieces = flat.split([grad.numel() for grad in bucket])
             for grad, reduced in zip(bucket, pieces, strict=True):
                 grad.copy_(reduced.view_as(grad))
