@@ -30,7 +30,7 @@ def build_moe_lm(config, shard):
         raise ValueError(
             f"data.seq_len = {config.data.seq_len} exceeds model.max_seq_len = {config.model.max_seq_len}"
         )
-    corpus = load_text_corpus(config.data.source, config.data.seq_len + 2)
+    corpus = load_text_corpus(config.data.source, config.data.seq_len + 1)
     model = MoETransformerLM(config.model, seed=config.seed)
     batches = TextBatches(corpus, config.data.micro_batch_size, config.data.seq_len, config.seed, shard.index)
     return model, batches, lm_loss

@@ -79,8 +79,9 @@ def load_text_corpus(source: str, min_bytes: int) -> torch.Tensor:
 
 def sample_batch(corpus: torch.Tensor, batch: int, seq: int, generator: torch.Generator):
     """Random windows of ``corpus`` (byte values, any integer dtype): int64 inputs ``[B, S]`` and
-    next-byte targets ``[B, S]``."""
-    starts = torch.randint(0, corpus.numel() - seq - 1, (batch,), generator=generator)
+    next-byte targets ``[B, S]``; the start is uniform over all ``bytes - S`` windows of ``S + 1``
+    bytes."""
+    starts = torch.randint(0, corpus.numel() - seq, (batch,), generator=generator)
     windows = torch.stack([corpus[s : s + seq + 1] for s in starts.tolist()]).long()
     return windows[:, :-1], windows[:, 1:]
 
@@ -97,7 +98,7 @@ class TextBatches:
         self.batches_drawn = 0
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(0, self.corpus.numel() - self.seq - 1, (self.batch,), generator=self.generator)
+        starts = torch.randint(0, self.corpus.numel() - self.seq, (self.batch,), generator=self.generator)
         offsets = torch.arange(self.seq + 1)
         windows = self.corpus[starts.unsqueeze(1) + offsets].long()  # only the drawn windows widen
         self.batches_drawn += 1

@@ -105,7 +105,7 @@ class SmallLMKeys:
 
 def _text_run(model: nn.Module, config, shard):
     """``(model, batches, loss)`` of a registry builder: the config's text corpus, this shard's batches."""
-    corpus = load_text_corpus(config.data.source, config.data.seq_len + 2)
+    corpus = load_text_corpus(config.data.source, config.data.seq_len + 1)
     batches = TextBatches(corpus, config.data.micro_batch_size, config.data.seq_len, config.seed, shard.index)
     return model, batches, lm_loss
 

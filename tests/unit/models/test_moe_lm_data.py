@@ -25,8 +25,9 @@ def old_corpus(path) -> torch.Tensor:
 
 
 def old_next(corpus: torch.Tensor, batch: int, seq: int, generator: torch.Generator):
-    """The former ``TextBatches.next`` on an int64 corpus."""
-    starts = torch.randint(0, corpus.numel() - seq - 1, (batch,), generator=generator)
+    """The former ``TextBatches.next`` on an int64 corpus, with the window start drawn from every
+    window that fits (``bytes - seq`` of them; it used to leave out the last)."""
+    starts = torch.randint(0, corpus.numel() - seq, (batch,), generator=generator)
     windows = corpus[starts.unsqueeze(1) + torch.arange(seq + 1)]
     return windows[:, :-1], windows[:, 1:]
 
@@ -60,10 +61,26 @@ def test_batches_are_those_of_the_int64_corpus_for_the_same_seed(text_file):
     expected = old_next(expected_corpus, 5, 64, torch.Generator().manual_seed(11 * 1_000_003))
     assert all(torch.equal(a, b) for a, b in zip(probe, expected, strict=True))
     inputs, targets = sample_batch(corpus, 2, 16, torch.Generator().manual_seed(3))
-    starts = torch.randint(0, expected_corpus.numel() - 17, (2,), generator=torch.Generator().manual_seed(3))
+    starts = torch.randint(0, expected_corpus.numel() - 16, (2,), generator=torch.Generator().manual_seed(3))
     windows = torch.stack([expected_corpus[s : s + 17] for s in starts.tolist()])
     assert inputs.dtype == torch.int64
     assert torch.equal(inputs, windows[:, :-1]) and torch.equal(targets, windows[:, 1:])
+
+
+def test_every_window_is_drawn_the_last_byte_included():
+    """A corpus of ``seq + 3`` bytes holds 3 windows of ``seq + 1``: each is drawn, so the file's
+    last byte is a target (the draw used to stop one window short of the end)."""
+    corpus = torch.arange(19, dtype=torch.uint8)
+    for draw in (
+        lambda generator: sample_batch(corpus, 64, 16, generator),
+        lambda generator: TextBatches(corpus, 64, 16, seed=int(generator.initial_seed()), rank=0).next(),
+    ):
+        inputs, targets = draw(torch.Generator().manual_seed(5))
+        assert set(inputs[:, 0].tolist()) == {0, 1, 2}
+        assert int(targets.max()) == 18
+    one_window = torch.arange(17, dtype=torch.uint8)  # seq + 1 bytes: the smallest corpus
+    inputs, targets = sample_batch(one_window, 2, 16, torch.Generator().manual_seed(0))
+    assert inputs[0].tolist() == list(range(16)) and targets[0].tolist() == list(range(1, 17))
 
 
 def test_short_empty_and_unreadable_files_give_the_same_one_line_errors(tmp_path):
