@@ -7,8 +7,11 @@
   float16 and sent with ``e`` in one extra 16-bit column (the ``pack_scaled_fp16`` op of
   :mod:`moetrain.kernels`: ``csrc/a2a_layout.cpp`` for CPU rows, ``csrc/a2a_layout_cuda.cu`` for CUDA
   rows, or the frexp/ldexp twin, as ``kernels`` selects). The scale is exact, so the error is fp16 rounding
-  (relative 2^-11) and no finite value overflows (fp64 rows whose max is below ~1e-297 flush to
-  zero: the exponent stops at -1000). bf16 rows (whose range fp16 lacks) are widened to
+  of ``x / 2^e``: relative 2^-11 for values within fp16's normal range of the row's largest (those
+  below ``2^-14`` of it lose bits or flush to zero), and no value of a finite row overflows (fp64
+  rows whose max is below ~1e-297 flush to zero: the exponent stops at -1000). A row holding
+  +-inf is sent unscaled, so its other values above 65504 arrive as inf too (the row is non-finite
+  already: a loss-scaled step skips it). bf16 rows (whose range fp16 lacks) are widened to
   fp32 first and packed the same way, so ``comm_dtype="fp16"`` never overflows whatever the
   activation dtype.
 - fp16 rows with ``"bf16"`` are cast (the mantissa loses 3 bits); bf16 rounds values above 65408 up
@@ -20,13 +23,20 @@ from __future__ import annotations
 import torch
 
 from moetrain.kernels import kernel
+from moetrain.validation import require_choice
 
 WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _wire_dtype(comm_dtype: str) -> torch.dtype:
+    """The dtype of a wire name; ``ValueError`` naming the allowed ones for any other value."""
+    require_choice("comm_dtype", comm_dtype, (None, *WIRE_DTYPES))
+    return WIRE_DTYPES[comm_dtype]
+
+
 def encode_rows(x_ND: torch.Tensor, comm_dtype: str | None, kernels: str = "auto") -> torch.Tensor:
     """Rows ``[N, D]`` -> the tensor that travels (``[N, D]``, or ``[N, D + 1]`` for scaled fp16)."""
-    if comm_dtype is None or x_ND.dtype == WIRE_DTYPES[comm_dtype]:
+    if comm_dtype is None or x_ND.dtype == _wire_dtype(comm_dtype):
         return x_ND
     if comm_dtype == "fp16":
         if x_ND.dtype == torch.bfloat16:
@@ -39,7 +49,7 @@ def decode_rows(
     wire: torch.Tensor, comm_dtype: str | None, dtype: torch.dtype, kernels: str = "auto"
 ) -> torch.Tensor:
     """Inverse of :func:`encode_rows` back to ``dtype``."""
-    if comm_dtype is None or dtype == WIRE_DTYPES[comm_dtype]:
+    if comm_dtype is None or dtype == _wire_dtype(comm_dtype):
         return wire
     if dtype == torch.float16:  # a bf16 wire: values rounded up to 2^16 saturate, inf stays inf
         wide = wire.float()  # 65504 is not a bf16 value
@@ -55,6 +65,6 @@ def wire_row_bytes(width: int, dtype: torch.dtype, comm_dtype: str | None) -> in
     """Bytes one row of ``width`` values of ``dtype`` takes on the wire: as it is, 2 per value for a
     bf16 wire, ``2 * (width + 1)`` for the scaled fp16 wire (its exponent column) unless the rows
     are fp16 already."""
-    if comm_dtype is None or dtype == WIRE_DTYPES[comm_dtype]:
+    if comm_dtype is None or dtype == _wire_dtype(comm_dtype):
         return width * dtype.itemsize
     return 2 * (width + 1) if comm_dtype == "fp16" else 2 * width

@@ -72,6 +72,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.comm.all_to_all import FlatAllToAllPlan, regroup_chunks
+from moetrain.comm.timing import exchange_span
 from moetrain.kernels import kernel
 from moetrain.layers.dispatch import (
     DispatchPlan,
@@ -157,10 +158,13 @@ def copies_of_tokens(
 
 def exchange_counts_in(send_AE: torch.Tensor, group, kernels: str = "auto"):
     """``send_AE[a, e]``: rows for expert (or bucket) e of member a of ``group`` -> (``recv_AE[a, e]``,
-    rows from member a for this rank's e; the flat row plan of that group)."""
+    rows from member a for this rank's e; the flat row plan of that group). The exchange is timed as
+    phase ``all_to_all`` (:func:`moetrain.comm.timing.exchange_span`): it is where a rank waits for
+    slower ones."""
     send_AE = send_AE.to(torch.int64).contiguous()
     recv_AE = torch.empty_like(send_AE)
-    dist.all_to_all_single(recv_AE, send_AE, group=group)
+    with exchange_span():
+        dist.all_to_all_single(recv_AE, send_AE, group=group)
     return recv_AE, FlatAllToAllPlan(send_AE, recv_AE, group, kernels)
 
 
