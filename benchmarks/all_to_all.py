@@ -257,8 +257,7 @@ def main() -> None:
         _launched(args)
         return
     if args.report:
-        saved = json.loads(Path(args.report).read_text())["runs"]
-        report({name: run["rows"] for name, run in saved.items()}, args)
+        report(json.loads(Path(args.report).read_text())["runs"], args)
         return
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -276,20 +275,22 @@ def main() -> None:
                 )
                 if code != 0:
                     raise SystemExit(f"a rank failed with exit status {code}")
-                runs[f"{rate:g}mbit"] = json.loads(Path(out).read_text())
+                rows = json.loads(Path(out).read_text())
+                runs[f"{rate:g}mbit"] = {"rows": rows, "ranks_per_node": args.ranks_per_node}
         else:
             mp.spawn(_spawned, args=(args, out, free_port()), nprocs=LOOPBACK_WORLD, join=True)
-            runs["loopback"] = json.loads(Path(out).read_text())
+            runs["loopback"] = {"rows": json.loads(Path(out).read_text()), "ranks_per_node": LOOPBACK_LOCAL}
     report(runs, args)
 
 
-def report(runs: dict[str, list[dict]], args) -> None:
-    """Prints each run's table; the fit (loopback: alpha and one beta; emulated: one fit over every
-    rate, :func:`joint_fit`, with each rate's node link) and the 60 x 8 prediction; writes them to
-    ``args.json``."""
-    saved = {"benchmark": "all_to_all", "runs": {name: {"rows": rows} for name, rows in runs.items()}}
-    for name, rows in runs.items():
-        local = LOOPBACK_LOCAL if name == "loopback" else args.ranks_per_node
+def report(runs: dict[str, dict], args) -> None:
+    """Prints each run's table (``runs[name]``: its ``rows`` and the ``ranks_per_node`` it ran with;
+    a file saved before that was recorded takes ``--ranks-per-node``); the fit (loopback: alpha and
+    one beta; emulated: one fit over every rate, :func:`joint_fit`, with each rate's node link) and,
+    when every constant of the fit is positive, the 60 x 8 prediction; writes them to ``args.json``."""
+    saved = {"benchmark": "all_to_all", "runs": runs}
+    for name, run in runs.items():
+        rows, local = run["rows"], run.get("ranks_per_node", args.ranks_per_node)
         world = LOOPBACK_WORLD if name == "loopback" else 2 * local
         link = "gloo on loopback" if name == "loopback" else f"inter-node link {name[:-4]} Mbit/s (tbf)"
         print_table(
@@ -298,13 +299,13 @@ def report(runs: dict[str, list[dict]], args) -> None:
         print()
     fits = {}
     if "loopback" in runs:
-        fit = fit_loopback([r for r in runs["loopback"] if r["wire"] == "fp32"])
+        fit = fit_loopback([r for r in runs["loopback"]["rows"] if r["wire"] == "fp32"])
         print(
             f"loopback fit over the fp32-wire rows (one beta: every link is loopback): alpha = "
             f"{fit['alpha_s'] * 1e6:.1f} us/message, beta = {fit['beta_intra_s_per_byte'] * 1e9:.3f} ns/byte"
         )
         fits["loopback"] = {**fit, "link_efficiency": 1.0}
-    emulated = {name: rows for name, rows in runs.items() if name != "loopback"}
+    emulated = {name: run["rows"] for name, run in runs.items() if name != "loopback"}
     if emulated:
         joint = joint_fit(emulated)
         print(
@@ -324,6 +325,16 @@ def report(runs: dict[str, list[dict]], args) -> None:
             "link_efficiency": min(statistics.median(efficiencies), 1.0),
         }
     for name, fit in fits.items():
+        beta_inter = fit["beta_inter_s_per_byte"]
+        betas_inter = list(beta_inter.values()) if isinstance(beta_inter, dict) else [beta_inter]
+        if min(fit["alpha_s"], fit["beta_intra_s_per_byte"], *betas_inter) <= 0:
+            print(
+                f"{name} fit has a non-positive constant (alpha {fit['alpha_s']:.3g} s, beta_intra "
+                f"{fit['beta_intra_s_per_byte']:.3g} s/B, beta_inter {betas_inter} s/B): no "
+                "prediction; measure again with more repeats and sizes"
+            )
+            saved[f"fit_{name}"] = fit
+            continue
         beta_inter = 8 / (args.inter_node_gbps * 1e9 * fit["link_efficiency"])
         predictions = {}
         for payload_mib in (1, 16):
