@@ -13,33 +13,40 @@ every process of the node shares), not whole:
 - ``meta.json``: the counts, the manifest's key, and the bad lines found while building (their
   total, the first :data:`MAX_STORED_REASONS` with their line and reason).
 
-Building parses every line as :class:`~m6_moe.data.ManifestDataset` requires (UTF-8, a JSON
-object, a non-empty ``text`` string, ``image`` a path string or null; blank lines are skipped);
-a bad line is left out of the arrays and recorded, whatever the run's ``skip_bad_records`` (the
-dataset decides whether it is fatal), so one cached index serves every run.
+Building parses every line as :class:`~m6_moe.data.ManifestDataset` requires (UTF-8, at most
+:data:`MAX_LINE_BYTES` bytes, a JSON object, a non-empty ``text`` string that is valid Unicode,
+``image`` a path string or null; blank lines are skipped); a bad line is left out of the arrays and
+recorded, whatever the run's ``skip_bad_records`` (the dataset decides whether it is fatal), so one
+cached index serves every run. A longer line is never held whole: it is read in bounded chunks.
 
 Cache: ``<manifest dir>/.<manifest name>.index/<key>/``, where ``key`` is the manifest's size,
 modification time and a hash of its first and last 64 KiB (:func:`manifest_key`): a changed
-manifest gets a new key, so its index is rebuilt and the stale ones are removed. The directory is
-written under a temporary name and renamed into place (processes building the same index at once
-each write their own; the first rename wins). When the manifest's directory is not writable, the
-index goes to ``fallback_dir`` (default ``~/.cache/moetrain/manifest-index``), with a log line.
+manifest gets a new key, so its index is rebuilt. The directory is written under a temporary name
+and renamed into place (processes building the same index at once each write their own; the first
+rename wins). When the manifest's directory is not writable, the index goes to ``fallback_dir``
+(default ``~/.cache/moetrain/manifest-index``), with a log line.
 
-Command line (build the indexes of a large corpus ahead of a run, e.g. on one node)::
+The indexes of older versions of a manifest are never removed automatically: a running job may
+still be reading one (its arrays are opened lazily, reopened after the LRU closes them, and opened
+anew by each loader worker), and a ``touch`` of the manifest is enough to give it a new key. A build
+that leaves older ones logs how many and how large they are; remove them with
+:func:`remove_other_indexes` (``python -m m6_moe.index_command --prune MANIFEST``) once no job
+that started before the change is running.
 
-    python -m m6_moe.manifest_index MANIFEST [MANIFEST ...]
+Command line (:mod:`m6_moe.index_command`; build the indexes of a large corpus ahead of a run,
+e.g. on one node)::
+
+    python -m m6_moe.index_command [--prune] MANIFEST [MANIFEST ...]
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
 from array import array
@@ -47,14 +54,17 @@ from pathlib import Path
 
 import numpy as np
 
-from moetrain.logs import configure_console
 from moetrain.progress import ProgressBar
 
 log = logging.getLogger("moetrain.m6_moe.manifest_index")
 
-INDEX_FORMAT = 1
+INDEX_FORMAT = 2  # 2: line length bound, lone surrogates in text are bad lines
 HEAD_TAIL_BYTES = 1 << 16
 MAX_STORED_REASONS = 1000
+# Longest manifest line (bytes, without its newline): a longer one is a bad line (a JSON array on
+# one line, CR-only line ends), found without holding it; a caption record is a few hundred bytes.
+MAX_LINE_BYTES = 1 << 20
+LONG_LINE_REASON = f"line is longer than {MAX_LINE_BYTES} bytes (a manifest holds one JSON object per line)"
 _SPILL_ENTRIES = 1 << 20  # array entries held in memory while building before they go to disk
 PROGRESS_MIN_BYTES = 8 << 20  # smaller manifests index in well under a second: no progress bar
 _ARRAYS = ("offsets", "lines", "image_records", "image_text_records")
@@ -82,6 +92,10 @@ def parse_manifest_line(raw: bytes) -> tuple[tuple[str, str | None] | None, str 
     text = data.get("text")
     if not isinstance(text, str) or not text.strip():
         return None, f"record has no text (a non-empty 'text' string), got {text!r}"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:  # JSON "\ud800": half of a surrogate pair
+        return None, f"text is not valid Unicode (lone surrogate at character {error.start})"
     image = data.get("image")
     if image is None:
         return (text, None), None
@@ -160,6 +174,17 @@ class _SpilledArray:
             self.raw.close()
 
 
+def _skip_rest_of_line(file) -> int:
+    """Reads ``file`` (binary) up to the end of its current line, 1 MiB at a time; returns the
+    bytes read (the newline included)."""
+    skipped = 0
+    while chunk := file.readline(1 << 20):
+        skipped += len(chunk)
+        if chunk.endswith(b"\n"):
+            break
+    return skipped
+
+
 def _write_index(manifest: Path, directory: Path, key: str, progress: bool | None) -> dict:
     """Parses ``manifest`` into the arrays and ``meta.json`` of ``directory`` (must exist);
     returns the meta. ``progress``: a progress bar (None: for manifests of 8 MiB or more)."""
@@ -173,9 +198,15 @@ def _write_index(manifest: Path, directory: Path, key: str, progress: bool | Non
         bar = ProgressBar(megabytes, f"indexing {manifest.name} (MB)", log_every=max(1, megabytes // 10))
     try:
         with open(manifest, "rb") as file:
-            offset, shown = 0, 0
-            for number, raw in enumerate(file, start=1):
-                parsed, reason = parse_manifest_line(raw[:-1] if raw.endswith(b"\n") else raw)
+            offset, shown, number = 0, 0, 0
+            while raw := file.readline(MAX_LINE_BYTES + 1):
+                number += 1
+                length = len(raw)
+                if length > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                    length += _skip_rest_of_line(file)
+                    parsed, reason = None, LONG_LINE_REASON
+                else:
+                    parsed, reason = parse_manifest_line(raw[:-1] if raw.endswith(b"\n") else raw)
                 if parsed is not None:
                     record = arrays["offsets"].count + len(arrays["offsets"].buffer)
                     arrays["offsets"].append(offset)
@@ -189,7 +220,7 @@ def _write_index(manifest: Path, directory: Path, key: str, progress: bool | Non
                     bad += 1
                     if len(reasons) < MAX_STORED_REASONS:
                         reasons.append((number, reason))
-                offset += len(raw)
+                offset += length
                 if bar is not None and offset >> 20 > shown:
                     shown = offset >> 20
                     bar.update(
@@ -224,12 +255,36 @@ def _writable_root(root: Path) -> bool:
     return os.access(root, os.W_OK | os.X_OK)
 
 
-def _remove_stale(root: Path, keep: str) -> None:
-    """Removes the indexes of older versions of the manifest (best effort: another process may be
-    using one; its open maps stay valid after the unlink)."""
-    for entry in root.iterdir():
-        if entry.name != keep and not entry.name.startswith(".tmp-"):
-            shutil.rmtree(entry, ignore_errors=True)
+def _other_indexes(manifest: Path, key: str, fallback_dir: Path | None) -> list[Path]:
+    """The index directories of ``manifest`` other than ``key``'s (temporary ones excluded)."""
+    found = []
+    for root in cache_roots(manifest, fallback_dir):
+        with contextlib.suppress(OSError):
+            found += [e for e in root.iterdir() if e.name != key and not e.name.startswith(".tmp-")]
+    return sorted(found)
+
+
+def _size(directory: Path) -> int:
+    """Bytes in ``directory``'s files (0 when it went away meanwhile)."""
+    try:
+        return sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
+    except OSError:
+        return 0
+
+
+def remove_other_indexes(manifest: str | Path, fallback_dir: str | Path | None = None) -> list[Path]:
+    """Removes the indexes of ``manifest``'s older versions (every key but the current one, next
+    to it and in the fallback directory) and returns them. Only safe when no running job uses
+    one: a job reads its index until it ends. ``ValueError`` when the manifest cannot be read."""
+    manifest = Path(manifest)
+    try:
+        key = manifest_key(manifest)
+    except OSError as error:
+        raise ValueError(f"manifest {manifest} cannot be read: {one_line(error)}") from None
+    removed = _other_indexes(manifest, key, None if fallback_dir is None else Path(fallback_dir))
+    for directory in removed:
+        shutil.rmtree(directory, ignore_errors=True)
+    return removed
 
 
 def ensure_index(
@@ -272,12 +327,18 @@ def ensure_index(
     finally:
         if temporary.exists():
             shutil.rmtree(temporary, ignore_errors=True)
-    _remove_stale(root, key)
     log.info(
         "indexed %s: %d records (%d with an image), %d bad lines, in %.1f s; cached in %s",
         manifest, meta["records"], meta["image_records"], meta["bad_lines"], time.perf_counter() - started,
         root / key,
     )  # fmt: skip
+    others = _other_indexes(manifest, key, None if fallback_dir is None else Path(fallback_dir))
+    if others:
+        log.info(
+            "%s: %d older index(es) kept (%.1f MB; a running job may still read one); remove them with "
+            "'python -m m6_moe.index_command --prune %s' when none does",
+            manifest, len(others), sum(_size(d) for d in others) / 1e6, manifest,
+        )  # fmt: skip
     return root / key
 
 
@@ -369,12 +430,14 @@ class ManifestIndex:
         return self.array("lines")[record]
 
     def read(self, record: int) -> bytes:
-        """Record ``record``'s line, without its newline (``pread``: no shared file position)."""
+        """Record ``record``'s line, without its newline (``pread``: no shared file position); at
+        most its first ``MAX_LINE_BYTES + 4096`` bytes (a longer line was not indexed: the manifest
+        changed, and the cut line then fails to parse)."""
         if self._fd is None:
             self._fd = os.open(self.manifest, os.O_RDONLY)
         position = self.array("offsets")[record]
-        chunks = []
-        while True:
+        chunks, size = [], 0
+        while size <= MAX_LINE_BYTES:
             chunk = os.pread(self._fd, 4096, position)
             end = chunk.find(b"\n")
             if end >= 0:
@@ -384,6 +447,8 @@ class ManifestIndex:
             if len(chunk) < 4096:  # the last line, without a newline
                 return b"".join(chunks)
             position += len(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
 
     def close(self) -> None:
         for opened in self._arrays.values():
@@ -405,28 +470,7 @@ class ManifestIndex:
                 os.close(fd)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m m6_moe.manifest_index",
-        description="Builds (or checks) the cached index of each JSON-lines manifest.",
-    )
-    parser.add_argument("manifests", nargs="+", help="manifest files")
-    parser.add_argument("--fallback-dir", help="where indexes go when a manifest's directory is read-only")
-    args = parser.parse_args(argv)
-    configure_console("INFO")  # the build's log line and progress bar (redrawn on a terminal) on stderr
-    try:
-        for manifest in args.manifests:
-            directory = ensure_index(manifest, args.fallback_dir)
-            index = ManifestIndex(manifest, directory)
-            print(
-                f"{manifest}: {index.records} records ({index.image_records} with an image), "
-                f"{index.bad_lines} bad lines; index {directory}"
-            )
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+if __name__ == "__main__":  # the command before it moved to m6_moe.index_command (which see)
+    from m6_moe.index_command import main
 
-
-if __name__ == "__main__":
     raise SystemExit(main())

@@ -7,7 +7,8 @@ Tasks:
 - ``denoise`` (text-to-text, T5 span corruption, :func:`span_corruption`): prefix = text with
   spans replaced by sentinels, target = each sentinel followed by its span (every record);
 - ``image_text`` (image + text-to-text): image + the first ``c`` characters of the caption -> the
-  rest, ``c ~ U{1, ..., chars - 1}`` (records with an image and >= 2 characters).
+  rest, ``c ~ U{1, ..., chars - 1}`` over the characters kept (records with an image and >= 2
+  characters).
 
 The data stream (:class:`TaskSampler`): epoch ``e`` visits the records a run can use once each,
 in the order of a permutation keyed by ``(seed, e)`` (:class:`~m6_moe.shuffle.EpochPermutation`);
@@ -20,11 +21,18 @@ or worker makes it, so any split of the stream between ranks and workers yields 
 
 A record whose image turns out bad (``skip_bad_records``) serves ``denoise`` instead when that task
 has weight > 0 (its text is still good); otherwise the position takes a replacement record drawn
-uniformly by ``(seed, e, i, attempt)``. Either way every position yields exactly one sample, the
+uniformly by ``(seed, e, i, attempt)``. A record whose text the tokenizer cannot encode, or turns
+into no tokens, is bad too: without ``skip_bad_records`` it raises a one-line ``ValueError`` naming
+its manifest line; with it, it is counted (:meth:`~m6_moe.data.ManifestDataset.note_bad`) and the
+position takes a replacement record. Either way every position yields exactly one sample, the
 same in every process, so ranks stay in step.
 
-Lengths: a record's text is cut to ``seq_len - 1`` tokens before the task (counted in
-``truncated_samples``), so prefix <= ``seq_len`` and target (+ bos / eos) <= ``seq_len``.
+Lengths: a record's text is cut to its longest leading part of at most ``seq_len - 1`` tokens that
+ends at a character boundary (``tokenizer.encode_head``, which encodes only about that much) before
+the task; a cut text is counted in ``truncated_samples``. So prefix <= ``seq_len`` and target (+ bos
+/ eos) <= ``seq_len``, and ``image_text``'s prefix and target together are a leading part of the
+caption (for the byte tokenizer, ``decode(prefix) + decode(target)`` is one, unless even the first
+character is longer than ``seq_len - 1`` bytes).
 
 A batch (legend: B batch, L longest prefix, T longest target + 1, C/H/W image)::
 
@@ -49,6 +57,7 @@ import torch.nn.functional as F
 
 from m6_moe.config import M6TaskConfig
 from m6_moe.data import ManifestDataset, normalize_pixels
+from m6_moe.manifest_index import one_line
 from m6_moe.shuffle import EpochPermutation, derive_seed
 from moetrain.validation import require_int
 
@@ -162,11 +171,20 @@ class TaskSampler:
             self._permutation = (epoch, EpochPermutation(self.epoch_size, derive_seed(self.seed, epoch)))
         return self.records[self._permutation[1](index)]
 
-    def _tokens(self, text: str) -> tuple[list[int], bool]:
-        tokens = self.tokenizer.encode(text)
-        if len(tokens) > self.seq_len - 1:
-            return tokens[: self.seq_len - 1], True
-        return tokens, False
+    def _head(self, record: int, text: str) -> tuple[list[int], int] | None:
+        """``tokenizer.encode_head(text, seq_len - 1)``; None for a bad text (skip mode: counted)."""
+        try:
+            tokens, chars = self.tokenizer.encode_head(text, self.seq_len - 1)
+            problem = None if tokens else "the tokenizer turns its text into no tokens"
+        except ValueError as error:  # UnicodeEncodeError: a lone surrogate
+            problem = f"its text cannot be tokenized ({one_line(error)})"
+        if problem is None:
+            return tokens, chars
+        message = f"{self.dataset.where(record)}: {problem}"
+        if not self.dataset.skip_bad_records:
+            raise ValueError(message)
+        self.dataset.note_bad(record, message)
+        return None
 
     def _choose_task(self, text: str, has_image: bool, generator: torch.Generator) -> str:
         usable = [
@@ -186,6 +204,10 @@ class TaskSampler:
         record = self.record_at(epoch, index)
         for attempt in range(1, MAX_REPLACEMENTS + 1):
             text, image_path = self.dataset.read(record)
+            head = self._head(record, text)
+            if head is None:
+                record = self._replacement(epoch, index, attempt, task)
+                continue
             chosen = task or self._choose_task(text, image_path is not None, generator)
             image = None
             if chosen in IMAGE_TASKS:
@@ -197,33 +219,48 @@ class TaskSampler:
                 if image is None and task is None and self.weights["denoise"] > 0:
                     chosen = "denoise"  # the text of a record with a bad image is still good
                 elif image is None:
-                    pool = self.records if task is None else self.dataset.kind(_TASK_RECORDS[task])
-                    record = pool[derive_seed(self.seed, epoch, index, attempt) % len(pool)]
+                    record = self._replacement(epoch, index, attempt, task)
                     continue
-            return self._make(chosen, record, text, image, generator)
+            return self._make(chosen, record, text, head, image, generator)
         raise ValueError(
             f"sample {index} of epoch {epoch}: {MAX_REPLACEMENTS} records drawn in a row had bad images "
-            f"({self.dataset.skipped_records} bad records so far in {self.dataset.manifest})"
+            f"or texts ({self.dataset.skipped_records} bad records so far in {self.dataset.manifest})"
         )
 
-    def _make(self, task: str, record: int, text: str, image, generator: torch.Generator) -> Sample:
+    def _replacement(self, epoch: int, index: int, attempt: int, task: str | None) -> int:
+        pool = self.records if task is None else self.dataset.kind(_TASK_RECORDS[task])
+        return pool[derive_seed(self.seed, epoch, index, attempt) % len(pool)]
+
+    def _make(
+        self,
+        task: str,
+        record: int,
+        text: str,
+        head: tuple[list[int], int],
+        image,
+        generator: torch.Generator,
+    ) -> Sample:
+        tokens, chars = head
+        truncated = chars < len(text)
         if task == "denoise":
-            tokens, truncated = self._tokens(text)
             cfg = self.tasks
             prefix, target = span_corruption(
                 tokens, cfg.noise_density, cfg.mean_span_length, self.tokenizer.sentinel_ids, generator
             )
             return Sample(task, prefix, target, None, record, truncated)
         if task == "caption":
-            tokens, truncated = self._tokens(text)
             return Sample(task, [], tokens, image, record, truncated)
         if len(text) < 2:
             raise ValueError(f"{self.dataset.where(record)}: task 'image_text' needs >= 2 characters of text")
+        if truncated:
+            text = text[:chars]
+            if chars < 2:  # one character (or part of one) fits: all of it is the target
+                return Sample(task, [], tokens, image, record, truncated)
         cut = int(torch.randint(1, len(text), (), generator=generator))
         prefix, target = self.tokenizer.encode(text[:cut]), self.tokenizer.encode(text[cut:])
         budget = self.seq_len - 1
-        truncated = len(prefix) + len(target) > budget
-        if truncated:
+        if len(prefix) + len(target) > budget:  # a tokenizer that splits the two parts into more tokens
+            truncated = True
             prefix = prefix[: budget - 1]
             target = target[: budget - len(prefix)]
         return Sample(task, prefix, target, image, record, truncated)

@@ -9,6 +9,8 @@ Byte tokenizer ids (``num_sentinels`` = 16 unless given)::
     259 .. 259+num_sentinels-1  <extra_id_0> ... (T5-style span-corruption sentinels)
 
 Both tokenizers expose the same interface: ``encode(str) -> list[int]``, ``decode(ids) -> str``,
+``encode_head(str, max_tokens) -> (list[int], chars)`` (the longest leading part of a text that
+fits in ``max_tokens`` tokens and ends at a character boundary, encoding only about that much),
 ``pad_id``, ``bos_id``, ``eos_id``, ``sentinel_ids`` and ``vocab_size``.
 
 Generation prefixes go through :func:`encode_prefix`: ``<extra_id_i>`` written in the text is
@@ -40,6 +42,22 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_head(self, text: str, max_tokens: int) -> tuple[list[int], int]:
+        """``(tokens of text[:chars], chars)`` for the largest ``chars`` whose UTF-8 bytes number at
+        most ``max_tokens``: a cut never splits a character. Only ``text[:max_tokens]`` is encoded
+        (a character is at least one byte). When even the first character is longer than
+        ``max_tokens`` bytes: its first ``max_tokens`` bytes and ``chars = 0``."""
+        head = text[:max_tokens]
+        data = head.encode("utf-8")
+        if len(data) <= max_tokens:
+            return list(data), len(head)
+        end = max_tokens
+        while end > 0 and data[end] & 0xC0 == 0x80:  # data[end] continues a character: drop it all
+            end -= 1
+        if end == 0:
+            return list(data[:max_tokens]), 0
+        return list(data[:end]), len(data[:end].decode("utf-8"))
 
     def decode(self, ids, skip_special: bool = True) -> str:
         """Bytes back to text; special ids are dropped (``skip_special``) or written as
@@ -114,6 +132,28 @@ class JSONTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def encode_head(self, text: str, max_tokens: int) -> tuple[list[int], int]:
+        """``(tokens of text[:chars], chars)`` for the largest ``chars`` whose tokens number at most
+        ``max_tokens`` (found by bisection, taking the token count to grow with ``chars``). Encodes
+        heads of ``4 * max_tokens`` characters, doubled until one holds more than ``max_tokens``
+        tokens, so a long text costs about its kept part. When even the first character is more
+        than ``max_tokens`` tokens: the first ``max_tokens`` of them and ``chars = 0``."""
+        size = min(len(text), 4 * max_tokens)
+        while len(tokens := self.encode(text[:size])) <= max_tokens:
+            if size == len(text):
+                return tokens, size
+            size = min(len(text), 2 * size)
+        low, high = 0, size  # text[:low] fits (the empty text does), text[:high] does not
+        while high - low > 1:
+            middle = (low + high) // 2
+            if len(self.encode(text[:middle])) <= max_tokens:
+                low = middle
+            else:
+                high = middle
+        if low == 0:
+            return self.encode(text[:1])[:max_tokens], 0
+        return self.encode(text[:low]), low
 
     def decode(self, ids, skip_special: bool = True) -> str:
         ids = [int(t) for t in ids]
