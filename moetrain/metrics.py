@@ -156,12 +156,16 @@ class TensorBoardSink:
 
 
 def _run_id(path: Path, new) -> str:
-    """The tracker run id kept in ``path`` (a resumed run continues its tracker run), else ``new()``
-    written there."""
+    """The tracker run id kept in ``path`` (a resumed run continues its tracker run), else (no file,
+    or an empty one) ``new()`` written there atomically (a ``.tmp`` file renamed over it)."""
     if path.exists():
-        return path.read_text(encoding="utf-8").strip()
+        run_id = path.read_text(encoding="utf-8").strip()
+        if run_id:
+            return run_id
     run_id = str(new())
-    path.write_text(run_id + "\n", encoding="utf-8")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(run_id + "\n", encoding="utf-8")
+    os.replace(tmp, path)
     return run_id
 
 

@@ -16,13 +16,17 @@ or null. Image files are checked when a record's image is first loaded
 :meth:`ManifestDataset.verify_images` checks every image up front (once, with a progress bar) for
 those who want bad files found before a long run. Either way a bad record raises a one-line
 ``ValueError`` naming the manifest and its line, or, with ``skip_bad_records=True``, is skipped and
-counted in ``skipped_records`` (the reasons in ``skip_reasons``; :meth:`skip_summary` is the
-one-line report for the logs). A manifest without any usable record always raises.
+counted in ``skipped_records`` (the first reasons in ``skip_reasons``; :meth:`skip_summary` is
+the one-line report for the logs). A manifest without any usable record always raises. Image
+files are opened only when they are regular files in one of :data:`IMAGE_FORMATS`.
 """
 
 from __future__ import annotations
 
 import glob
+import os
+import stat
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,6 +49,10 @@ from moetrain.progress import ProgressBar
 # draw (a 169-megapixel photo took 1.2 GB). 50 megapixels is above any camera image a captioning
 # corpus resizes to a few hundred pixels.
 DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
+
+# The image formats Pillow may open (detected from the header, not the name): others are bad
+# records. Pillow's other plugins include EPS, which runs Ghostscript on the file's PostScript.
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF")
 
 # Manifests whose files (the manifest and its index arrays, read with pread: one descriptor each) a
 # process keeps open at once; a corpus of thousands of shard manifests reopens the least recently
@@ -94,8 +102,13 @@ def _resolve_entry(text: str) -> list[Path]:
 
 def image_to_tensor(image, size: int, channels: int) -> torch.Tensor:
     """A Pillow image -> ``uint8 [channels, size, size]``: converted to RGB (3) or grey (1), then
-    resized with bicubic filtering."""
+    resized with bicubic filtering. Greyscale samples of more than 8 bits are scaled to 8 first
+    (Pillow's conversion would clip them at 255): integer modes (``I;16*``, ``I``) as 16-bit,
+    ``round(x / 257)``, float (``F``) as [0, 1], ``round(x * 255)``, then clipped to [0, 255]."""
     mode = "RGB" if channels == 3 else "L"
+    if image.mode in ("I", "F") or image.mode.startswith("I;16"):
+        scale = 255.0 if image.mode == "F" else 1 / 257
+        image = image.convert("F").point(lambda x: x * scale + 0.5).convert("L")  # L truncates
     image = image.convert(mode).resize((size, size), pillow().Image.Resampling.BICUBIC)
     pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
     return pixels.view(size, size, channels).permute(2, 0, 1).contiguous()
@@ -184,8 +197,11 @@ class ManifestDataset:
             for index in self.indexes
             for line, reason in index.bad_reasons
         ][:MAX_STORED_REASONS]
-        self._bad: dict[int, str] = {}  # dataset index -> reason, images found bad in this process
-        self._bad_log: list[tuple[int, str]] = []  # the same, in the order found (append-only)
+        # Images found bad in this process: a bit per record (allocated at the first), their indices
+        # in the order found (append-only) and the reasons of the first MAX_STORED_REASONS.
+        self._bad_bits: np.ndarray | None = None
+        self._bad_order = array("q")
+        self._bad_reasons: dict[int, str] = {}
         self._cache: dict[int, torch.Tensor] = {}
         self._open: OrderedDict[int, None] = OrderedDict()
         self._check_records()
@@ -276,35 +292,43 @@ class ManifestDataset:
         """Records skipped so far: bad manifest lines (found when the index was built) and images
         found bad in this process by :meth:`load_image` / :meth:`verify_images` or reported by
         :meth:`note_bad`."""
-        return self.manifest_bad_lines + len(self._bad)
+        return self.manifest_bad_lines + len(self._bad_order)
 
     @property
     def skip_reasons(self) -> list[str]:
-        """The reasons, each naming the manifest and line: the manifests' bad lines first (the first
-        1000), then the bad images in the order they were found."""
-        return self._manifest_reasons + list(self._bad.values())
+        """The reasons, each naming the manifest and line: the manifests' bad lines first, then the
+        bad images in the order they were found (the first :data:`MAX_STORED_REASONS` of each)."""
+        return self._manifest_reasons + list(self._bad_reasons.values())
 
-    def bad_images_since(self, count: int) -> list[tuple[int, str]]:
-        """``(dataset index, reason)`` of the images found bad in this process after the first
-        ``count`` (a loader worker reports what it found since its last report)."""
-        return self._bad_log[count:]
+    def bad_images_since(self, count: int) -> list[tuple[int, str | None]]:
+        """``(dataset index, reason or None when not stored)`` of the images found bad in this
+        process after the first ``count`` (a loader worker reports what it found since its last
+        report)."""
+        return [(index, self._bad_reasons.get(index)) for index in self._bad_order[count:]]
 
     @property
     def undecodable(self) -> frozenset[int]:
         """Indices of the records whose image was found bad (skip mode)."""
-        return frozenset(self._bad)
+        return frozenset(self._bad_order)
 
     def is_bad(self, index: int) -> bool:
         """Whether record ``index``'s image was found bad (skip mode); O(1)."""
-        return index in self._bad
-
-    def note_bad(self, index: int, reason: str) -> bool:
-        """Records that ``index``'s image is bad (found by another process: a loader worker);
-        True when it was not known yet (then it is counted)."""
-        if index in self._bad:
+        if self._bad_bits is None or not 0 <= index < len(self):
             return False
-        self._bad[index] = reason
-        self._bad_log.append((index, reason))
+        return bool(self._bad_bits[index >> 3] >> (index & 7) & 1)
+
+    def note_bad(self, index: int, reason: str | None) -> bool:
+        """Records that ``index``'s image is bad (found by another process: a loader worker, whose
+        ``reason`` is None past its first :data:`MAX_STORED_REASONS`); True when it was not known
+        yet (then it is counted)."""
+        if self.is_bad(index):
+            return False
+        if self._bad_bits is None:
+            self._bad_bits = np.zeros((len(self) + 7) // 8, dtype=np.uint8)
+        self._bad_bits[index >> 3] |= 1 << (index & 7)
+        self._bad_order.append(index)
+        if reason is not None and len(self._bad_reasons) < MAX_STORED_REASONS:
+            self._bad_reasons[index] = reason
         return True
 
     def _reject(self, index: int, line_reason: str) -> None:
@@ -317,7 +341,7 @@ class ManifestDataset:
         """Record ``index``'s image as ``uint8 [C, image_size, image_size]``. A missing,
         unidentifiable, oversized or undecodable file raises ``ValueError`` naming the manifest
         line, or (``skip_bad_records``) marks the record unusable, counts it once and returns None."""
-        if index in self._bad:
+        if self.is_bad(index):
             return None
         cached = self._cache.get(index)
         if cached is not None:
@@ -325,7 +349,7 @@ class ManifestDataset:
         _, image = self.read(index)
         if image is None:
             raise ValueError(f"{self.where(index)}: record has no image")
-        pixels, reason = _decode(image, self.image_size, self.image_channels, self.max_image_pixels)
+        pixels, reason = decode_image_file(image, self.image_size, self.image_channels, self.max_image_pixels)
         if pixels is None:
             self._reject(index, reason)
             return None
@@ -350,7 +374,7 @@ class ManifestDataset:
         bad = 0
         for done in range(1, len(images) + 1):
             index = images[done - 1]
-            if index not in self._bad:
+            if not self.is_bad(index):
                 reason = _check_header(self.read(index)[1], self.max_image_pixels)
                 if reason is not None:
                     bad += 1
@@ -369,9 +393,9 @@ class ManifestDataset:
         count = self.skipped_records
         if count == 0:
             return f"no bad records skipped ({self.manifest})"
-        shown = "; ".join(self.skip_reasons[:max_reasons])
-        more = f"; ... {count - max_reasons} more" if count > max_reasons else ""
-        return f"{count} bad record{'s' if count != 1 else ''} skipped: {shown}{more}"
+        shown = self.skip_reasons[:max_reasons]  # fewer than the count when reasons were not stored
+        more = f"; ... {count - len(shown)} more" if count > len(shown) else ""
+        return f"{count} bad record{'s' if count != 1 else ''} skipped: {'; '.join(shown)}{more}"
 
     def close(self) -> None:
         """Releases every index's maps and file descriptor (reopened on next use)."""
@@ -390,38 +414,80 @@ def _too_large(path: Path, image, max_pixels: int) -> str | None:
     return None
 
 
-def _check_header(path: Path, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> str | None:
-    """None when ``path`` exists, Pillow identifies its header (only the header is read) and it
-    has at most ``max_pixels`` pixels, else the one-line reason."""
-    if not path.is_file():
-        return f"image {path} does not exist"
-    open_image = pillow().Image.open
+class _BadImage(Exception):
+    """A bad image file; the message is the one-line reason."""
+
+
+def _open_file(path: Path):
+    """``path`` opened for binary reading when it is a regular file, else ``_BadImage``: opened
+    without blocking, as a FIFO or device would block a plain open (and the loader) forever."""
     try:
-        with open_image(path) as opened:
-            return _too_large(path, opened, max_pixels)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise _BadImage(f"image {path} does not exist") from None
+    except OSError as error:
+        raise _BadImage(f"image {path} cannot be read ({one_line(error)})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _BadImage(f"image {path} is not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def _open_image(path: Path, file):
+    """``file`` (``path``'s, left open) as a Pillow image, header read, if its format is one of
+    :data:`IMAGE_FORMATS`, else ``_BadImage``."""
+    try:
+        return pillow().Image.open(file, formats=IMAGE_FORMATS)
     except Exception as error:  # Pillow raises many types for bad files
-        return f"image {path} cannot be read ({one_line(error)})"
+        detail, found = one_line(error), _header_format(file)
+        if found is not None and found not in IMAGE_FORMATS:
+            detail = f"format {found} is not one of {', '.join(IMAGE_FORMATS)}"
+        raise _BadImage(f"image {path} cannot be read ({detail})") from None
 
 
-def _decode(
+def _header_format(file) -> str | None:
+    """The first Pillow format whose header test accepts ``file``'s first 16 bytes (Pillow's own
+    test; no plugin parses the file), None when none does."""
+    image_module = pillow().Image
+    image_module.init()
+    try:
+        file.seek(0)
+        prefix = file.read(16)
+    except OSError:
+        return None
+    for name in image_module.ID:
+        accept = image_module.OPEN[name][1]
+        if accept is not None and accept(prefix):  # a str: that format, which Pillow cannot open
+            return name
+    return None
+
+
+def _check_header(path: Path, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> str | None:
+    """None when ``path`` is a regular file whose header Pillow identifies as one of
+    :data:`IMAGE_FORMATS` (only the header is read) and it has at most ``max_pixels`` pixels, else
+    the one-line reason."""
+    try:
+        with _open_file(path) as file, _open_image(path, file) as opened:
+            return _too_large(path, opened, max_pixels)
+    except _BadImage as bad:
+        return str(bad)
+
+
+def decode_image_file(
     path: Path, size: int, channels: int, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 ) -> tuple[torch.Tensor | None, str]:
-    """``(uint8 [channels, size, size], "")`` or ``(None, one-line reason)``: a missing file, an
-    unidentifiable header ("cannot be read"), more than ``max_pixels`` pixels (checked on the
-    header, before any pixel is decoded) or truncated / corrupt pixel data ("cannot be
-    decoded")."""
-    open_image = pillow().Image.open
+    """``(uint8 [channels, size, size], "")`` or ``(None, one-line reason)``: a missing file or one
+    that is not a regular file, an unidentifiable header or a format not in :data:`IMAGE_FORMATS`
+    ("cannot be read"), more than ``max_pixels`` pixels (checked on the header, before any pixel
+    is decoded) or truncated / corrupt pixel data ("cannot be decoded")."""
     try:
-        opened = open_image(path)
-    except FileNotFoundError:
-        return None, f"image {path} does not exist"
-    except Exception as error:  # Pillow raises many types for bad files
-        return None, f"image {path} cannot be read ({one_line(error)})"
-    try:
-        with opened:
+        with _open_file(path) as file, _open_image(path, file) as opened:
             too_large = _too_large(path, opened, max_pixels)
             if too_large is not None:
                 return None, too_large
-            return image_to_tensor(opened, size, channels), ""
-    except Exception as error:  # Pillow raises many types for truncated / corrupt data
-        return None, f"image {path} cannot be decoded ({one_line(error)})"
+            try:
+                return image_to_tensor(opened, size, channels), ""
+            except Exception as error:  # Pillow raises many types for truncated / corrupt data
+                return None, f"image {path} cannot be decoded ({one_line(error)})"
+    except _BadImage as bad:
+        return None, str(bad)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from m6_moe.command_options import add_decoding_options, beam_options
-from m6_moe.data import image_to_tensor
+from m6_moe.data import decode_image_file
 from m6_moe.generate import (
     STRATEGIES,
     check_new_tokens,
@@ -23,7 +23,6 @@ from m6_moe.generate import (
     generate,
     room_for_new_tokens,
 )
-from m6_moe.optional import pillow
 from m6_moe.tokenizer import encode_prefix
 from m6_moe.trained_model import load_trained_model, tokenizer_for
 
@@ -35,28 +34,16 @@ LINE_BREAKS = str.maketrans({c: repr(c)[1:-1] for c in _BREAKS})
 
 
 def load_image_file(path: str | Path, model_config) -> torch.Tensor:
-    """An image file as ``uint8 [C, image_size, image_size]``, converted and resized as training
-    does (:func:`~m6_moe.data.image_to_tensor`); a missing, unreadable or oversized
+    """An image file as ``uint8 [C, image_size, image_size]``, opened, checked, converted and
+    resized as training does (:func:`~m6_moe.data.decode_image_file`: a regular file in one of
+    :data:`~m6_moe.data.IMAGE_FORMATS`); a missing, unreadable or oversized
     (``tasks.max_image_pixels``) file is a one-line ``ValueError``."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"--image {path} does not exist")
-    open_image = pillow().Image.open
-    try:
-        opened = open_image(path)
-    except Exception as error:  # Pillow raises many types for bad files
-        raise ValueError(f"--image {path} cannot be read ({' '.join(str(error).split())})") from None
-    with opened:
-        width, height = opened.size
-        limit = model_config.tasks.max_image_pixels
-        if width * height > limit:
-            raise ValueError(
-                f"--image {path} has {width} x {height} pixels, more than tasks.max_image_pixels = {limit:,}"
-            )
-        try:
-            return image_to_tensor(opened, model_config.image_size, model_config.image_channels)
-        except Exception as error:  # truncated or corrupt pixel data
-            raise ValueError(f"--image {path} cannot be decoded ({' '.join(str(error).split())})") from None
+    pixels, reason = decode_image_file(
+        Path(path), model_config.image_size, model_config.image_channels, model_config.tasks.max_image_pixels
+    )
+    if pixels is None:
+        raise ValueError(f"--{reason}")  # "image <path> ...": the option's name
+    return pixels
 
 
 class GenerateCommand:

@@ -59,7 +59,8 @@ class StreamFailure:
 class BatchStream(IterableDataset):
     """Rank ``rank``'s micro-batches from position ``start`` on: ``(inputs, labels, report)`` with
     ``report`` = ``{"step", "worker", "positions", "records", "tasks", "truncated", "bad"}``
-    (``bad``: the ``(record, reason)`` of images this process found bad since its last report).
+    (``bad``: the ``(record, reason)`` of images this process found bad since its last report,
+    ``reason`` None past the first ``MAX_STORED_REASONS``).
     Under a DataLoader, worker ``w`` of ``W`` yields micro-steps ``w, w + W, ...``."""
 
     def __init__(
@@ -224,13 +225,20 @@ class M6Batches:
             self._batches = self._agree()
         if self._iterator is None:
             self._iterator = self._start()
-        item = next(self._iterator)
+        try:
+            item = next(self._iterator)
+        except BaseException:
+            # A dead worker leaves the iterator broken; the position has not moved, so the next
+            # draw restarts the workers there.
+            self.close()
+            raise
         if isinstance(item, StreamFailure):
             self.close()
             log.debug("data loading failed:\n%s", item.traceback)
             raise ValueError(item.message)
         inputs, labels, report = item
         if report["step"] != self._steps_since_start:
+            self.close()
             raise RuntimeError(
                 f"loader returned micro-step {report['step']}, expected {self._steps_since_start}"
             )
