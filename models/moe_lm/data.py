@@ -22,17 +22,23 @@ def load_tiny_corpus() -> torch.Tensor:
 
 # Bytes read at a time while a text file is checked to be UTF-8 (the file is never held whole).
 _CHECK_CHUNK_BYTES = 1 << 20
+# How much of a text file is checked: enough to tell a text file from another file given by
+# mistake, while every rank reading a corpus of many GB whole at start-up (480 ranks: 480 reads of
+# it from a shared file system) would not be. The model reads bytes, so a bad byte further on only
+# trains as the byte it is.
+CHECKED_PREFIX_BYTES = 64 << 20
 
 
 def _first_invalid_utf8(source: str) -> int | None:
-    """The offset of the first byte of ``source`` that is not valid UTF-8 (a sequence cut by the end
-    of the file included), or None; read in chunks of ``_CHECK_CHUNK_BYTES``. ``OSError`` when the
+    """The offset of the first byte of ``source``'s first :data:`CHECKED_PREFIX_BYTES` that is not
+    valid UTF-8 (a sequence cut by the end of the file included; one cut by the end of the checked
+    part is not judged), or None; read in chunks of ``_CHECK_CHUNK_BYTES``. ``OSError`` when the
     file cannot be read."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0
     with open(source, "rb") as file:
-        while True:
-            chunk = file.read(_CHECK_CHUNK_BYTES)
+        while offset < CHECKED_PREFIX_BYTES:
+            chunk = file.read(min(_CHECK_CHUNK_BYTES, CHECKED_PREFIX_BYTES - offset))
             pending = len(decoder.getstate()[0])  # bytes of a sequence cut by the previous chunk
             try:
                 decoder.decode(chunk, final=not chunk)
@@ -41,13 +47,15 @@ def _first_invalid_utf8(source: str) -> int | None:
             if not chunk:
                 return None
             offset += len(chunk)
+    return None
 
 
 def map_text_file(source: str, min_bytes: int) -> torch.Tensor:
     """A UTF-8 text file of at least ``min_bytes`` bytes as ``uint8 [file bytes]`` whose storage is
     a private memory map of the file (``MAP_PRIVATE``: pages are read on demand and shared with the
     page cache, writes never reach the file). One-line ``ValueError`` naming the file when it
-    cannot be read, is not UTF-8 or is too short."""
+    cannot be read, is not UTF-8 (its first :data:`CHECKED_PREFIX_BYTES` are checked) or is too
+    short."""
     try:
         invalid = _first_invalid_utf8(source)
         size = os.path.getsize(source)

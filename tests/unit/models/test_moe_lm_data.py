@@ -126,3 +126,19 @@ def test_the_first_invalid_byte_is_named_when_the_file_is_checked_in_chunks(tmp_
         f"data.source {path} is not UTF-8 text (byte {whole.value.start} is not valid UTF-8): the "
         "language model trains on text files"
     )
+
+
+def test_only_the_first_bytes_of_a_large_file_are_checked(tmp_path, monkeypatch):
+    """Every rank checks the file at start-up: of a corpus of many GB only its first
+    ``CHECKED_PREFIX_BYTES`` (here 8), so an invalid byte after them is not looked for, one inside
+    them is named, and a character cut by the end of the checked part is not judged."""
+    monkeypatch.setattr(moe_lm.data, "CHECKED_PREFIX_BYTES", 8)
+    monkeypatch.setattr(moe_lm.data, "_CHECK_CHUNK_BYTES", 3)
+    late, early, straddling = tmp_path / "late.txt", tmp_path / "early.txt", tmp_path / "straddling.txt"
+    late.write_bytes(b"a" * 20 + b"\xff" + b"b" * 20)
+    early.write_bytes(b"abc\xff" + b"b" * 40)
+    straddling.write_bytes(b"a" * 7 + "数".encode() + b"b" * 40)
+    assert load_text_corpus(str(late), 4).numel() == 41
+    assert load_text_corpus(str(straddling), 4).numel() == 50
+    with pytest.raises(ValueError, match=r"is not UTF-8 text \(byte 3 is not valid UTF-8\)"):
+        load_text_corpus(str(early), 4)
