@@ -10,6 +10,7 @@ progress bars and log records (checkpoint loading, decoding settings) go to stde
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -19,6 +20,8 @@ from moetrain.logs import LEVELS
 PACKAGE_LOGGER = "m6_moe"
 DEFAULT_BEAMS = 4
 DEFAULT_LENGTH_PENALTY = 1.0
+# What torch.Generator.manual_seed takes: a signed or an unsigned 64-bit integer.
+SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 def positive_int(text: str) -> int:
@@ -61,24 +64,70 @@ def add_decoding_options(parser: argparse.ArgumentParser, config_help: str) -> N
 
 def beam_options(args) -> dict:
     """``num_beams`` and ``length_penalty`` for the library; a ``ValueError`` when either option
-    was given with another strategy than beam."""
+    was given with another strategy than beam, or ``--length-penalty`` is not finite."""
     if args.strategy != "beam":
         if args.num_beams is not None or args.length_penalty is not None:
             raise ValueError("only --strategy beam takes --num-beams and --length-penalty")
         return {}
+    if args.length_penalty is not None and not math.isfinite(args.length_penalty):
+        raise ValueError(f"--length-penalty must be a finite number, got {args.length_penalty}")
     return {
         "num_beams": DEFAULT_BEAMS if args.num_beams is None else args.num_beams,
         "length_penalty": DEFAULT_LENGTH_PENALTY if args.length_penalty is None else args.length_penalty,
     }
 
 
+def check_seed(seed: int | None) -> None:
+    """One-line ``ValueError`` unless ``--seed`` is None or in :data:`SEED_RANGE`."""
+    low, high = SEED_RANGE
+    if seed is not None and not low <= seed <= high:
+        raise ValueError(f"--seed must be an integer in [-2**63, 2**64 - 1] = [{low}, {high}], got {seed}")
+
+
+def check_output_file(option: str, path: Path) -> None:
+    """One-line ``ValueError`` naming ``option`` unless :func:`write_atomically` can write
+    ``path``: it is not an existing directory or other non-regular file, and its nearest existing
+    ancestor is a writable directory (the missing ones are created when it is written)."""
+    try:
+        if path.exists() and not path.is_file():
+            kind = "a directory" if path.is_dir() else "not a regular file"
+            raise ValueError(f"{option} {path}: is {kind}; give the path of a file to write")
+        parent = path.absolute().parent
+        while not parent.exists():
+            parent = parent.parent
+    except OSError as error:
+        raise ValueError(f"{option} {path}: cannot be checked ({error})") from None
+    if not parent.is_dir():
+        raise ValueError(f"{option} {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: directory {parent} is not writable")
+
+
+def write_output(option: str, path: Path, text: str) -> None:
+    """:func:`write_atomically`, an ``OSError`` reworded as one line naming ``option`` and ``path``."""
+    try:
+        write_atomically(path, text)
+    except OSError as error:
+        raise OSError(f"{option} {path}: {error.strerror or error}") from None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_atomically(path: Path, text: str) -> None:
-    """``text`` into ``path`` through a temporary file in the same directory and a rename."""
+    """``text`` into ``path`` through a temporary file in the same directory, written, synced to
+    disk and renamed over ``path``; the file gets mode ``0o666 & ~umask``, as ``open`` gives."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as file:
+            os.fchmod(file.fileno(), 0o666 & ~_umask())  # not mkstemp's 0o600
             file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)

@@ -6,7 +6,8 @@ teacher-forced token accuracy; see :mod:`m6_moe.evaluate`)::
 
 ``--to-sinks`` also sends the scores to the run's ``metrics.sinks`` (TensorBoard, Weights & Biases,
 MLflow: the training run's own tracker run), at the checkpoint's step, as ``eval/<manifest>/<score>``
-(:func:`eval_scalars`); never to ``metrics.jsonl``, which belongs to the training run.
+(:func:`eval_scalars`); never to ``metrics.jsonl``, which belongs to the training run. The sinks'
+packages are checked before the checkpoint is read, and the report is printed before it is sent.
 """
 
 from __future__ import annotations
@@ -14,21 +15,23 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
 from m6_moe.command_options import (
     add_decoding_options,
     beam_options,
+    check_output_file,
     positive_int,
-    write_atomically,
+    write_output,
 )
 from m6_moe.data import ManifestDataset
 from m6_moe.evaluate import EVAL_STRATEGIES, caption_manifest, caption_scores
 from m6_moe.generate import check_new_tokens
 from m6_moe.metrics import BLEU_TOKENIZERS
 from m6_moe.trained_model import load_trained_model, tokenizer_for
-from moetrain.metrics import MetricsLog, RunInfo
+from moetrain.metrics import MetricsLog, RunInfo, check_sinks
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +83,9 @@ class EvalCommand:
 
     def run(self, args, config) -> int:
         beam = beam_options(args)
+        if args.predictions:
+            check_output_file("--predictions", Path(args.predictions))
+        sinks = tracker_sinks(config) if args.to_sinks else []
         model_config = config.model
         tokenizer = tokenizer_for(model_config)
         max_new_tokens = args.max_new_tokens or min(config.data.seq_len, model_config.max_text_len)
@@ -128,6 +134,7 @@ class EvalCommand:
         report.update(beam)
         if len(results) > 1:
             report["all"] = caption_scores(results, args.bleu_tokenize)
+        print(json.dumps(report, ensure_ascii=False) if args.json else format_report(report), flush=True)
         if args.predictions:
             lines = [
                 json.dumps(
@@ -137,20 +144,58 @@ class EvalCommand:
                 for r in results
                 for image, p, refs in zip(r.images, r.predictions, r.references, strict=True)
             ]
-            write_atomically(Path(args.predictions), "\n".join(lines) + "\n")
-        if args.to_sinks:
-            send_to_sinks(config, report)
-        print(json.dumps(report, ensure_ascii=False) if args.json else format_report(report))
+            write_output("--predictions", Path(args.predictions), "\n".join(lines) + "\n")
+        if sinks:
+            send_to_sinks(config, sinks, report)
         return 0
 
 
 SCORES = ("exact_match", "bleu4", "token_accuracy")
 
 
+def sink_names(manifests: list[str]) -> list[str]:
+    """A distinct name per manifest label (a path or a pattern) for sink keys: its file name
+    without the extension, with as many parent directories as tell it apart from the others
+    (``en/test.jsonl``, ``zh/test.jsonl`` -> ``en/test``, ``zh/test``); names still alike (the
+    same manifest twice, ``a.json`` and ``a.jsonl``) get ``-2``, ``-3``, ... in order. ``all`` is
+    reserved for the aggregate: a manifest named so gets a parent directory, else ``all-2``."""
+    parts = []
+    for label in manifests:
+        path = Path(label)
+        directories = path.parent.relative_to(path.anchor).parts if path.anchor else path.parent.parts
+        parts.append([*directories, path.stem])
+    depth = [1] * len(parts)
+    while True:
+        names = ["/".join(p[-d:]) for p, d in zip(parts, depth, strict=True)]
+        counts = Counter(names)
+        longer = [
+            i
+            for i, name in enumerate(names)
+            if (name == "all" or counts[name] > 1) and depth[i] < len(parts[i])
+        ]
+        if not longer:
+            break
+        for i in longer:
+            depth[i] += 1
+    taken = {"all"} | {name for name in names if counts[name] == 1}
+    unique = []
+    for name in names:
+        candidate, number = name, 1
+        if counts[name] > 1 or name == "all":
+            while candidate in taken:
+                number += 1
+                candidate = f"{name}-{number}"
+            taken.add(candidate)
+        unique.append(candidate)
+    return unique
+
+
 def eval_scalars(report: dict) -> dict[str, float]:
-    """``{"eval/<manifest stem>/<score>": value}`` for exact match, BLEU-4 and token accuracy of
-    each manifest, and ``eval/all/<score>`` over all of them when there are several."""
-    groups = [(Path(m["manifest"]).stem, m) for m in report["manifests"]]
+    """``{"eval/<manifest>/<score>": value}`` for exact match, BLEU-4 and token accuracy of each
+    manifest (``<manifest>``: :func:`sink_names`, e.g. its file name without the extension), and
+    ``eval/all/<score>`` over all of them when there are several."""
+    labels = [m["manifest"] for m in report["manifests"]]
+    groups = list(zip(sink_names(labels), report["manifests"], strict=True))
     if "all" in report:
         groups.append(("all", report["all"]))
     return {
@@ -158,12 +203,23 @@ def eval_scalars(report: dict) -> dict[str, float]:
     }
 
 
-def send_to_sinks(config, report: dict) -> None:
-    """The scores to the run's sinks but ``jsonl``, logged at the checkpoint's step and as summary."""
+def tracker_sinks(config) -> list[str]:
+    """The sinks ``--to-sinks`` sends to: ``metrics.sinks`` but ``jsonl``, their packages imported
+    now (a one-line ``ImportError`` naming ``--to-sinks`` and ``metrics.sinks`` when one is
+    missing); an empty list, with a warning, when there is none."""
     names = [name for name in config.metrics.sinks if name != "jsonl"]
     if not names:
         log.warning("--to-sinks: metrics.sinks names no sink but jsonl; the scores are only printed")
-        return
+    try:
+        check_sinks(names)
+    except ImportError as error:
+        raise ImportError(f"--to-sinks: {error}") from None
+    return names
+
+
+def send_to_sinks(config, names: list[str], report: dict) -> None:
+    """The scores to the sinks ``names`` (:func:`tracker_sinks`), logged at the checkpoint's step
+    and as summary."""
     out_dir = Path(config.out_dir)
     run = RunInfo(
         out_dir, report["step"], json.loads(json.dumps(asdict(config))), 0,

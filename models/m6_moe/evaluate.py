@@ -4,7 +4,9 @@ The general path works on any JSON-lines manifest (:class:`~m6_moe.data.Manifest
 paths relative to the manifest or absolute):
 
 - the records that have an image are grouped by image file (resolved path), in manifest order;
-  every text of an image is one of its references; text-only records are counted and left out;
+  every text of an image is one of its references, wherever it stands in the manifest (so even
+  ``limit`` images take one pass over the image records: see :func:`images_with_references`);
+  text-only records are counted (from the manifest's index) and left out;
 - :func:`caption_manifest` captions each image from the image alone (empty prefix), greedy or
   beam search, batched, and measures teacher-forced token accuracy on every reference: the model
   reads ``bos`` + the reference's tokens and predicts each next token (eos included); a token is
@@ -20,6 +22,7 @@ scores on its ``heldout.jsonl`` plus the most-frequent-caption baseline and the 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,13 +71,35 @@ def manifest_label(dataset: ManifestDataset) -> str:
     return str(dataset.manifest)
 
 
-def images_with_references(dataset: ManifestDataset) -> list[list[int]]:
+# Entries of an index's image_records array read at once (8 bytes each).
+_IMAGE_RECORDS_CHUNK = 1 << 16
+
+
+def image_record_indices(dataset: ManifestDataset) -> Iterator[int]:
+    """The dataset indices of the records that have an image, in order (from the manifests'
+    indexes, a chunk of their ``image_records`` arrays at a time; no record is read)."""
+    for k, index in enumerate(dataset.indexes):
+        start = int(dataset.starts[k])
+        for first in range(0, index.image_records, _IMAGE_RECORDS_CHUNK):
+            chunk = dataset.index(k).array("image_records")[first : first + _IMAGE_RECORDS_CHUNK]
+            for local in chunk.tolist():
+                yield start + local
+
+
+def images_with_references(dataset: ManifestDataset, limit: int | None = None) -> list[list[int]]:
     """Record indices grouped by image file (``os.path.abspath`` of the resolved path), images
-    in order of first appearance; text-only records are left out."""
+    in order of first appearance, the first ``limit`` images only when given (the same groups as
+    the first ``limit`` of all). Text-only records are left out unread. Reads every record that
+    has an image once (a later record can hold another reference of an early image) and holds
+    only the kept images' paths."""
     groups: dict[str, list[int]] = {}
-    for index, record in enumerate(dataset.records):
-        if record.image is not None:
-            groups.setdefault(os.path.abspath(record.image), []).append(index)
+    for index in image_record_indices(dataset):
+        key = os.path.abspath(dataset.read(index)[1])
+        group = groups.get(key)
+        if group is not None:
+            group.append(index)
+        elif limit is None or len(groups) < limit:
+            groups[key] = [index]
     return list(groups.values())
 
 
@@ -134,12 +159,11 @@ def caption_manifest(
         raise ValueError(f"strategy must be one of {', '.join(map(repr, EVAL_STRATEGIES))}, got {strategy!r}")
     require_int("batch_size", batch_size, 1)
     require_int("limit", limit, 1, allow_none=True)
-    groups = images_with_references(dataset)
     result = CaptionResult(manifest_label(dataset))
-    result.text_only_records = sum(record.image is None for record in dataset.records)
-    if not groups:
+    result.text_only_records = dataset.kind_count("all") - dataset.kind_count("image")
+    if dataset.kind_count("image") == 0:
         raise ValueError(f"manifest {result.manifest} has no record with an image to caption")
-    groups = groups[:limit]
+    groups = images_with_references(dataset, limit)
     starts = range(0, len(groups), batch_size)
     bar = None
     if progress:

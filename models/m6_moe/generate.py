@@ -183,9 +183,13 @@ def sampling_probs(
 ) -> torch.Tensor:
     """The distribution :func:`sample` draws from, ``[B, V]`` fp32 rows summing to 1:
     ``softmax(filter_logits(logits / temperature, top_k, top_p))``. The temperature comes first,
-    so it also changes which tokens top-p keeps (< 1 sharpens: fewer; > 1 flattens: more)."""
+    so it also changes which tokens top-p keeps (< 1 sharpens: fewer; > 1 flattens: more). Computed
+    as ``(logits - row max) / temperature`` in fp64, which the softmax does not notice, so that a
+    tiny temperature (1e-40) gives the argmax (ties share it) instead of inf - inf = NaN."""
     check_sampling_options(top_k, top_p, temperature)
-    return filter_logits(logits_BV.float() / temperature, top_k, top_p).softmax(dim=-1)
+    logits_BV = logits_BV.double()
+    scaled_BV = (logits_BV - logits_BV.amax(dim=-1, keepdim=True)) / temperature
+    return filter_logits(scaled_BV, top_k, top_p).softmax(dim=-1).float()
 
 
 def _decode(model, tokenizer, context: dict, max_new_tokens: int, choose, use_cache: bool) -> list[list[int]]:

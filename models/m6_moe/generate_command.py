@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from m6_moe.command_options import add_decoding_options, beam_options
+from m6_moe.command_options import add_decoding_options, beam_options, check_seed
 from m6_moe.data import decode_image_file
 from m6_moe.generate import (
     STRATEGIES,
@@ -86,6 +86,7 @@ class GenerateCommand:
         given = [f"--{name.replace('_', '-')}" for name, value in sampling.items() if value is not None]
         if args.strategy != "sample" and given:
             raise ValueError(f"only --strategy sample takes {', '.join(given)}")
+        check_seed(args.seed)
         options = {"use_cache": not args.no_cache, **beam_options(args)}
         if not args.image and args.prefix is None:
             raise ValueError("give --image, --prefix or both")
