@@ -108,7 +108,37 @@ def read_manifest(path: Path) -> dict[str, Any]:
         for name in files
     ):
         raise CheckpointError(f"{file}: corrupt manifest (bad file list)")
+    _check_schema(file, manifest)
     return manifest
+
+
+def _is_int(value: Any, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _check_schema(file: Path, manifest: dict[str, Any]) -> None:
+    """CheckpointError naming the first field of ``manifest`` (resealed, so its checksum matched)
+    that is missing or of another type than a save writes."""
+
+    def bad(field: str, allowed: str, value: Any) -> CheckpointError:
+        return CheckpointError(f"{file}: corrupt manifest: {field!r} must be {allowed}, got {value!r}")
+
+    for field, low in (("step", 0), ("world_size", 1), ("ep_size", 1), ("total_bytes", 0)):
+        if not _is_int(manifest.get(field), low):
+            raise bad(field, f"an int >= {low}", manifest.get(field))
+    for field in ("optimizer", "scheduler"):
+        if not isinstance(manifest.get(field), bool):
+            raise bad(field, "true or false", manifest.get(field))
+    experts = manifest.get("experts")
+    if not isinstance(experts, dict) or not all(_is_int(count, 1) for count in experts.values()):
+        raise bad("experts", "{parameter name: expert count >= 1}", experts)
+    for name, info in manifest["files"].items():
+        if (
+            not isinstance(info, dict)
+            or not _is_int(info.get("bytes"), 0)
+            or not isinstance(info.get("sha256"), str)
+        ):
+            raise bad(f"files[{name!r}]", '{"bytes": int >= 0, "sha256": str}', info)
 
 
 def checksum_share(directory: Path, names: list[str], layout: RankLayout) -> dict[str, dict[str, Any]]:

@@ -101,7 +101,7 @@ def _dcp_load(request: Request, path: Path, files: set[str], layout: RankLayout)
             warnings.filterwarnings("ignore", message=NO_DIST_WARNING, category=UserWarning)
             dcp.load(
                 request.entries,
-                storage_reader=SafeFileSystemReader(path, files),
+                storage_reader=SafeFileSystemReader(path, files, metadata=request.metadata),
                 planner=TensorOnlyLoadPlanner(),
                 no_dist=not layout.distributed,
             )
@@ -219,7 +219,7 @@ def _request_entries(
     Returns ``(request, optimizer plans)``; a mismatch raises on every rank."""
     request, plans, error = None, None, None
     try:
-        request = Request(read_metadata(path, files).state_dict_metadata, path)
+        request = Request.of(read_metadata(path, files), path)
         request_model(request, model, experts, manifest, layout.ep_size, stage=one_stage)
         if optimizer is not None:
             if not manifest["optimizer"]:

@@ -78,6 +78,10 @@ def encode_object(key: str, value: Any) -> dict[str, torch.Tensor]:
     return entries
 
 
+class _Malformed(ValueError):
+    """A decoding error that already names the entry."""
+
+
 def decode_object(key: str, entries: dict[str, Any]) -> Any:
     """The value stored under ``key`` by :func:`encode_object`, from the loaded ``entries``."""
     raw = entries[json_key(key)]
@@ -85,7 +89,7 @@ def decode_object(key: str, entries: dict[str, Any]) -> Any:
         raise ValueError(f"checkpoint entry {key!r} is not an encoded object")
     try:
         tree = json.loads(bytes(raw.numpy().tobytes()).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise ValueError(f"checkpoint entry {key!r} is not an encoded object ({error})") from None
 
     def walk(node: Any) -> Any:
@@ -96,7 +100,7 @@ def decode_object(key: str, entries: dict[str, Any]) -> Any:
         if set(node) == {"__tensor__"}:
             leaf = leaf_key(key, node["__tensor__"])
             if leaf not in entries:
-                raise ValueError(f"checkpoint entry {key!r} refers to a missing tensor {leaf!r}")
+                raise _Malformed(f"checkpoint entry {key!r} refers to a missing tensor {leaf!r}")
             return entries[leaf]
         if set(node) == {"__tuple__"}:
             return tuple(walk(item) for item in node["__tuple__"])
@@ -106,7 +110,13 @@ def decode_object(key: str, entries: dict[str, Any]) -> Any:
             return {_hashable(walk(k)): walk(v) for k, v in node["__dict__"]}
         return {k: walk(v) for k, v in node.items()}
 
-    return walk(tree)
+    try:
+        return walk(tree)
+    except _Malformed:
+        raise
+    except (TypeError, ValueError, KeyError, RecursionError) as error:  # a marker of the wrong form
+        detail = f"{type(error).__name__}: {error}"
+        raise ValueError(f"checkpoint entry {key!r} is not an encoded object ({detail})") from None
 
 
 def _hashable(key: Any) -> Any:

@@ -2,13 +2,16 @@
 and the optimizer state dict put together afterwards.
 
 Every entry the current model and optimizer need is checked first (missing expert -> ``ValueError``
-naming the key; shape mismatch -> ``ValueError`` naming the parameter); only then is anything read.
+naming the key; shape mismatch -> ``ValueError`` naming the parameter; optimizer state saved by
+another kind of optimizer -> ``ValueError`` naming its keys); only then is anything read.
 Experts are read into views of one stacked buffer per parameter, so that a rank reads exactly the
 experts it holds now, under any world size or ``ep_size``.
 """
 
 from __future__ import annotations
 
+import inspect
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,12 +32,25 @@ class Request:
     buffers that per-expert targets are views of (``assembled``). Objects are requested as their
     JSON tensor and tensor leaves and decoded by :meth:`value`."""
 
-    def __init__(self, saved: dict[str, Any], path: Path):
+    def __init__(self, saved: dict[str, Any], path: Path, stored: dict[str, int] | None = None):
         self.saved = saved  # DCP key -> TensorStorageMetadata
         self.path = path
+        self.stored = stored  # DCP key -> bytes of its records in the data files (None: unchecked)
         self.entries: dict[str, Any] = {}
         self.assembled: dict[str, torch.Tensor] = {}
         self.objects: set[str] = set()
+        self.metadata = None  # the DCP Metadata read (by :meth:`of`), handed on to the reader
+
+    @classmethod
+    def of(cls, metadata, path: Path) -> Request:
+        """The request over DCP ``metadata``: its entries and the bytes stored for each."""
+        stored: dict[str, int] = {}
+        for index, info in (metadata.storage_data or {}).items():
+            length = getattr(info, "length", 0)
+            stored[index.fqn] = stored.get(index.fqn, 0) + (length if isinstance(length, int) else 0)
+        request = cls(metadata.state_dict_metadata, path, stored)
+        request.metadata = metadata
+        return request
 
     def tensor(self, key: str, shape, what: str, out: torch.Tensor | None = None) -> None:
         """Requests tensor entry ``key`` of ``shape`` into ``out`` (default: a new CPU tensor of the
@@ -59,13 +75,32 @@ class Request:
                     f"{self.path}: entry {key!r} is a pickled object; moetrain checkpoints hold only tensors "
                     "and pickled objects are never loaded"
                 )
-            self.tensor(key, self.saved[key].size, what)
+            self.tensor(key, self._saved_size(key), what)
             return
         if json_key(key) not in self.saved:
             raise ValueError(f"{what}: checkpoint {self.path} has no entry {key!r}")
         self.objects.add(key)
         for part in (json_key(key), *leaf_keys(key, self.saved)):
-            self.tensor(part, self.saved[part].size, what)
+            if not isinstance(self.saved[part], TensorStorageMetadata):
+                raise CheckpointError(f"{self.path}: entry {part!r} of object {key!r} is not a tensor")
+            self.tensor(part, self._saved_size(part), what)
+
+    def _saved_size(self, key: str) -> tuple[int, ...]:
+        """The metadata's size of tensor entry ``key``, which nothing here bounds: CheckpointError
+        when a dimension is negative or its bytes (numel x element size) exceed the bytes stored
+        for it (a crafted size would otherwise allocate them)."""
+        md = self.saved[key]
+        size = tuple(md.size)
+        if any(not isinstance(dim, int) or dim < 0 for dim in size):
+            raise CheckpointError(f"{self.path}: entry {key!r} has a negative or non-integer size {size}")
+        if self.stored is not None:
+            nbytes = math.prod(size) * md.properties.dtype.itemsize
+            if nbytes > self.stored.get(key, 0):
+                raise CheckpointError(
+                    f"{self.path}: entry {key!r} of size {size} ({nbytes} bytes) exceeds the "
+                    f"{self.stored.get(key, 0)} bytes stored for it"
+                )
+        return size
 
     def value(self, key: str) -> Any:
         """A requested entry after the read: the tensor, or the decoded object."""
@@ -178,6 +213,7 @@ def request_optimizer(request: Request, optimizer, names: dict[int, str], expert
         raise ValueError(f"optimizer: checkpoint {request.path} has no entry 'optim/param_groups'")
     request.as_saved("optim/param_groups", "optimizer param groups")
     state_keys = _state_keys_index(request.saved)
+    fitting: dict[tuple[int, int], tuple[set[str] | None, set[str] | None]] = {}
     plans = []
     for g, group in enumerate(optimizer.param_groups):
         for i, param in enumerate(group["params"]):
@@ -186,9 +222,12 @@ def request_optimizer(request: Request, optimizer, names: dict[int, str], expert
             name = names[id(param)]
             if name in experts:
                 first, count, _ = experts[name]
-                entries = [f"optim/{expert_key(name, first + local)}" for local in range(count)]
+                rows = [f"optim/{expert_key(name, first + local)}" for local in range(count)]
+                # a rank holding none of its rows (FSDP with fewer rows than shards) still takes the
+                # state keys and the unsplit values (the step) of the parameter: expert 0's
+                entries = rows or [f"optim/{expert_key(name, 0)}"]
             else:
-                entries = [f"optim/{name}"]
+                rows = entries = [f"optim/{name}"]
             key_sets = [state_keys.get(e, []) for e in entries]
             for entry, keys in zip(entries, key_sets, strict=True):
                 if keys != key_sets[0]:
@@ -196,6 +235,7 @@ def request_optimizer(request: Request, optimizer, names: dict[int, str], expert
                         f"optimizer state of parameter {name!r}: {entry!r} has entries {keys}, "
                         f"{entries[0]!r} has {key_sets[0]} in checkpoint {request.path}"
                     )
+            _check_state_keys(optimizer, g, param, name, key_sets[0], request.path, fitting)
             plan = StatePlan(name, entries, key_sets[0], {})
             for key in plan.keys:
                 what = f"optimizer state {key!r} of parameter {name!r}"
@@ -207,7 +247,7 @@ def request_optimizer(request: Request, optimizer, names: dict[int, str], expert
                 )
                 if per_expert:
                     buffer = torch.empty(tuple(local_tensor(param).shape), dtype=md.properties.dtype)
-                    for local, entry in enumerate(entries):
+                    for local, entry in enumerate(rows):
                         request.tensor(f"{entry}/{key}", param.shape[1:], what, out=buffer[local])
                     plan.stacked[key] = _as_param_layout(buffer, param)
                 elif (
@@ -222,6 +262,55 @@ def request_optimizer(request: Request, optimizer, names: dict[int, str], expert
                         request.as_saved(f"{entry}/{key}", what)
             plans.append(plan)
     return plans
+
+
+def _check_state_keys(
+    optimizer, g: int, param, name: str, keys: list[str], path: Path, fitting: dict
+) -> None:
+    """ValueError when the state ``keys`` saved for parameter ``name`` (none: fresh state, fits
+    any optimizer) lack a key this optimizer's state of it needs, or hold one it refuses (another
+    kind of optimizer saved them). ``fitting``: ``{(g, ndim): (needed, allowed)}`` found so far."""
+    if not keys:
+        return
+    if (g, param.dim()) not in fitting:
+        fitting[g, param.dim()] = _optimizer_state_keys(optimizer, g, param.dim())
+    needed, allowed = fitting[g, param.dim()]
+    if needed is None:
+        return
+    if not needed <= set(keys) or (allowed is not None and not set(keys) <= allowed):
+        inner = getattr(optimizer, "optimizer", optimizer)  # GroupwiseApply wraps one
+        raise ValueError(
+            f"optimizer: checkpoint {path} state keys {keys} of parameter {name!r} do not fit "
+            f"{type(inner).__name__} (it needs {sorted(needed)}"
+            + (f", allows {sorted(allowed)})" if allowed is not None else ")")
+        )
+
+
+def _optimizer_state_keys(optimizer, g: int, ndim: int) -> tuple[set[str] | None, set[str] | None]:
+    """``(needed, allowed)`` state keys of a parameter of ``ndim`` dimensions in param group ``g``
+    (``allowed`` None: any more keys are kept as they are). For torch-style optimizers ``needed``
+    is what one step of a fresh optimizer of the same class and options creates for a tensor of
+    ones of that rank on the CPU; (None, None) when such an optimizer cannot be built or stepped."""
+    from moetrain.offload.groupwise import GroupwiseApply
+    from moetrain.offload.optimizer import OffloadOptimizer
+    from moetrain.offload.optimizer_state import PENDING_KEY, STATE_KEYS
+
+    if isinstance(optimizer, GroupwiseApply):
+        optimizer = optimizer.optimizer
+    if isinstance(optimizer, OffloadOptimizer):  # its load_state_dict checks these (master optional)
+        return {"step", "exp_avg", "exp_avg_sq"}, {*STATE_KEYS, PENDING_KEY}
+    cls = type(optimizer)
+    group = optimizer.param_groups[g]
+    try:
+        accepted = inspect.signature(cls.__init__).parameters
+        options = {k: v for k, v in group.items() if k in accepted and k != "params"}
+        probe = torch.ones((1,) * ndim, requires_grad=True)
+        probe.grad = torch.zeros_like(probe)
+        stepped = cls([probe], **options)
+        stepped.step()
+    except Exception:  # noqa: BLE001 - an optimizer this cannot probe: its keys are not checked
+        return None, None
+    return set(stepped.state[probe]), None
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -271,7 +360,10 @@ def optimizer_state_dict(
     groups, index = [], 0
     for saved, group in zip(saved_groups, optimizer.param_groups, strict=True):
         count = len(group["params"])
-        options = {k: v for k, v in saved.items() if k != "params"}
+        # the saved options; one the checkpoint lacks (another kind of optimizer saved it, one
+        # without state) keeps this optimizer's value
+        options = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        options.update((k, v) for k, v in saved.items() if k != "params")
         groups.append({**options, "params": list(range(index, index + count))})
         index += count
     return {"state": state, "param_groups": groups}

@@ -86,15 +86,20 @@ def read_metadata(path: Path, allowed_files: set[str] | None = None) -> Metadata
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader with :func:`read_metadata` in place of its plain ``pickle.load``."""
+    """DCP's file reader with :func:`read_metadata` in place of its plain ``pickle.load``.
+    ``metadata``: that of ``path`` as :func:`read_metadata` returned it (with ``allowed_files``)
+    before, used instead of reading it again (unpickling it costs seconds at scale)."""
 
-    def __init__(self, path: Path, allowed_files: set[str] | None = None):
+    def __init__(self, path: Path, allowed_files: set[str] | None = None, metadata: Metadata | None = None):
         super().__init__(path)
         self._checkpoint_dir = Path(path)
         self._allowed_files = allowed_files
+        self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata(self._checkpoint_dir, self._allowed_files)
+        metadata = self._metadata
+        if metadata is None:
+            metadata = read_metadata(self._checkpoint_dir, self._allowed_files)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

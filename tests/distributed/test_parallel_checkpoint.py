@@ -5,6 +5,8 @@ each rank holds) round-trips too."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -49,21 +51,21 @@ def param_first_expert(model, name: str) -> int:
     return module.first_expert
 
 
-def save_worker(rank, world, directory, ep, tp, replica):
+def save_worker(rank, world, directory, ep, tp, replica, lm=LM):
     parallel = ParallelContext(ParallelConfig(ep_size=ep, tp_size=tp, replica=replica))
     torch.manual_seed(0)
-    model = MoETransformerLM(LM, seed=3)
-    trained = parallelize(model, parallel, default_lm_strategy(LM, tp))
+    model = MoETransformerLM(lm, seed=3)
+    trained = parallelize(model, parallel, default_lm_strategy(lm, tp))
     optimizer = _train_one_step(trained, parallel, model)
     save_checkpoint(directory, 1, model=model, optimizer=optimizer, parallel=parallel)
     return _state(model, optimizer, parallel)
 
 
-def load_worker(rank, world, directory, ep, tp, replica):
+def load_worker(rank, world, directory, ep, tp, replica, lm=LM):
     parallel = ParallelContext(ParallelConfig(ep_size=ep, tp_size=tp, replica=replica))
     torch.manual_seed(9)  # other weights: everything must come from the checkpoint
-    model = MoETransformerLM(LM, seed=4)
-    trained = parallelize(model, parallel, default_lm_strategy(LM, tp))
+    model = MoETransformerLM(lm, seed=4)
+    trained = parallelize(model, parallel, default_lm_strategy(lm, tp))
     optimizer = _train_one_step(trained, parallel, model)  # other optimizer state, to be replaced
     load_checkpoint(directory, model=model, optimizer=optimizer, parallel=parallel)
     return _state(model, optimizer, parallel)
@@ -121,4 +123,23 @@ def test_fsdp_checkpoint_round_trips_and_loads_at_world1(tmp_path):
     single = parallelize(model, ParallelContext(), default_lm_strategy(LM))
     optimizer = _train_one_step(single, None, model)
     load_checkpoint(tmp_path / "fsdp", model=model, optimizer=optimizer)
+    _assert_same(_state(model, optimizer, None), saved)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_fsdp_ranks_holding_no_expert_rows_round_trip_and_load_at_world1(tmp_path):
+    """World 4 under FSDP2 at ep 1 with 2 experts: each expert weight has 2 rows over 4 shards, so
+    ranks 2 and 3 hold none (they take the state keys and the step from expert 0's entries). The
+    checkpoint loads back into the same layout and into one process, bit for bit."""
+    lm = dataclasses.replace(LM, moe=dataclasses.replace(LM.moe, num_experts=2, top_k=1))
+    directory = str(tmp_path / "fsdp_rowless")
+    saved = _merged(run_distributed(save_worker, 4, directory, 1, 1, "fsdp", lm, timeout=300))
+    assert any(k.startswith("exp_avg/") and ".experts." in k for k in saved)
+    _assert_same(_merged(run_distributed(load_worker, 4, directory, 1, 1, "fsdp", lm, timeout=300)), saved)
+    torch.manual_seed(9)
+    model = MoETransformerLM(lm, seed=4)
+    single = parallelize(model, ParallelContext(), default_lm_strategy(lm))
+    optimizer = _train_one_step(single, None, model)
+    load_checkpoint(directory, model=model, optimizer=optimizer)
     _assert_same(_state(model, optimizer, None), saved)

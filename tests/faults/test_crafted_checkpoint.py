@@ -4,7 +4,8 @@ Every pickled file a checkpoint has gets a code-executing payload (a pickle whos
 calls ``os.system`` to create a marker file), the manifest is rewritten so that every checksum
 matches (a checksum is not authentication), and loading must fail with one line and run nothing:
 the DCP ``.metadata`` pickle, a tensor's ``torch.save`` record inside a ``.distcp`` file, and a DCP
-bytes entry (which DCP itself would unpickle with ``weights_only=False``).
+bytes entry (which DCP itself would unpickle with ``weights_only=False``). Resealed manifests,
+object trees and entry sizes of the wrong form fail in one line naming the field, changing nothing.
 """
 
 from __future__ import annotations
@@ -141,3 +142,93 @@ def test_resuming_from_a_crafted_newest_checkpoint_is_one_line_and_runs_nothing(
     lines = [line for line in err.splitlines() if line.startswith("moetrain: error:")]
     assert len(lines) == 1 and "refuses to load 'posix.system'" in lines[0], err
     assert not marker.exists()
+
+
+def _edit_manifest(change):
+    def edit(checkpoint: Path) -> None:
+        manifest = json.loads((checkpoint / "manifest.json").read_text())
+        change(manifest)
+        manifest["manifest_sha256"] = manifest_digest(manifest)
+        (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+    return edit
+
+
+def _edit_size(size):
+    def edit(checkpoint: Path) -> None:
+        metadata = _load_metadata_unsafely(checkpoint)
+        metadata.state_dict_metadata["extra_state/rank_0/#json"].size = torch.Size(size)
+        (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+        _reseal(checkpoint)
+
+    return edit
+
+
+NOT_OBJECT = "'extra_state/rank_0' is not an encoded object"
+# (name, JSON of the extra_state object or None, edit of the saved checkpoint or None, message)
+RESEALED_EDITS = [
+    ("files value not a dict", None, _edit_manifest(lambda m: m["files"].update({".metadata": 5})),
+     "corrupt manifest: \"files['.metadata']\" must be"),
+    ("files value without sha256", None, _edit_manifest(lambda m: m["files"][".metadata"].pop("sha256")),
+     "corrupt manifest: \"files['.metadata']\" must be"),
+    ("world_size a string", None, _edit_manifest(lambda m: m.update(world_size="2")),
+     "corrupt manifest: 'world_size' must be an int >= 1, got '2'"),
+    ("ep_size zero", None, _edit_manifest(lambda m: m.update(ep_size=0)),
+     "corrupt manifest: 'ep_size' must be an int >= 1, got 0"),
+    ("no experts", None, _edit_manifest(lambda m: m.pop("experts")), "corrupt manifest: 'experts' must be"),
+    ("expert count a string", None, _edit_manifest(lambda m: m.update(experts={"w": "4"})),
+     "corrupt manifest: 'experts' must be"),
+    ("no total_bytes", None, _edit_manifest(lambda m: m.pop("total_bytes")),
+     "corrupt manifest: 'total_bytes' must be an int >= 0, got None"),
+    ("step a string", None, _edit_manifest(lambda m: m.update(step="x")),
+     "corrupt manifest: 'step' must be an int >= 0, got 'x'"),
+    ("optimizer missing", None, _edit_manifest(lambda m: m.pop("optimizer")),
+     "corrupt manifest: 'optimizer' must be true or false"),
+    ("json float of a list", '{"__float__":[1]}', None, NOT_OBJECT),
+    ("json tuple of an int", '{"__tuple__":5}', None, NOT_OBJECT),
+    ("json dict key a dict", '{"__dict__":[[{"a":1},2]]}', None, NOT_OBJECT),
+    ("json dict not pairs", '{"__dict__":[[1]]}', None, NOT_OBJECT),
+    ("json float not a number", '{"__float__":"abc"}', None, NOT_OBJECT),
+    ("object size beyond its data", None, _edit_size((1 << 42,)),
+     "'extra_state/rank_0/#json' of size (4398046511104,) (4398046511104 bytes) exceeds the"),
+    ("object size negative", None, _edit_size((-5,)), "'extra_state/rank_0/#json' has a negative"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "edit", "expected"),
+    [case[1:] for case in RESEALED_EDITS],
+    ids=[case[0] for case in RESEALED_EDITS],
+)
+def test_a_crafted_resealed_checkpoint_fails_in_one_line_naming_the_field_and_changes_nothing(
+    tmp_path, monkeypatch, text, edit, expected
+):
+    """Checksums that match a crafted manifest, object tree or entry size: one line naming what is
+    wrong (not a TypeError or KeyError from deep inside, nor an allocation of the crafted size),
+    and the model is left as it was."""
+    import moetrain.checkpoint.entries as entries
+
+    if text is not None:
+        encode = entries.encode_object
+
+        def crafted(key, value):
+            out = encode(key, value)
+            if key.startswith("extra_state/"):
+                out[key + "/#json"] = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+            return out
+
+        monkeypatch.setattr(entries, "encode_object", crafted)
+    checkpoint = save_checkpoint(tmp_path, 1, model=_net(), extra_state={"x": 1})
+    monkeypatch.undo()
+    if edit is not None:
+        edit(checkpoint)
+    model = _net()
+    for p in model.parameters():
+        p.data.add_(1.0)  # unlike the checkpoint's values
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises((CheckpointError, ValueError)) as error:
+        load_checkpoint(tmp_path, model=model)
+    message = str(error.value)
+    assert "\n" not in message and expected in message, message
+    for p, q in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p.detach(), q)
