@@ -58,6 +58,7 @@ def _train(args) -> int:
 
     from moetrain.engine import Trainer, check_fits
     from moetrain.failures import (
+        EXIT_BAD_INPUT,
         EXIT_FINISHED,
         EXIT_PREEMPTED,
         Interrupted,
@@ -70,10 +71,14 @@ def _train(args) -> int:
     from moetrain.parallel import read_launch_environment
 
     overrides = list(args.set) + ([_resume_override(args.resume_from)] if args.resume_from else [])
-    config = build_train_config(args.config, overrides, args.strategy)
-    launch = read_launch_environment()
-    configure_console(args.log_level, launch.rank)
-    check_fits(config, launch.world_size)
+    try:
+        config = build_train_config(args.config, overrides, args.strategy)
+        launch = read_launch_environment()
+        configure_console(args.log_level, launch.rank)
+        check_fits(config, launch.world_size)
+    except INPUT_ERRORS as error:  # main prints the line; under torchrun the launcher ends with it too
+        report_to_launcher(str(error), EXIT_BAD_INPUT)
+        raise
     position = RunPosition(rank=launch.rank)
     log_path = None
 

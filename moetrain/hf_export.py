@@ -18,6 +18,7 @@ the folder. The way back to ``moetrain train``: a builder that loads the folder 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from pathlib import Path
@@ -82,6 +83,28 @@ def resolve_model_class(model_class: Any):
     return model_class
 
 
+def _class_mismatch(model_class, name: str, folder: Path) -> str | None:
+    """Why ``model_class`` (``--model-class`` ``name``) cannot build the model of ``folder``'s
+    ``config.json``: a concrete class of another ``model_type``, or an Auto class with no model for
+    it; None when the class fits or the config says no ``model_type``."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    file = folder / "config.json"
+    try:
+        model_type = json.loads(file.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None  # the error build_moefied raised names what is wrong with the file
+    advice = f"give a class for {model_type!r} models (AutoModelForCausalLM, the default, for a causal LM)"
+    takes = getattr(getattr(model_class, "config_class", None), "model_type", None)  # a concrete class's
+    if takes and takes != model_type:
+        return f"--model-class {name} builds {takes!r} models, {file} has model_type {model_type!r}; {advice}"
+    mapping = getattr(model_class, "_model_mapping", None)  # an Auto class: the configs it has models for
+    known = model_type in CONFIG_MAPPING  # else AutoConfig's own error stands
+    if not takes and mapping is not None and known and CONFIG_MAPPING[model_type] not in mapping:
+        return f"--model-class {name} has no model for the model_type {model_type!r} of {file}; {advice}"
+    return None
+
+
 def export_hf(
     checkpoint: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -94,11 +117,24 @@ def export_hf(
     the folder (or ``config.json``) with the ``moetrain_moefy`` entry; default: the run's
     ``hf_config/``. Returns ``step``, ``checkpoint`` (the checkpoint's folder), ``out_dir`` and
     ``model`` (the exported model, on the CPU). One-line ``ValueError`` / ``CheckpointError`` /
-    ``FileNotFoundError`` for a missing checkpoint or config, an invalid entry, or a checkpoint
-    that does not fit the model the config describes."""
+    ``FileNotFoundError`` for a missing checkpoint or config, an invalid entry, a ``model_class``
+    of another model type than the config's, a checkpoint that does not fit the model the config
+    describes, or ``out_dir`` an existing file (before anything is loaded); one-line ``OSError``
+    naming ``out_dir`` when the folder cannot be written (a full disk)."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"OUT_DIR {out} is a file: give a folder (created if missing, written over if not)")
     source, directory = checkpoint_location(checkpoint)
     folder = _hf_config_folder(config, directory)
-    model = build_moefied(resolve_model_class(model_class), folder)
+    name = model_class if isinstance(model_class, str) else getattr(model_class, "__name__", str(model_class))
+    model_class = resolve_model_class(model_class)
+    try:
+        model = build_moefied(model_class, folder)
+    except Exception:  # noqa: BLE001 - re-raised unless the class is of another model type
+        problem = _class_mismatch(model_class, name, folder)
+        if problem is None:
+            raise
+        raise ValueError(problem) from None
     try:
         loaded = checkpoints.load_checkpoint(source, model=model)  # DCP loads on first use
     except checkpoints.CheckpointError:  # a damaged checkpoint, not one of another model
@@ -109,8 +145,14 @@ def export_hf(
             f"{source}: the checkpoint does not fit the model that {folder / 'config.json'} describes: "
             f"{message}"
         ) from None
-    out = Path(out_dir)
-    model.eval().save_pretrained(out)
+    from safetensors import SafetensorError
+
+    try:
+        model.eval().save_pretrained(out)
+    except (OSError, SafetensorError) as error:  # a full disk, no permission
+        raise OSError(f"OUT_DIR {out}: the export could not be written: {error}") from error
+    if not (out / "config.json").is_file():  # transformers logs some refusals and returns
+        raise OSError(f"OUT_DIR {out}: the export was not written (no config.json there; see the log above)")
     log.info(
         "export-hf: step %d of %s written to %s (config: %s)", loaded["step"], loaded["path"], out, folder
     )

@@ -209,6 +209,7 @@ class ParallelConfig:
         require_int("pp_size", self.pp_size, 1)
         require_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         require_int("pp_virtual", self.pp_virtual, 1)
+        check_pipeline_needs_stages(self.pp_size, self.pp_schedule, self.pp_virtual, "pp_size")
         if self.pp_size > 1:
             check_pipeline_virtual(self.pp_schedule, self.pp_virtual)
         if self.pp_layers is not None:
@@ -226,6 +227,18 @@ class ParallelConfig:
                 f"pp_size > 1 composes with ep and dp replicas (replica 'ddp', tp_size 1); got tp_size = "
                 f"{self.tp_size}, replica = {self.replica!r}"
             )
+
+
+def check_pipeline_needs_stages(stages: int, schedule: str, virtual: int, stages_key: str) -> None:
+    """ValueError when what only a pipeline uses, ``virtual`` > 1 stages per rank or the
+    ``interleaved_1f1b`` schedule, is asked for without one (``stages`` = 1), which would ignore it."""
+    asked = [f"pp_schedule = {schedule!r}"] if schedule == "interleaved_1f1b" else []
+    asked += [f"pp_virtual = {virtual}"] if virtual != 1 else []
+    if stages == 1 and asked:
+        raise ValueError(
+            f"{' and '.join(asked)}: only used with pipeline stages, {stages_key} > 1 (got 1); without "
+            "them leave pp_virtual = 1 and pp_schedule '1f1b' or 'gpipe'"
+        )
 
 
 def check_pipeline_virtual(schedule: str, virtual: int) -> None:

@@ -16,6 +16,7 @@ from moetrain.config import (
     check_pipeline_virtual,
     validate_strategy,
 )
+from moetrain.config.parallel import check_pipeline_needs_stages
 from moetrain.validation import is_finite_number, require_bool, require_choice, require_int, require_number
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -122,6 +123,7 @@ class PlanSettings:
         require_int("pp_size", self.pp_size, 1)
         require_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         require_int("pp_virtual", self.pp_virtual, 1)
+        check_pipeline_needs_stages(self.pp_size, self.pp_schedule, self.pp_virtual, "pp_size (--pp-size)")
         if self.pp_size > 1:
             check_pipeline_virtual(self.pp_schedule, self.pp_virtual)
             if self.tp_size > 1:

@@ -18,11 +18,13 @@ from tests.faults.launch import INJECT, ROOT, tiny_config, write_config
 from tests.helpers.dist_utils import free_port
 
 
-def launch(tmp_path: Path, config: Path, *script: str, timeout: float) -> subprocess.CompletedProcess:
+def launch(
+    tmp_path: Path, config: Path, *script: str, timeout: float, ranks: int = 2, sets: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     command = [
-        sys.executable, "-m", "moetrain.cli", "launch", "--nproc-per-node", "2",
+        sys.executable, "-m", "moetrain.cli", "launch", "--nproc-per-node", str(ranks),
         "--master-port", str(free_port()), "--log-dir", str(tmp_path / "launch-logs"),
-        *script, "train", "--config", str(config),
+        *script, "train", "--config", str(config), *(arg for s in sets for arg in ("--set", s)),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -64,3 +66,19 @@ def test_a_killed_rank_under_the_launcher_is_named_in_the_last_line(tmp_path):
         r"moetrain: error: rank 1 \(pid \d+\) was killed by signal 9 \(SIGKILL\); rank 0 said: rank 0, ", last
     ), last
     assert "rank 1 stopped making progress at step 30" in last, last
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.timeout(150)
+def test_a_bad_config_under_the_launcher_ends_with_the_ranks_line_and_exit_2(tmp_path, ranks):
+    """A bad --set value fails every rank before the run starts: the launch ends like one process,
+    exit 2 and the error line (not a rank killed by the launcher's SIGTERM, nor exit code 1)."""
+    config = write_config(tmp_path, tiny_config(tmp_path / "run"))
+    result = launch(tmp_path, config, "-m", "moetrain.cli", timeout=120, ranks=ranks, sets=("steps=-1",))
+    err = result.stderr
+    assert result.returncode == EXIT_BAD_INPUT, err
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"moetrain: error: steps must be an integer >= 1, got -1 \(launcher detail: \S+launcher.log\)", last
+    ), last
+    assert "Traceback" not in err and "signal" not in err, err

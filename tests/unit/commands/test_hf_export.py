@@ -5,15 +5,21 @@ example's own builder and loaded by load_checkpoint; the way back to training; t
 
 from __future__ import annotations
 
+import errno
 import json
+import re
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import moetrain
+import moetrain.hf_export
 from moetrain.checkpoint import load_checkpoint, save_checkpoint, set_aside_newer
+from moetrain.cli import main
+from moetrain.failures import EXIT_BAD_INPUT
 from moetrain.hf_export import checkpoint_location, export_hf
 from moetrain.moefy import RECORD_KEY
 from tests.helpers.doc_commands import ROOT, run_moetrain
@@ -205,3 +211,72 @@ def test_a_copied_checkpoint_exports_like_the_original(rolled_back, tmp_path):
     (best / "__0_0.distcp").write_bytes(b"damaged")  # the copy's manifest is verified as usual
     with pytest.raises(moetrain.checkpoint.CheckpointError, match="__0_0.distcp"):
         export_hf(best, tmp_path / "damaged", config=run / "hf_config")
+
+
+def test_an_out_dir_that_is_a_file_is_refused_before_loading(rolled_back, tmp_path, monkeypatch, capsys):
+    """transformers' save_pretrained only logs about a file and returns: export-hf had said it exported."""
+    run, _, _ = rolled_back
+    existing = tmp_path / "existing_file"
+    existing.write_text("not a folder")
+    monkeypatch.setattr(moetrain.hf_export, "build_moefied", None)  # nothing is built or loaded first
+    with pytest.raises(ValueError, match=r"^OUT_DIR \S+existing_file is a file: give a folder") as caught:
+        export_hf(run, existing)
+    assert "\n" not in str(caught.value) and existing.read_text() == "not a folder"
+    assert main(["export-hf", str(run), str(existing)]) == EXIT_BAD_INPUT
+    assert capsys.readouterr().err == f"moetrain: error: {caught.value}\n"
+
+
+@pytest.mark.parametrize(
+    ("model_class", "message"),
+    [
+        (
+            "BertModel",
+            r"--model-class BertModel builds 'bert' models, \S+config.json has model_type 'gpt2'; ",
+        ),
+        (
+            "AutoModelForSeq2SeqLM",
+            r"--model-class AutoModelForSeq2SeqLM has no model for the model_type 'gpt2' ",
+        ),
+    ],
+    ids=["concrete", "auto"],
+)
+def test_a_model_class_of_another_model_type_is_one_line_naming_both(
+    rolled_back, tmp_path, model_class, message
+):
+    run, _, _ = rolled_back
+    with pytest.raises(ValueError, match=message) as caught:
+        export_hf(run, tmp_path / "hf", model_class=model_class)
+    assert "\n" not in str(caught.value) and "give a class for 'gpt2' models" in str(caught.value)
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        OSError(errno.ENOSPC, "No space left on device"),
+        "safetensors",  # what a full disk gives while the weights are written
+        None,  # save_pretrained returns having written nothing (it only logs some refusals)
+    ],
+    ids=["enospc", "safetensors", "nothing_written"],
+)
+def test_a_failed_save_is_one_line_naming_out_dir(rolled_back, tmp_path, monkeypatch, capsys, failure):
+    from safetensors import SafetensorError
+
+    if failure == "safetensors":
+        failure = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    def save_pretrained(self, folder, *args, **kwargs):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        if failure is not None:
+            raise failure
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", save_pretrained)
+    run, _, _ = rolled_back
+    out = tmp_path / "hf"
+    reason = "the export was not written" if failure is None else "No space left on device"
+    with pytest.raises(OSError, match=rf"^OUT_DIR {re.escape(str(out))}: .*{reason}") as caught:
+        export_hf(run, out)
+    assert "\n" not in str(caught.value)
+    assert main(["export-hf", str(run), str(out)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err == f"moetrain: error: {caught.value}\n", err

@@ -448,3 +448,30 @@ def test_the_partial_recompute_cases_discriminate(case):
         full.step_memory,
     )
     assert half.step_memory.where != "backward of layer 0"
+
+
+@pytest.mark.parametrize(
+    ("flags", "asked"),
+    [
+        (["--pp-virtual", "3"], "pp_virtual = 3"),
+        (["--pp-schedule", "interleaved_1f1b"], "pp_schedule = 'interleaved_1f1b'"),
+        (
+            ["--pp-schedule", "interleaved_1f1b", "--pp-virtual", "2"],
+            "pp_schedule = 'interleaved_1f1b' and pp_virtual = 2",
+        ),
+    ],
+    ids=["virtual", "interleaved", "both"],
+)
+def test_pipeline_options_without_pipeline_stages_are_refused_naming_pp_size(capsys, flags, asked):
+    """Without --pp-size > 1 the plan has no pipeline: these options had been accepted and ignored."""
+    from moetrain.cli import main
+
+    words = ["plan", "--model", "m6-tiny", "--cluster", "a100-80gb", "--nodes", "1", *flags]
+    assert main(words) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        f"moetrain: error: {asked}: only used with pipeline stages, pp_size (--pp-size) > 1 (got 1); without "
+        "them leave pp_virtual = 1 and pp_schedule '1f1b' or 'gpipe'\n"
+    )
+    PlanSettings(pp_schedule="gpipe")  # a schedule that needs nothing more is left alone
+    PlanSettings(pp_size=2, pp_schedule="interleaved_1f1b", pp_virtual=2, grad_accum=4)
