@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from moetrain._torch_compat import ddp_ignore_parameters
 from moetrain.layers.experts import GroupedExperts, local_tensor
+from moetrain.layers.router import TopKRouter
 from moetrain.validation import require_positive_float
 
 DDP_COMM_HOOKS = (None, "bf16", "fp16")
@@ -57,7 +58,9 @@ def wrap_data_parallel(
     """DDP over the dense group for the plain replicated parameters only: experts are left to
     :class:`ExpertGradReducer`, DTensor parameters (split layers) and the parameters in ``ignore``
     to their own reduction. ``comm_hook``: None, "bf16" or "fp16" gradient compression. Returns
-    ``model`` itself when the dense group has one rank."""
+    ``model`` itself when the dense group has one rank. The routers' ``load_E`` counts are each
+    rank's own (summed over ranks when the score biases are updated): DDP does not broadcast them
+    from rank 0 before each forward as it does the other buffers."""
     if comm_hook not in DDP_COMM_HOOKS:
         raise ValueError(f"comm_hook must be one of {DDP_COMM_HOOKS}, got {comm_hook!r}")
     if parallel.data_count == 1:
@@ -70,9 +73,9 @@ def wrap_data_parallel(
         )
     skipped = {id(p) for p in expert_parameters(model)} | {id(p) for p in ignore}
     ignored = [name for name, p in model.named_parameters() if id(p) in skipped or is_dtensor(p)]
-    ddp_ignore_parameters(model, ignored)
     if len(ignored) == len(list(model.parameters())):
         return model  # nothing left for DDP to synchronise
+    ddp_ignore_parameters(model, ignored + _per_rank_buffers(model))
     ddp = DistributedDataParallel(model, process_group=group, **ddp_options)
     if comm_hook is not None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -80,6 +83,17 @@ def wrap_data_parallel(
         hook = default_hooks.bf16_compress_hook if comm_hook == "bf16" else default_hooks.fp16_compress_hook
         ddp.register_comm_hook(group, hook)
     return ddp
+
+
+def _per_rank_buffers(model: nn.Module) -> list[str]:
+    """Names of the buffers each rank keeps for itself: the routers' ``load_E`` (aux-loss-free
+    balancing counts its own micro-batches' tokens; rank 0's copy broadcast over them would lose
+    them)."""
+    return [
+        f"{name}.load_E" if name else "load_E"
+        for name, module in model.named_modules()
+        if isinstance(module, TopKRouter) and module.load_E is not None
+    ]
 
 
 class GradReducer:
