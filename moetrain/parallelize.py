@@ -239,9 +239,12 @@ def _dense_mesh(parallel: ParallelContext):
     return parallel.submesh("ep" if parallel.ep_size > 1 else "dp")
 
 
-def _apply_fsdp(model, parallel, assignments, experts, cpu_offload: bool) -> None:
+def _apply_fsdp(model, parallel, assignments, experts, cpu_offload: bool) -> list[GradReducer]:
     """FSDP2 units: each sharded layer's experts over the expert-data-parallel ranks (gradients
-    summed, divided by dp * ep), each outermost ``replica`` module and the root over the dense mesh."""
+    summed, divided by dp * ep), each outermost ``replica`` module and the root over the dense mesh.
+    With dp = 1 the experts' units are on one rank: FSDP2 (torch 2.13) divides such a unit's
+    gradients by its divide factor twice in fp64 and fp16, so they divide nothing and the
+    returned reducer divides them by ``dp * ep`` after the backward."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, register_fsdp_forward_method
 
     # pinned host memory needs an accelerator; a CPU run (tests, gloo) offloads to pageable memory
@@ -249,10 +252,14 @@ def _apply_fsdp(model, parallel, assignments, experts, cpu_offload: bool) -> Non
     options = {"offload_policy": CPUOffloadPolicy(pin_memory=pinned)} if cpu_offload else {}
     sum_only = dist.get_backend(parallel.dense_group) == "gloo"  # gloo has no PREMUL_SUM
     units = []  # (unit, its mesh's size)
+    divided_later = []
     for layer in experts:
         unit = fully_shard(layer.experts, mesh=parallel.submesh("dp"), **options)
         register_fsdp_forward_method(unit, "forward_rows")  # the chunked exchange's expert pass
-        unit.set_gradient_divide_factor(float(parallel.data_count))
+        if parallel.dp_size > 1:
+            unit.set_gradient_divide_factor(float(parallel.data_count))
+        else:
+            divided_later += list(unit.parameters())
         units.append((unit, parallel.dp_size))
     dense_mesh = _dense_mesh(parallel)
     replica_names = [a.name for a in assignments if a.kind == "replica"]
@@ -269,6 +276,9 @@ def _apply_fsdp(model, parallel, assignments, experts, cpu_offload: bool) -> Non
         for unit, size in units:
             # On a 1-rank mesh nothing is communicated, and forcing sums would divide twice (torch 2.13).
             unit.set_force_sum_reduction_for_comms(size > 1)
+    if not divided_later or parallel.data_count == 1:
+        return []
+    return [GradReducer(divided_later, parallel.expert_dp_group, 1, parallel.data_count)]
 
 
 def parallelize(
@@ -421,8 +431,7 @@ def _replicate(model, parallel, assignments, experts, replica, cpu_offload, comm
     module = model
     expert_params = [p for layer in experts for p in layer.experts.parameters()]
     if replica == "fsdp":
-        _apply_fsdp(model, parallel, assignments, experts, cpu_offload)
-        return module, reducers, wrap
+        return module, _apply_fsdp(model, parallel, assignments, experts, cpu_offload), wrap
     if expert_params:
         reducers.append(
             GradReducer(expert_params, parallel.expert_dp_group, parallel.expert_dp_size, parallel.data_count)

@@ -10,6 +10,7 @@ expert index)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -388,6 +389,37 @@ def test_fsdp_with_a_replica_pattern_over_an_expert_layer_shards_its_experts_onc
     for out, grads in run_distributed(root_moe_worker, 4):
         assert out < 1e-6
         assert max(grads.values()) < 1e-5, grads
+
+
+def fp64_fsdp_worker(rank, world, micro: int):
+    """ep = world (dp 1) under FSDP2 in fp64: every expert's layer is an FSDP unit on one rank."""
+    torch.set_default_dtype(torch.float64)
+    parallel = ParallelContext(ParallelConfig(ep_size=world, replica="fsdp"))
+    torch.manual_seed(0)
+    model = RootMoE()
+    reference = copy.deepcopy(model)
+    trained = parallelize(model, parallel, {"moe": "expert", "*": "replica"})
+    inputs = [
+        torch.randn(8, 16, generator=torch.Generator().manual_seed(10 + i)) for i in range(world * micro)
+    ]
+    set_aux_loss_scale(model, 1.0 / micro)
+    for i in range(micro):
+        with trained.no_sync() if i < micro - 1 else contextlib.nullcontext():
+            (trained(inputs[parallel.data_index * micro + i]).square().mean() / micro).backward()
+    trained.reduce_gradients()
+    set_aux_loss_scale(reference, 1.0 / len(inputs))
+    (sum(reference(x).square().mean() for x in inputs) / len(inputs)).backward()
+    return _compare(model, reference, parallel)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("micro", [1, 2])
+def test_fsdp_experts_on_one_rank_meshes_are_divided_once_in_fp64(micro):
+    """ep = world, dp = 1: FSDP2 divided the experts' gradients by dp * ep twice in fp64 (its
+    one-rank copy and its overflow-safe pre/post division both apply the factor), so they came
+    out half of one process's; now they equal it, with and without accumulation."""
+    for errors in run_distributed(fp64_fsdp_worker, 2, micro):
+        assert max(errors.values()) < 1e-12, errors
 
 
 def m6_config():
