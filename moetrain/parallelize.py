@@ -265,10 +265,11 @@ def _apply_fsdp(model, parallel, assignments, experts, cpu_offload: bool) -> lis
     replica_names = [a.name for a in assignments if a.kind == "replica"]
     # a pattern such as "*": "replica" also names the experts of an expert layer: they are its unit
     sharded_experts = {id(m) for layer in experts for m in layer.experts.modules()}
+    shared_outside = _modules_sharing_parameters_outside(model)
     for a in assignments:
         outermost = not any(a.name.startswith(other + ".") for other in replica_names)
-        if id(a.module) in sharded_experts:
-            continue
+        if id(a.module) in sharded_experts or a.name in shared_outside:
+            continue  # a module sharing a parameter with another (a tied embedding): the root's unit
         if a.kind == "replica" and outermost and any(True for _ in a.module.parameters()):
             units.append((fully_shard(a.module, mesh=dense_mesh, **options), parallel.data_count))
     units.append((fully_shard(model, mesh=dense_mesh, **options), parallel.data_count))
@@ -279,6 +280,21 @@ def _apply_fsdp(model, parallel, assignments, experts, cpu_offload: bool) -> lis
     if not divided_later or parallel.data_count == 1:
         return []
     return [GradReducer(divided_later, parallel.expert_dp_group, 1, parallel.data_count)]
+
+
+def _modules_sharing_parameters_outside(model: nn.Module) -> set[str]:
+    """Names of the modules holding a Parameter that something outside them holds too (an
+    embedding tied to its head: ``embed`` and ``head``). FSDP2 manages a Parameter in one unit only,
+    so such a module is left to an enclosing unit."""
+    found = set()
+    for group in tied_parameters(model):
+        for name in group:
+            parts = name.split(".")[:-1]
+            for depth in range(1, len(parts) + 1):
+                module = ".".join(parts[:depth])
+                if any(not other.startswith(module + ".") for other in group):
+                    found.add(module)
+    return found
 
 
 def parallelize(

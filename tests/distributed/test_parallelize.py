@@ -316,6 +316,32 @@ def test_split_tied_embedding_and_head_stay_one_parameter_and_match_one_process(
         assert r["weights"] < 1e-5, r
 
 
+def tied_fsdp_worker(rank, world):
+    """dp 2 under FSDP2 with the tied embedding and head each named 'replica' (each would be an
+    FSDP unit, and FSDP2 manages a Parameter in one unit only)."""
+    torch.set_default_dtype(torch.float64)
+    parallel = ParallelContext(ParallelConfig(replica="fsdp"))
+    torch.manual_seed(2)
+    model = TiedLM()
+    reference = copy.deepcopy(model)
+    trained = parallelize(model, parallel, {"embed": "replica", "head": "replica", "mid": "replica"})
+    _tied_step(trained, *_tokens(parallel.data_index))
+    trained.reduce_gradients()
+    losses = [F.cross_entropy(reference(x).flatten(0, 1), y.flatten()) for x, y in map(_tokens, range(world))]
+    (sum(losses) / world).backward()
+    grads = {n: _rel(full(model.get_parameter(n).grad), p.grad) for n, p in reference.named_parameters()}
+    return model.head.weight is model.embed.weight, grads
+
+
+@pytest.mark.timeout(120)
+def test_tied_modules_each_named_replica_train_under_fsdp_as_one_process():
+    """Each of a tied pair named 'replica' under FSDP2: the pair is left to the root's unit (making
+    each its own unit failed inside torch), the weight stays one Parameter, gradients are one
+    process's."""
+    for tied, grads in run_distributed(tied_fsdp_worker, 2):
+        assert tied and max(grads.values()) < 1e-12, grads
+
+
 def tied_errors_worker(rank, world):
     parallel = ParallelContext(ParallelConfig(tp_size=world))
     messages = []
