@@ -6,10 +6,11 @@
 - ``"fp16"``: each row divided by a power of two ``2^e`` with ``max|row| / 2^e <= 2^15``, cast to
   float16 and sent with ``e`` in one extra 16-bit column (the ``pack_scaled_fp16`` op of
   :mod:`moetrain.kernels`: ``csrc/a2a_layout.cpp`` for CPU rows, ``csrc/a2a_layout_cuda.cu`` for CUDA
-  rows, or the frexp/ldexp twin, as ``kernels`` selects). The scale is exact, so the error is fp16 rounding
-  of ``x / 2^e``: relative 2^-11 (values more than ~2^28 times smaller than the row's largest
-  fall below fp16's normal range: they lose bits or flush to zero), and no value of a finite row overflows (fp64
-  rows whose max is below ~1e-297 flush to zero: the exponent stops at -1000). A row holding
+  rows, or the frexp/ldexp twin, as ``kernels`` selects). The scale is exact, so the error is fp16
+  rounding of ``x / 2^e``: relative 2^-11 (values more than ~2^28 times smaller than the row's
+  largest fall below fp16's normal range: they lose bits or flush to zero), and no value of a
+  finite row overflows (fp64 rows whose max is below ~1e-297 flush to zero: the exponent stops at
+  -1000). A row holding
   +-inf is sent unscaled, so its other values above 65504 arrive as inf too (the row is non-finite
   already: a loss-scaled step skips it). bf16 rows (whose range fp16 lacks) are widened to
   fp32 first and packed the same way, so ``comm_dtype="fp16"`` never overflows whatever the
