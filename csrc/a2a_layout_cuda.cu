@@ -11,7 +11,7 @@
 // (the last c with src_off[c] <= r) and copies the row to dst_off[c] + r - src_off[c], in 16-byte
 // packets when the row size and pointers allow it (any dtype: rows are moved as bytes).
 // CPU sizes are validated on the host with the CPU op's errors; CUDA sizes are validated by the
-// scan kernel (device-side asserts: sizes >= 0, sum == rows), so no call waits for the device.
+// scan kernel (device-side asserts: 0 <= size <= rows, sum == rows), so no call waits for the device.
 //
 // pack_scaled_fp16_cuda / unpack_scaled_fp16_cuda: fp16 wire format for fp32/fp64 rows that cannot
 // overflow: row r is divided by 2^e_r, e_r = max(ceil(log2(max|x_r|)) - 15, kMinExponent) (0 for
@@ -59,7 +59,8 @@ __global__ void __launch_bounds__(kScanThreads)
     int64_t local = 0;
     for (int64_t q = begin; q < end; ++q) {
       const int64_t size = sizes[chunk_at(q)];
-      CUDA_KERNEL_ASSERT_MSG(size >= 0, "transpose_chunks_cuda: sizes must be >= 0");
+      // size <= rows: the sums cannot wrap around to rows unless chunks * rows >= 2^63
+      CUDA_KERNEL_ASSERT_MSG(size >= 0 && size <= rows, "transpose_chunks_cuda: sizes must be in [0, rows of x]");
       local += size;
     }
     run_total[threadIdx.x] = local;

@@ -82,6 +82,12 @@ void chunk_sizes(const at::Tensor& sizes_AB, int64_t rows) {
     const int64_t b_count = sizes_AB.size(1);
     for (int64_t c = 0; c < sizes_AB.numel(); ++c) {
       TORCH_CHECK(size[c] >= 0, "sizes must be >= 0, got ", size[c], " at [", c / b_count, ", ", c % b_count, "]");
+    }
+    for (int64_t c = 0; c < sizes_AB.numel(); ++c) {
+      // total <= rows here, so rows - total cannot overflow (total + size[c] could: a sum that wraps
+      // around to rows would pass the final check and send the copies outside x)
+      TORCH_CHECK(size[c] <= rows - total, "sizes sum past the ", rows, " rows of x at [", c / b_count, ", ",
+                  c % b_count, "] (size ", size[c], ", ", rows - total, " rows left)");
       total += size[c];
     }
   }

@@ -43,7 +43,7 @@ void weight_grad(const at::Tensor& grad_TD, const at::Tensor& y_ND, const at::Te
 void chunk_layout(const at::Tensor& x, const at::Tensor& sizes_AB, c10::DeviceType device);
 
 // The values of contiguous CPU sizes_AB (or of an empty one anywhere): every size >= 0, and they sum
-// to `rows`.
+// to `rows` (each size is checked against the rows left, so no sum can wrap around).
 void chunk_sizes(const at::Tensor& sizes_AB, int64_t rows);
 
 // pack_scaled_fp16's x: contiguous 2-D fp32/fp64 on a `device` device.

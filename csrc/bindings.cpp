@@ -37,6 +37,10 @@ TORCH_LIBRARY(moetrain, m) {
       "build_dispatch_plan(Tensor expert_ids, Tensor? priority_order, SymInt num_experts, SymInt capacity, "
       "SymInt? num_rows=None) -> (Tensor row_of_slot, Tensor slot_of_row, Tensor kept_counts, "
       "Tensor routed_counts)");
+  // The three row ops take the indices of one plan, which are one to one: the slots >= 0 in
+  // slot_of_row are distinct, and so are the rows >= 0 in row_of_slot (each op's gradient inverts its
+  // index). The CPU kernels and the twins refuse a repeat; the CUDA kernels do not check it (that
+  // would cost a pass over the index per call): a repeat there gives wrong gradients.
   // out[r] = weights[s] * x[s // k] with s = slot_of_row[r]; s = -1 gives a zero row.
   m.def("permute_rows(Tensor x, Tensor slot_of_row, int k, Tensor? weights) -> Tensor");
   // out[t] = sum_j weights[t, j] * y[row_of_slot[t, j]], dropped slots (-1) skipped.

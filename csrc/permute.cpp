@@ -11,6 +11,8 @@
 //
 // permute_rows is the forward of dispatch and (with weights) the backward of combine;
 // unpermute_rows is the forward of combine and (without weights) the backward of dispatch.
+// The indices are one to one, as build_dispatch_plan makes them: no slot >= 0 twice in slot_of_row,
+// no row >= 0 twice in row_of_slot (each op's gradient inverts its index); the ops refuse repeats.
 // Rows are parallelised with at::parallel_for (OpenMP); the float inner loops have AVX-512, AVX2
 // and scalar variants chosen at run time (cpu_features.h). Reduced-precision rows (bf16/fp16)
 // accumulate in fp32; the weights are fp32 (fp64 for fp64 rows).
@@ -379,9 +381,13 @@ torch::Tensor permute_rows(const torch::Tensor& x_TD, const torch::Tensor& slot_
   const int64_t hidden = x_TD.size(1);
   const int64_t slots = x_TD.size(0) * k;
   const int64_t* slot_of = slot_of_row_N.data_ptr<int64_t>();
+  std::vector<bool> seen(slots, false);  // a repeated slot would get only one row's gradient
   for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(slot_of[r] >= -1 && slot_of[r] < slots, "slot_of_row[", r, "] = ", slot_of[r], " outside [-1, ",
-                slots, ")");
+    const int64_t s = slot_of[r];
+    TORCH_CHECK(s >= -1 && s < slots, "slot_of_row[", r, "] = ", s, " outside [-1, ", slots, ")");
+    if (s < 0) continue;
+    TORCH_CHECK(!seen[s], "slot_of_row must hold distinct slots; slot ", s, " appears twice (again at [", r, "])");
+    seen[s] = true;
   }
   torch::Tensor out = torch::empty({rows, hidden}, x_TD.options());
   MOETRAIN_DISPATCH_ROWS(x_TD.scalar_type(), "permute_rows", [&] {
@@ -392,21 +398,26 @@ torch::Tensor permute_rows(const torch::Tensor& x_TD, const torch::Tensor& slot_
   return out;
 }
 
-// row_of_slot's layout (checks::row_of_slot) and every entry in [-1, rows of y).
-void check_row_of_slot(const torch::Tensor& row_of_slot_TK, const torch::Tensor& y_ND) {
-  checks::row_of_slot(row_of_slot_TK, y_ND, /*max_choices=*/-1);
+// The values of row_of_slot (its layout passed checks::row_of_slot): every entry in [-1, rows of y)
+// and no row >= 0 twice (the gradients invert the index: a repeated row would get one slot's share).
+void check_row_of_slot_values(const torch::Tensor& row_of_slot_TK, const torch::Tensor& y_ND) {
   const int64_t rows = y_ND.size(0);
   const int64_t* row_of = row_of_slot_TK.data_ptr<int64_t>();
+  std::vector<bool> seen(rows, false);
   for (int64_t s = 0; s < row_of_slot_TK.numel(); ++s) {
-    TORCH_CHECK(row_of[s] >= -1 && row_of[s] < rows, "row_of_slot[", s, "] = ", row_of[s], " outside [-1, ", rows,
-                ")");
+    const int64_t row = row_of[s];
+    TORCH_CHECK(row >= -1 && row < rows, "row_of_slot[", s, "] = ", row, " outside [-1, ", rows, ")");
+    if (row < 0) continue;
+    TORCH_CHECK(!seen[row], "row_of_slot must hold distinct rows; row ", row, " appears twice (again at [", s, "])");
+    seen[row] = true;
   }
 }
 
 torch::Tensor unpermute_rows(const torch::Tensor& y_ND, const torch::Tensor& row_of_slot_TK,
                              const c10::optional<torch::Tensor>& weights_TK) {
   checks::rows(y_ND, "y", c10::kCPU);
-  check_row_of_slot(row_of_slot_TK, y_ND);
+  checks::row_of_slot(row_of_slot_TK, y_ND, /*max_choices=*/-1);
+  check_row_of_slot_values(row_of_slot_TK, y_ND);
   const int64_t tokens = row_of_slot_TK.size(0);
   const int64_t k = row_of_slot_TK.size(1);
   checks::weights(weights_TK, tokens * k, y_ND, "weights");
@@ -425,8 +436,9 @@ torch::Tensor unpermute_weight_grad(const torch::Tensor& grad_TD, const torch::T
                                     const torch::Tensor& row_of_slot_TK) {
   checks::rows(grad_TD, "grad", c10::kCPU);
   checks::rows(y_ND, "y", c10::kCPU);
-  check_row_of_slot(row_of_slot_TK, y_ND);
+  checks::row_of_slot(row_of_slot_TK, y_ND, /*max_choices=*/-1);
   checks::weight_grad(grad_TD, y_ND, row_of_slot_TK);
+  check_row_of_slot_values(row_of_slot_TK, y_ND);
   const int64_t tokens = row_of_slot_TK.size(0);
   const int64_t k = row_of_slot_TK.size(1);
   torch::Tensor gw = torch::empty({tokens, k}, grad_TD.options().dtype(acc_dtype(grad_TD.scalar_type())));

@@ -17,6 +17,10 @@
 // rather than on the host, which would need a device-to-host copy and a stream sync per call;
 // a bad index is a device-side assert, fatal to the CUDA context, as in ATen's own index kernels.
 // The plans come from build_dispatch_plan, which validates the expert ids it sorts.
+// Precondition, not checked here (it would take a pass over the index per call): the indices are
+// distinct, as a plan's are, i.e. no slot >= 0 twice in slot_of_row and no row >= 0 twice in
+// row_of_slot. The gradients invert the index, so a repeat gives wrong gradients (the CPU kernels
+// and the torch-native twins refuse it).
 //
 // This file also registers the CUDA kernels of every .cu file as the CUDA implementations of the
 // moetrain ops (TORCH_LIBRARY_IMPL; the schemas are in bindings.cpp).

@@ -7,6 +7,11 @@ order). They are the implementation a CUDA run falls back to when a custom kerne
 start-up check (:mod:`moetrain.kernels.selection`), what ``kernels: torch`` selects, and they are
 compared with the C++ CPU kernels in CI.
 
+The row ops' indices are one to one, as a plan's are: the slots >= 0 of ``slot_of_row`` are
+distinct, and so are the rows >= 0 of ``row_of_slot`` (the gradients invert the index). Like the C++
+CPU kernels, the twins check their indices (range and repeats) where that costs no host
+synchronisation: on CPU tensors, outside compiled code.
+
 Legend: T tokens, K choices, S = T*K routing slots (slot ``s = t*K + j``), N kept rows, E experts,
 D hidden size.
 """
@@ -36,6 +41,34 @@ def inverse_index(index_M: torch.Tensor, size: int) -> torch.Tensor:
     return torch.full((size + 1,), -1, dtype=torch.int64, device=flat_M.device).scatter_(
         0, target_M, positions_M
     )[:size]
+
+
+def _checkable(t: torch.Tensor) -> bool:
+    """Whether a twin checks ``t``'s values: on the CPU outside compiled code (elsewhere a check
+    would wait for the device or break the graph)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def check_index(index: torch.Tensor, name: str, size: int, entry: str) -> None:
+    """The C++ kernels' check of a plan index ``name`` (an ``entry`` index, e.g. "row"), where
+    :func:`_checkable`: every value in ``[-1, size)`` and no value >= 0 twice. Positions are flat,
+    as the C++ messages give them. Raises a one-line ``ValueError``."""
+    if not _checkable(index):
+        return
+    flat = index.reshape(-1)
+    outside = (flat < -1) | (flat >= size)
+    if bool(outside.any()):
+        at = int(outside.nonzero()[0])
+        raise ValueError(f"{name}[{at}] = {int(flat[at])} outside [-1, {size})")
+    uses = torch.zeros(size + 1, dtype=torch.int64).index_add_(
+        0, torch.where(flat >= 0, flat, size), torch.ones_like(flat)
+    )[:size]
+    if bool((uses > 1).any()):
+        value = int((uses > 1).nonzero()[0])
+        again = int((flat == value).nonzero()[1])
+        raise ValueError(
+            f"{name} must hold distinct {entry}s; {entry} {value} appears twice (again at [{again}])"
+        )
 
 
 def build_dispatch_plan(
@@ -125,7 +158,11 @@ def permute_rows(
     x_TD: torch.Tensor, slot_of_row_N: torch.Tensor, k: int, weights_S: torch.Tensor | None
 ) -> torch.Tensor:
     """``out[r] = weights[s] * x[s // k]`` with ``s = slot_of_row[r]``; ``s = -1`` gives zeros.
-    Weighted rows are formed in the accumulate dtype and rounded once."""
+    Weighted rows are formed in the accumulate dtype and rounded once. ``k >= 1``; the slots >= 0
+    are distinct (checked on CPU tensors, :func:`check_index`)."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    check_index(slot_of_row_N, "slot_of_row", x_TD.shape[0] * k, "slot")
     slot_N = slot_of_row_N.reshape(-1)
     if x_TD.shape[0] == 0:  # no token: every row is a zero row (slot -1); index a spare zero row
         x_TD = torch.cat([x_TD, x_TD.new_zeros((1, x_TD.shape[1]))])
@@ -142,32 +179,41 @@ def unpermute_rows(
     y_ND: torch.Tensor, row_of_slot_TK: torch.Tensor, weights_TK: torch.Tensor | None
 ) -> torch.Tensor:
     """``out[t] = sum_j weights[t, j] * y[row_of_slot[t, j]]``, dropped slots (-1) skipped; sums
-    in the accumulate dtype, rounded once. Works by scattering each row into its token, so an
-    empty ``y`` (every slot dropped) needs no special case."""
+    in the accumulate dtype, rounded once. The rows >= 0 are distinct (:func:`check_index`).
+    Works by scattering each row into its token; the rows no slot uses go to a spare token
+    ``T`` that is dropped, so neither an empty ``y`` (every slot dropped) nor ``T = 0`` with rows
+    in ``y`` needs a special case."""
     tokens, k = row_of_slot_TK.shape
     rows = y_ND.shape[0]
+    check_index(row_of_slot_TK, "row_of_slot", rows, "row")
     acc = accumulate_dtype(y_ND.dtype)
     slot_of_row_N = inverse_index(row_of_slot_TK, rows)
     kept_N = slot_of_row_N >= 0
-    slot_N = slot_of_row_N.clamp_min(0)
+    token_N = torch.where(kept_N, slot_of_row_N // max(k, 1), tokens)
     contribution_ND = y_ND.to(acc)
     if weights_TK is not None:
-        contribution_ND = contribution_ND * weights_TK.reshape(-1).index_select(0, slot_N).unsqueeze(1)
-    contribution_ND = contribution_ND.masked_fill(~kept_N.unsqueeze(1), 0)
-    out_TD = y_ND.new_zeros((tokens, y_ND.shape[1]), dtype=acc).index_add_(0, slot_N // k, contribution_ND)
-    return out_TD.to(y_ND.dtype)
+        weights_S = torch.cat([weights_TK.reshape(-1), weights_TK.new_zeros(1)])  # the spare slot's
+        weight_N = weights_S.index_select(0, torch.where(kept_N, slot_of_row_N, tokens * k))
+        contribution_ND = contribution_ND * weight_N.unsqueeze(1)
+    out_TD = y_ND.new_zeros((tokens + 1, y_ND.shape[1]), dtype=acc).index_add_(0, token_N, contribution_ND)
+    return out_TD[:tokens].to(y_ND.dtype)
 
 
 def unpermute_weight_grad(
     grad_TD: torch.Tensor, y_ND: torch.Tensor, row_of_slot_TK: torch.Tensor
 ) -> torch.Tensor:
-    """``gw[t, j] = <grad[t], y[row_of_slot[t, j]]>`` in the accumulate dtype, 0 for dropped slots."""
+    """``gw[t, j] = <grad[t], y[row_of_slot[t, j]]>`` in the accumulate dtype, 0 for dropped slots;
+    the rows >= 0 of ``row_of_slot`` are distinct (:func:`check_index`)."""
     tokens, k = row_of_slot_TK.shape
+    check_index(row_of_slot_TK, "row_of_slot", y_ND.shape[0], "row")
     acc = accumulate_dtype(grad_TD.dtype)
     slot_of_row_N = inverse_index(row_of_slot_TK, y_ND.shape[0])
-    slot_N = slot_of_row_N.clamp_min(0)
-    dots_N = (grad_TD.index_select(0, slot_N // k).to(acc) * y_ND.to(acc)).sum(1)
-    target_N = torch.where(slot_of_row_N >= 0, slot_of_row_N, tokens * k)  # unused rows: a spare slot
+    kept_N = slot_of_row_N >= 0
+    if tokens == 0:  # no token: the rows of y (all unused) read a spare zero grad row
+        grad_TD = torch.cat([grad_TD, grad_TD.new_zeros((1, grad_TD.shape[1]))])
+    token_N = torch.where(kept_N, slot_of_row_N // max(k, 1), 0)
+    dots_N = (grad_TD.index_select(0, token_N).to(acc) * y_ND.to(acc)).sum(1)
+    target_N = torch.where(kept_N, slot_of_row_N, tokens * k)  # unused rows: a spare slot
     gw_S = dots_N.new_zeros(tokens * k + 1).scatter_(0, target_N, dots_N)
     return gw_S[: tokens * k].view(tokens, k)
 
@@ -175,13 +221,22 @@ def unpermute_weight_grad(
 def transpose_chunks(x: torch.Tensor, sizes_AB: torch.Tensor) -> torch.Tensor:
     """Rows stored as chunks ``[a][b]`` (``sizes[a, b]`` rows each) -> the same chunks in ``[b][a]``
     order, by one ``index_select`` whose source rows are computed on ``x``'s device (no host
-    synchronisation, :func:`transpose_chunks_index`)."""
+    synchronisation, :func:`transpose_chunks_index`). CPU sizes are checked as the C++ kernel
+    checks them: each >= 0, summing to the rows of x."""
     rows = x.shape[0]
-    if sizes_AB.device.type == "cpu" and not torch.compiler.is_compiling():
-        if bool((sizes_AB < 0).any()):
+    if _checkable(sizes_AB):
+        flat = sizes_AB.reshape(-1)
+        if bool((flat < 0).any()):
             raise ValueError(f"sizes must be >= 0, got {sizes_AB.tolist()}")
-        if int(sizes_AB.sum()) != rows:
-            raise ValueError(f"sizes sum to {int(sizes_AB.sum())} but x has {rows} rows")
+        # The first prefix sum past rows is > rows or, having wrapped around int64, < 0 (each
+        # earlier one is in [0, rows]): no sum that wraps around to rows gets through.
+        prefix = torch.cumsum(flat, 0)
+        past = (prefix > rows) | (prefix < 0)
+        if bool(past.any()):
+            a, b = divmod(int(past.nonzero()[0]), sizes_AB.shape[1])
+            raise ValueError(f"sizes sum past the {rows} rows of x at [{a}, {b}]")
+        if int(flat.sum()) != rows:
+            raise ValueError(f"sizes sum to {int(flat.sum())} but x has {rows} rows")
     return x.index_select(0, transpose_chunks_index(sizes_AB, rows, x.device))
 
 
@@ -203,6 +258,15 @@ def transpose_chunks_index(sizes_AB: torch.Tensor, rows: int, device: torch.devi
 def _powers_of_two(exponent_N: torch.Tensor) -> torch.Tensor:
     """``2.0 ** exponent`` as exact fp64 values, built from the bits (``|exponent| <= 1022``)."""
     return ((exponent_N.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def _ldexp_one(exponent_N: torch.Tensor) -> torch.Tensor:
+    """``ldexp(1.0, exponent)`` in fp64 for any integer exponent, as C's ``ldexp`` (the kernels')
+    gives it: exact for ``[-1074, 1023]`` (subnormal below -1022), ``inf`` above, 0 below."""
+    exponent_N = exponent_N.to(torch.int64).clamp(-1075, 1024)  # 1024: the bits of inf
+    normal_N = (exponent_N.clamp_min(-1022) + 1023) << 52
+    subnormal_N = torch.where(exponent_N >= -1074, 1 << (exponent_N + 1074).clamp(0, 51), 0)
+    return torch.where(exponent_N >= -1022, normal_N, subnormal_N).view(torch.float64)
 
 
 def scaled_fp16_exponent(x_ND: torch.Tensor) -> torch.Tensor:
@@ -232,7 +296,8 @@ def pack_scaled_fp16(x_ND: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_scaled_fp16(packed_NW: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`pack_scaled_fp16` to fp32 or fp64 (``W = D + 1``)."""
+    """Inverse of :func:`pack_scaled_fp16` to fp32 or fp64 (``W = D + 1``): ``value * 2^e`` formed
+    in fp64; an exponent slot outside what pack writes decodes as the kernels' ``ldexp`` does."""
     if packed_NW.dim() != 2 or packed_NW.dtype != torch.int16 or packed_NW.shape[1] < 1:
         raise ValueError(
             f"packed must be a 2-D int16 tensor [N, D + 1], got {packed_NW.dtype} {tuple(packed_NW.shape)}"
@@ -240,7 +305,7 @@ def unpack_scaled_fp16(packed_NW: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be float32 or float64, got {dtype}")
     values_ND = packed_NW[:, :-1].contiguous().view(torch.float16)
-    scale_N1 = _powers_of_two(packed_NW[:, -1]).unsqueeze(1)
+    scale_N1 = _ldexp_one(packed_NW[:, -1]).unsqueeze(1)
     return (values_ND.to(torch.float64) * scale_N1).to(dtype)
 
 

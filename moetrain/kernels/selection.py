@@ -5,7 +5,7 @@
 - ``auto`` (default): the custom kernel on the CPU and on ``meta`` (the C++ CPU kernels are tested
   against the twins in CI); on a CUDA device the custom kernel only after it has matched the twin
   on that device: the first call of each op in the process runs both on small random inputs
-  (:data:`SAMPLES`: three dtypes, packet and element paths, weighted and not) and compares values
+  (:data:`SAMPLES`: four dtypes, packet and element paths, weighted and not) and compares values
   and gradients. A mismatch or an error logs one warning naming the op and selects
   the twin for the rest of the run (no GPU has run the CUDA kernels in this project's CI: this keeps
   a user's first GPU run from trusting code no test executed).
@@ -24,6 +24,7 @@ import torch
 from moetrain._torch_compat import assume_constant_result
 from moetrain.config import KERNEL_CHOICES
 from moetrain.kernels import native
+from moetrain.validation import require_choice
 
 logger = logging.getLogger("moetrain.kernels")
 
@@ -103,7 +104,9 @@ def _trusted(op: str, device_type: str) -> bool:
 
 
 def kernel(op: str, device: torch.device, choice: str = "auto") -> Callable:
-    """The implementation of ``op`` for tensors on ``device`` under ``choice``."""
+    """The implementation of ``op`` for tensors on ``device`` under ``choice`` (one of
+    :data:`KERNEL_CHOICES`)."""
+    require_choice("kernels", choice, KERNEL_CHOICES)
     if choice == "torch":
         return VERIFIER.native[op]
     if choice == "custom" or _trusted(op, device.type):
@@ -117,13 +120,15 @@ def kernel(op: str, device: torch.device, choice: str = "auto") -> Callable:
 
 # The samples each op is checked on: the weighted fp32 packet path with top-2 and a capacity cut;
 # bf16 rows of odd width (the element path), top-3 (choices grouped by 8), unweighted, dropless;
-# fp16 rows with top-6.
+# fp16 rows with top-6; fp64 rows (fp64 weights and sums, an fp64 wire codec), small: the check runs
+# on the first use of each op.
 SAMPLES = tuple(
     {"tokens": t, "k": k, "experts": e, "hidden": h, "capacity": c, "dtype": dtype, "weighted": weighted}
     for t, k, e, h, c, dtype, weighted in (
         (37, 2, 5, 24, 9, torch.float32, True),
         (29, 3, 6, 7, -1, torch.bfloat16, False),
         (16, 6, 8, 40, 12, torch.float16, True),
+        (23, 2, 4, 9, 5, torch.float64, True),
     )
 )
 
@@ -145,26 +150,29 @@ def _sample_inputs(op: str, sample: dict, device: torch.device) -> tuple[tuple, 
     def randn(*shape, dtype=dtype):
         return torch.randn(*shape, generator=generator).to(device, dtype)
 
+    weight_dtype = native.accumulate_dtype(dtype)
+    wire_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # the codec's row dtypes
+
     if op == "build_dispatch_plan":
         order_S = torch.randperm(tokens * k, generator=generator).to(device)
         return (expert_ids_TK, order_S, sample["experts"], sample["capacity"]), ()
     if op == "permute_rows":
         if not sample["weighted"]:
             return (randn(tokens, hidden), slot_of_row_N, k, None), (0,)
-        return (randn(tokens, hidden), slot_of_row_N, k, randn(tokens * k, dtype=torch.float32)), (0, 3)
+        return (randn(tokens, hidden), slot_of_row_N, k, randn(tokens * k, dtype=weight_dtype)), (0, 3)
     if op == "unpermute_rows":
         if not sample["weighted"]:
             return (randn(rows, hidden), row_of_slot_TK, None), (0,)
-        return (randn(rows, hidden), row_of_slot_TK, randn(tokens, k, dtype=torch.float32)), (0, 2)
+        return (randn(rows, hidden), row_of_slot_TK, randn(tokens, k, dtype=weight_dtype)), (0, 2)
     if op == "unpermute_weight_grad":
         return (randn(tokens, hidden), randn(rows, hidden), row_of_slot_TK), (0, 1)
     if op == "transpose_chunks":
         sizes_AB = torch.randint(0, 4, (3, 5), generator=generator)
         return (randn(int(sizes_AB.sum()), hidden), sizes_AB), (0,)
-    if op == "pack_scaled_fp16":  # the wire codec packs fp32 rows
-        return (randn(rows, hidden, dtype=torch.float32) * 1e3,), ()
+    if op == "pack_scaled_fp16":
+        return (randn(rows, hidden, dtype=wire_dtype) * 1e3,), ()
     if op == "unpack_scaled_fp16":
-        return (native.pack_scaled_fp16(randn(rows, hidden, dtype=torch.float32) * 1e-3), torch.float32), ()
+        return (native.pack_scaled_fp16(randn(rows, hidden, dtype=wire_dtype) * 1e-3), wire_dtype), ()
     raise ValueError(f"no sample input for op {op!r}")
 
 

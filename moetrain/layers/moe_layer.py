@@ -190,6 +190,8 @@ class MoELayer(nn.Module):
         or inputs ``[..., seq_len, d_model]`` (then ``seq_len = x.shape[-2]``)."""
         cfg = self.config
         x_TD = self._tokens(x)
+        if sequence_lengths is not None:
+            check_sequence_lengths(sequence_lengths, x_TD.shape[0])
         seq_len = x.shape[-2] if x.dim() >= 3 else None
         if cfg.seq_aux_loss_coef and seq_len is None and sequence_lengths is None:
             raise ValueError(
@@ -251,6 +253,29 @@ class MoELayer(nn.Module):
             f"capacity_factor={cfg.capacity_factor}, num_prototypes={cfg.num_prototypes}, "
             f"activation={cfg.activation!r}"
         )
+
+
+def check_sequence_lengths(lengths_B, tokens: int) -> None:
+    """``MoELayer.forward``'s ``sequence_lengths``: a 1-D integer tensor; on the CPU (outside
+    compiled code) also its values, each >= 0 and summing to ``tokens`` (elsewhere that check would
+    wait for the device). Raises a one-line ``ValueError``."""
+    is_tensor = isinstance(lengths_B, torch.Tensor)
+    fits = (
+        is_tensor
+        and lengths_B.dim() == 1
+        and not (lengths_B.is_floating_point() or lengths_B.is_complex() or lengths_B.dtype == torch.bool)
+    )
+    if fits and lengths_B.device.type == "cpu" and not torch.compiler.is_compiling():
+        fits = bool((lengths_B >= 0).all()) and int(lengths_B.sum()) == tokens
+    if fits:
+        return
+    if not is_tensor:
+        got = type(lengths_B).__name__
+    elif lengths_B.device.type == "cpu" and lengths_B.numel() <= 16:
+        got = f"{str(lengths_B.dtype).removeprefix('torch.')} {lengths_B.tolist()}"
+    else:
+        got = f"{str(lengths_B.dtype).removeprefix('torch.')} {tuple(lengths_B.shape)} on {lengths_B.device}"
+    raise ValueError(f"sequence_lengths must be 1-D integers >= 0 summing to T = {tokens}, got {got}")
 
 
 def shard_experts(layer: MoELayer, parallel) -> MoELayer:

@@ -23,9 +23,12 @@ def autocast_enabled(device_type: str) -> bool:
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype matmuls on ``x`` run in: autocast's dtype for ``x``'s device when autocast is on
-    there, else ``x.dtype``."""
+    there and ``x`` is not fp64 (torch's autocast casts every other float dtype and leaves fp64
+    alone), else ``x.dtype``."""
     device_type = x.device.type
-    return torch.get_autocast_dtype(device_type) if autocast_enabled(device_type) else x.dtype
+    if x.dtype == torch.float64 or not autocast_enabled(device_type):
+        return x.dtype
+    return torch.get_autocast_dtype(device_type)
 
 
 def autocast_off(device_type: str):
