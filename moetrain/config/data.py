@@ -41,15 +41,13 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         source = self.source
+        allowed = "'embedded', a file path or a non-empty list of file paths / glob patterns"
         if isinstance(source, (list, tuple)):
             if not source or not all(isinstance(s, str) and s and s != "embedded" for s in source):
-                raise ValueError(
-                    f"data.source must be 'embedded', a file path or a non-empty list of file paths / glob "
-                    f"patterns, got {source!r}"
-                )
+                raise ValueError(f"data.source must be {allowed}, got {source!r}")
             object.__setattr__(self, "source", tuple(source))
         elif not isinstance(source, str) or not source:
-            raise ValueError(f"data.source must be 'embedded' or a file path, got {source!r}")
+            raise ValueError(f"data.source must be {allowed}, got {source!r}")
         require_int("data.micro_batch_size", self.micro_batch_size, 1)
         require_int("data.seq_len", self.seq_len, 1)
         if self.num_workers != "auto":

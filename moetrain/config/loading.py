@@ -10,6 +10,7 @@ from dataclasses import MISSING, fields
 
 from moetrain.config.moe import MoEConfig
 from moetrain.config.train import TrainConfig
+from moetrain.validation import require_int
 
 
 def model_config_classes() -> dict[str, type]:
@@ -50,6 +51,7 @@ def config_from_dict(cls: type, data, path: str = ""):
             if hint is MoEConfig and isinstance(value, dict) and "d_model" not in value:
                 parent_d_model = data.get("d_model", _field_default(cls, "d_model"))
                 if parent_d_model is not None:
+                    require_int(_join(path, "d_model"), parent_d_model, 1)  # the key given, before its copy's
                     value = {**value, "d_model": parent_d_model}
             kwargs[key] = config_from_dict(hint, value, _join(path, key))
         else:

@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moetrain.config.options import option
-from moetrain.validation import require_choice, require_int, require_nonneg_float, require_numbers
+from moetrain.validation import (
+    require_choice,
+    require_int,
+    require_nonneg_float,
+    require_number,
+    require_numbers,
+)
 
 OPTIMIZERS = ("adamw", "groupwise", "offload")
 OPTIM_OVERLAPS = ("none", "delayed")
@@ -14,7 +20,8 @@ OPTIM_OVERLAPS = ("none", "delayed")
 @dataclass(frozen=True)
 class OptimConfig:
     """AdamW settings and the schedule: linear warm-up over ``warmup_steps`` to ``lr``, then cosine
-    decay to ``min_lr_ratio * lr`` at the last step. ``name``: ``"adamw"`` (torch's), ``"groupwise"``
+    decay that reaches ``min_lr_ratio * lr`` one step after the last (the last step's lr is a little
+    above it: :func:`moetrain.engine.setup.lr_at`). ``name``: ``"adamw"`` (torch's), ``"groupwise"``
     (torch's AdamW stepped ``num_apply_groups`` groups at a time) or ``"offload"`` (fp32 masters and
     moments in host memory, C++ Adam, ``num_apply_groups`` groups). ``grad_clip`` 0: no clipping."""
 
@@ -33,9 +40,15 @@ class OptimConfig:
         0.01, ("decoupled weight decay of matrices (not of biases, norms, 1-D parameters)")
     )
     warmup_steps: int = option(
-        10, ("linear warm-up steps to lr, then cosine decay to min_lr_ratio * lr at the last step")
+        10,
+        (
+            "linear warm-up steps to lr, then cosine decay that reaches min_lr_ratio * lr one step after "
+            "the last (the last step's lr is a little above it)"
+        ),
     )
-    min_lr_ratio: float = option(0.1, "final learning rate / lr, in [0, 1]")
+    min_lr_ratio: float = option(
+        0.1, "the cosine decay's end, as a fraction of lr, in [0, 1] (reached one step after the last)"
+    )
     grad_clip: float = option(
         1.0, ("clip the global gradient norm (each expert counted once) to this; 0: no clipping")
     )
@@ -59,9 +72,7 @@ class OptimConfig:
         require_nonneg_float("optim.eps", self.eps)
         require_nonneg_float("optim.weight_decay", self.weight_decay)
         require_int("optim.warmup_steps", self.warmup_steps, 0)
-        require_nonneg_float("optim.min_lr_ratio", self.min_lr_ratio)
-        if self.min_lr_ratio > 1:
-            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        require_number("optim.min_lr_ratio", self.min_lr_ratio, low=0, high=1)
         require_nonneg_float("optim.grad_clip", self.grad_clip)
         require_int("optim.num_apply_groups", self.num_apply_groups, 1)
         require_choice("optim.overlap", self.overlap, OPTIM_OVERLAPS)

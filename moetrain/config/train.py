@@ -11,7 +11,14 @@ from moetrain.config.metrics import MetricsConfig
 from moetrain.config.optim import OptimConfig
 from moetrain.config.options import option
 from moetrain.config.parallel import ParallelConfig, check_pipeline_microbatches
-from moetrain.validation import is_int, require_bool, require_choice, require_int, require_nonneg_float
+from moetrain.validation import (
+    is_int,
+    require_bool,
+    require_choice,
+    require_int,
+    require_nonneg_float,
+    require_number,
+)
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 RESUME_CHOICES = ("latest", "latest-valid")
@@ -80,8 +87,9 @@ class TrainConfig:
     log_every: int = option(
         10,
         (
-            "a metrics line (and the metrics' host synchronisation) every this many steps, and at the last; "
-            "the all-reduced gradient norm alone is read every step (the skip decision on inf/NaN)"
+            "a metrics line (and the metrics' host synchronisation) every this many steps, at the last and "
+            "at every step that saves a checkpoint; the all-reduced gradient norm alone is read every step "
+            "(the skip decision on inf/NaN)"
         ),
     )
     checkpoint_every: int = option(0, "a checkpoint every this many steps; 0: only at the end and on SIGTERM")
@@ -179,9 +187,7 @@ class TrainConfig:
         require_choice("device", self.device, DEVICES)
         require_choice("param_dtype", self.param_dtype, PRECISIONS)
         require_choice("experts_init", self.experts_init, EXPERTS_INIT)
-        require_nonneg_float("dist_timeout_s", self.dist_timeout_s)
-        if self.dist_timeout_s < 1:
-            raise ValueError(f"dist_timeout_s must be a number of seconds >= 1, got {self.dist_timeout_s!r}")
+        require_number("dist_timeout_s", self.dist_timeout_s, low=1, note="(seconds)")
         if self.param_dtype != "fp32" and self.param_dtype != self.precision:
             raise ValueError(
                 f"param_dtype = {self.param_dtype!r} needs precision = {self.param_dtype!r} (the weights' "

@@ -12,7 +12,8 @@ One optimizer step = ``grad_accum`` micro-steps of ``data.micro_batch_size`` seq
 2. expert gradients reduced over their expert-data-parallel group (and, under DDP, the split
    layers' shards over the dense group);
 3. clipping by the true global norm (each expert once), optimizer step (AdamW, group-wise or
-   CPU-offloaded), LR schedule: linear warm-up then cosine decay to ``min_lr_ratio * lr``.
+   CPU-offloaded), LR schedule: linear warm-up then cosine decay toward ``min_lr_ratio * lr``
+   (reached one step after the last).
    fp16: the norm is taken of the still-scaled gradients (clipping at ``grad_clip * scale``) and,
    being all-reduced, says on every rank at once whether any gradient anywhere overflowed: then
    every rank skips the step and lowers the scale together (an overflow in one rank's experts must

@@ -62,6 +62,7 @@ class TrainingLoop:
         history = []
         self._last_checkpoint_time = time.monotonic()
         self._agreed_flags = None
+        self._last_step = last_step  # saves a checkpoint: a logging step
         try:
             while self.step < last_step:
                 self.position.step = self.step + 1
@@ -103,6 +104,7 @@ class TrainingLoop:
             last = {k: v for k, v in history[-1].items() if k != "step"} if history else {}
             metrics_log.summary({**last, "last_step": self.step, "preempted": self.preempted})
         finally:
+            self._last_step = None
             signal.signal(signal.SIGTERM, previous)
             if bar is not None:
                 bar.close()
@@ -123,7 +125,7 @@ class TrainingLoop:
         """``[stop, due, failed]`` after the current step: SIGTERM arrived, a checkpoint is due
         (:meth:`_checkpoint_due`), the background save failed; each the same on every rank
         (:meth:`_agree_flags`). Agreed once per step, by whichever asks first: the metrics, to log
-        the step at which the run stops (:meth:`_is_logging_step`), or the loop, after the step."""
+        a step that saves a checkpoint (:meth:`_is_logging_step`), or the loop, after the step."""
         agreed = self._agreed_flags
         if agreed is None or agreed[0] != self.step:
             self.position.phase = "checkpoint"

@@ -75,7 +75,9 @@ def to_device(value, device: torch.device):
 
 def lr_at(step: int, config: TrainConfig) -> float:
     """Learning-rate multiplier at optimizer step ``step`` (0-based): ``(step + 1) / warmup`` during
-    warm-up, then ``min + (1 - min) * (1 + cos(pi * progress)) / 2`` with progress in [0, 1]."""
+    warm-up, then ``min + (1 - min) * (1 + cos(pi * progress)) / 2`` with ``progress = (step -
+    warmup) / (steps - warmup)`` capped at 1. The last step (``step = steps - 1``) is at progress
+    ``1 - 1 / (steps - warmup)``: ``min`` is reached one step after it."""
     optim = config.optim
     if step < optim.warmup_steps:
         return (step + 1) / optim.warmup_steps
@@ -203,6 +205,9 @@ class RunSetUp:
         self.balance = None
         self._proxy_weights = None  # calibration under EP: the proxy FFN's weights, made on first use
         self._window: list[dict] = []  # per-step device values since the last logged step
+        self._step_counts, self._stage_forwards = {}, {}  # this step's routing counts (StepMetrics)
+        if self.trained.pipeline is not None:
+            self._watch_stage_routing(self.trained.pipeline)
         self.phases = PhaseTimer(self.device)  # forward / backward / grad sync / optimizer, per step
         self._last_checkpoint_time = time.monotonic()
         if config.balance.enabled:

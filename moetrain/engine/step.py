@@ -67,6 +67,7 @@ class TrainingStep:
             self.position.phase = "forward"
             with self.phases.phase("forward"), self._autocast():
                 output = self.trained(**inputs) if isinstance(inputs, dict) else self.trained(inputs)
+            self._count_routing(self._moe_layers)
             with self.trained.loss_context(output):  # loss_parallel() for vocabulary-sharded logits
                 with self.phases.phase("forward"):
                     loss = self.loss_fn(output, targets)
@@ -90,13 +91,15 @@ class TrainingStep:
         self.position.phase = "pipeline forward and backward"
         with self.phases.phase("pipeline"), self._autocast():
             losses, aux = self.trained.pipeline.step(batches, self.loss_fn, loss_scale / accum)
+        self._count_stage_routing()
         zero = torch.zeros((), device=self.device)
         return losses or [zero], [aux / accum]
 
     def train_step(self) -> dict | None:
         """One optimizer step. Returns the step's metrics on a logging step (every ``log_every``
-        steps and the last), None otherwise: metric values stay on the device in between, so that
-        no step but a logging one waits for a metric to reach the host.
+        steps, the last, and a step that saves a checkpoint), None otherwise: metric values stay on
+        the device in between, so that no step but a logging one waits for a metric to reach the
+        host.
 
         A step whose global gradient norm is not finite (inf / NaN anywhere, known on every rank
         from the all-reduced norm) is skipped on every rank: weights, optimizer state and LR
@@ -110,6 +113,7 @@ class TrainingStep:
         loss_scale = self.scaler.get_scale() if self.scaler is not None else 1.0
         self.optimizer.zero_grad(set_to_none=True)
         losses, auxes = [], []
+        self._step_counts, self._stage_forwards = {}, {}
         with recording_exchanges(self.phases):  # time/all_to_all_s: inside forward and backward
             if self.trained.pipeline is not None:
                 losses, auxes = self._pipeline_step(loss_scale)
@@ -145,15 +149,14 @@ class TrainingStep:
             self._update_score_biases()
         self.step += 1
         pipeline = self.trained.pipeline
+        # each data stream's tokens counted once: by tp rank 0 of its group, on the last pipeline stage
+        counts_tokens = self.parallel.tp_rank == 0 and (pipeline is None or pipeline.holds_last)
         self._window.append(
             {
                 "loss": torch.stack(losses).mean(),
                 "aux": torch.stack(auxes).mean(),
-                "tokens": (
-                    self.batches.tokens_per_batch * config.grad_accum
-                    if pipeline is None or pipeline.holds_last
-                    else 0
-                ),
+                "skipped": skipped,
+                "tokens": self.batches.tokens_per_batch * config.grad_accum if counts_tokens else 0,
                 "seconds": time.perf_counter() - start,
             }
         )

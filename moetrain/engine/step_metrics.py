@@ -1,7 +1,8 @@
 """The metrics of a logging step, as the engine makes them: loss, aux loss and tokens/s over the
-steps since the last logging step (global means), learning rate, gradient norm, phase times, peak
-CUDA memory, the data pipeline's skipped records, and per MoE layer the expert-load coefficient of
-variation, the dropped-token fraction and the aux-free score-bias range (pipeline stages included).
+steps since the last logging step (global means; loss and aux loss over the steps not skipped),
+learning rate, gradient norm, phase times, peak CUDA memory, the data pipeline's skipped records,
+and per MoE layer the expert-load coefficient of variation and the dropped-token fraction of the
+step's ``grad_accum`` micro-batches, and the aux-free score-bias range (pipeline stages included).
 Between logging steps the values stay on the device. Where they are written (``metrics.jsonl``,
 TensorBoard, trackers) is :mod:`moetrain.metrics`.
 
@@ -16,7 +17,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from moetrain.layers import MoELayer, collect_moe_stats
+from moetrain.layers import MoELayer
 
 log = logging.getLogger(__name__)
 
@@ -25,15 +26,23 @@ class StepMetrics:
     """The metrics part of :class:`moetrain.engine.Trainer`: what a logging step reports."""
 
     _checkpoint_stall_s: float | None = None  # saves since the last logging step: seconds held
+    _last_step: int | None = None  # while :meth:`TrainingLoop.train` runs: the step it runs to
+    # this step's routed and kept slots per expert: MoE layers -> [layers, 2, E] float64 sums
+    _step_counts: dict[tuple[MoELayer, ...], torch.Tensor]
+    # pipeline stages, during a step: a stage's MoE layers -> [layers, 2, E] of each of its forwards
+    _stage_forwards: dict[tuple[MoELayer, ...], list[torch.Tensor]]
 
     def _is_logging_step(self, step: int) -> bool:
-        """Every ``log_every`` steps, the last step (``steps``), and the step at which the run
-        stops for SIGTERM (agreed by every rank: :meth:`TrainingLoop._step_flags`), so that the
-        steps since the previous logging step are logged before the run stops."""
-        if step % self.config.log_every == 0 or step == self.config.steps:
+        """Every ``log_every`` steps, the last step (``steps``, or ``until``), and every step that
+        saves a checkpoint: one due (``checkpoint_every``, ``checkpoint_every_minutes``) or the
+        step at which the run stops for SIGTERM (agreed by every rank:
+        :meth:`TrainingLoop._step_flags`). The window since the previous logging step is held in
+        memory only, so a run resumed from a checkpoint writes the lines an uninterrupted run
+        writes."""
+        if step % self.config.log_every == 0 or step in (self.config.steps, self._last_step):
             return True
-        stop, _, _ = self._step_flags()
-        return stop
+        stop, due, _ = self._step_flags()
+        return stop or due
 
     def _record_checkpoint_stall(self) -> None:
         """After ``writer.save()`` returned: adds the seconds it held the step (the writer's
@@ -47,11 +56,18 @@ class StepMetrics:
     def _logged_metrics(self, lr: float, grad_norm: float, loss_scale: float, skipped: bool) -> dict:
         """The metrics of a logging step: loss, aux loss and tokens/s over the steps since the last
         logging step (global means, one all-reduce), this step's lr and gradient norm, and this
-        step's expert load."""
+        step's expert load. Loss and aux loss are over the steps that were not skipped (the same
+        steps on every rank: a step is skipped on all or none), so that one inf or NaN loss does
+        not hide the others; over the skipped ones when all were (an fp16 calibration skip has a
+        finite loss; an inf or NaN one is written as null)."""
         window, self._window = self._window, []
         world = self.parallel.world_size
+        averaged = [w for w in window if not w["skipped"]] or window
         local = torch.stack(
-            [torch.stack([w["loss"] for w in window]).mean(), torch.stack([w["aux"] for w in window]).mean()]
+            [
+                torch.stack([w["loss"] for w in averaged]).mean(),
+                torch.stack([w["aux"] for w in averaged]).mean(),
+            ]
         )
         tokens = sum(w["tokens"] for w in window)
         seconds = sum(w["seconds"] for w in window)
@@ -98,17 +114,62 @@ class StepMetrics:
         reduced = zip(peaks, values.tolist(), strict=True)
         return {key: int(value) for key, value in reduced if value or key in overall}  # phases that ran
 
+    @staticmethod
+    def _routing_counts(layers) -> tuple[tuple[MoELayer, ...], torch.Tensor | None]:
+        """The MoE ``layers`` that have run and the routed and kept slots per expert of their last
+        forward, ``[layers, 2, E]`` float64 on the device (one stack, no sync); None when none ran."""
+        ran = tuple(m for m in layers if m.last_stats is not None)
+        if not ran:
+            return ran, None
+        slots = [c for m in ran for c in (m.last_stats.routed_per_expert, m.last_stats.kept_per_expert)]
+        return ran, torch.stack(slots).double().view(len(ran), 2, -1)
+
+    def _count_routing(self, layers) -> None:
+        """Adds the routed and kept slots of ``layers``' last forward (one micro-batch) to this
+        step's sums ``_step_counts`` (one add on the device, no sync)."""
+        ran, counts = self._routing_counts(layers)
+        if counts is not None:
+            total = self._step_counts.get(ran)
+            self._step_counts[ran] = counts if total is None else total + counts
+
+    def _watch_stage_routing(self, pipeline) -> None:
+        """Pipeline stages: the schedule runs the micro-batches inside one call, so a forward hook
+        on each stage keeps the routing counts of its MoE layers after each forward (a recompute
+        during backward runs inside a stage, not through its hook); :meth:`_count_stage_routing`
+        sums them once the schedule returns."""
+
+        def keep(chunk, args, output):
+            ran, counts = self._routing_counts(m for m in chunk.modules() if isinstance(m, MoELayer))
+            if counts is not None:
+                self._stage_forwards.setdefault(ran, []).append(counts)
+
+        for chunk in pipeline.chunks:
+            chunk.register_forward_hook(keep)
+
+    def _count_stage_routing(self) -> None:
+        """After the schedule's step: each stage's last ``grad_accum`` forwards are the step's
+        micro-batches (the first forward of a stage under a new schedule is torch's shape probe,
+        :meth:`moetrain.pipeline.Pipeline._record_aux`); their counts become this step's sums."""
+        forwards, self._stage_forwards = self._stage_forwards, {}
+        for ran, counts in forwards.items():
+            self._step_counts[ran] = torch.stack(counts[-self.config.grad_accum :]).sum(0)
+
+    def _layer_counts(self) -> dict[MoELayer, torch.Tensor]:
+        """This step's routed and kept slots per MoE layer (the layers this rank ran), ``[2, E]``
+        float64 each: summed over the step's micro-batches."""
+        return {m: c for ran, counts in self._step_counts.items() for m, c in zip(ran, counts, strict=True)}
+
     def _expert_metrics(self) -> dict:
-        """Per MoE layer: coefficient of variation of the tokens routed to each expert, summed
-        over the data-parallel ranks, and the global dropped-token fraction."""
+        """Per MoE layer: coefficient of variation of the tokens routed to each expert and the
+        dropped-token fraction, over this step's ``grad_accum`` micro-batches summed over all ranks."""
         pipeline = self.trained.pipeline
         if pipeline is not None:
             return self._pipeline_expert_metrics(pipeline)
-        stats = collect_moe_stats(self.model).layers
-        if not stats:
+        counts = list(self._layer_counts().values())
+        if not counts:
             return {}
-        routed = torch.stack([s.routed_per_expert for s in stats]).double()
-        kept = torch.stack([s.kept_per_expert for s in stats]).double()
+        routed = torch.stack([c[0] for c in counts])
+        kept = torch.stack([c[1] for c in counts])
         if self.parallel.world_size > 1:
             both = torch.stack([routed, kept])
             dist.all_reduce(both)
@@ -124,11 +185,11 @@ class StepMetrics:
 
     def _pipeline_expert_metrics(self, pipeline) -> dict:
         """:meth:`_expert_metrics` over pipeline stages: each stage fills the rows of its layers in
-        the whole model's ``[layers, E]`` tables of routed and kept counts, and of aux-free score
-        bias ranges (column 0: the range, column 1: 1 where this rank holds the layer's bias),
-        summed over every rank in one all-reduce (plus one scalar for the widest ``E``) at logging
-        steps only; a layer's range is the sum over the ranks holding it divided by their number
-        (its bias is the same on each)."""
+        the whole model's ``[layers, E]`` tables of routed and kept counts (this step's sums), and
+        of aux-free score bias ranges (column 0: the range, column 1: 1 where this rank holds the
+        layer's bias), summed over every rank in one all-reduce (plus one scalar for the widest
+        ``E``) at logging steps only; a layer's range is the sum over the ranks holding it divided
+        by their number (its bias is the same on each)."""
         names = pipeline.moe_layers
         if not names:
             return {}
@@ -138,11 +199,11 @@ class StepMetrics:
         dist.all_reduce(width, op=dist.ReduceOp.MAX)  # a stage may hold no MoE layer
         experts = int(width.item())
         counts = torch.zeros(3, len(names), max(experts, 2), dtype=torch.float64, device=self.device)
+        step_counts = self._layer_counts()
         for row, name in enumerate(names):
             layer = mine.get(name)
-            if layer is not None and layer.last_stats is not None:
-                counts[0, row, :experts] = layer.last_stats.routed_per_expert.double().to(self.device)
-                counts[1, row, :experts] = layer.last_stats.kept_per_expert.double().to(self.device)
+            if layer in step_counts:
+                counts[:2, row, :experts] = step_counts[layer].to(self.device)
             bias = None if layer is None else layer.router.score_bias_E
             if bias is not None:
                 counts[2, row, 0] = float(bias.max() - bias.min())
