@@ -22,6 +22,7 @@ from typing import Any
 from moetrain.checkpoint.directory import MANIFEST, TMP_SUFFIX, fsync_dir
 from moetrain.checkpoint.ranks import CheckpointError, RankLayout, all_gather
 from moetrain.progress import ProgressBar
+from moetrain.validation import is_int
 
 FORMAT = "moetrain.checkpoint"
 VERSION = 2  # 2: no pickled objects (objects are JSON, see moetrain.checkpoint.objects)
@@ -113,7 +114,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 
 def _is_int(value: Any, low: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+    return is_int(value) and value >= low
 
 
 def _check_schema(file: Path, manifest: dict[str, Any]) -> None:

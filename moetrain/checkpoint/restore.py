@@ -25,6 +25,7 @@ from moetrain.checkpoint.objects import decode_object, is_object_part, json_key,
 from moetrain.checkpoint.ranks import CheckpointError
 from moetrain.grad_sync import is_dtensor
 from moetrain.layers.experts import local_tensor
+from moetrain.validation import is_int
 
 
 class Request:
@@ -91,7 +92,7 @@ class Request:
         for it (a crafted size would otherwise allocate them)."""
         md = self.saved[key]
         size = tuple(md.size)
-        if any(not isinstance(dim, int) or dim < 0 for dim in size):
+        if any(not is_int(dim) or dim < 0 for dim in size):
             raise CheckpointError(f"{self.path}: entry {key!r} has a negative or non-integer size {size}")
         if self.stored is not None:
             nbytes = math.prod(size) * md.properties.dtype.itemsize
