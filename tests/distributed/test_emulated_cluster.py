@@ -3,7 +3,6 @@ across them. Skipped (with the reason) unless this process can build it (root, i
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shlex
 import signal
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from tests.helpers.dist_utils import run_distributed
-from tests.helpers.paths import ROOT
+from tests.helpers.paths import ROOT, load_script
 from tests.scripts.emulated_all_to_all import exchange
 
 pytestmark = pytest.mark.serial  # times real waits and rates: run alone (tests/README.md)
@@ -23,16 +22,7 @@ pytestmark = pytest.mark.serial  # times real waits and rates: run alone (tests/
 SCRIPT = ROOT / "tests" / "scripts" / "emulated_all_to_all.py"
 
 
-def _launcher():
-    spec = importlib.util.spec_from_file_location(
-        "emulated_cluster", ROOT / "benchmarks" / "emulated_cluster.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-LAUNCHER = _launcher()
+LAUNCHER = load_script(ROOT / "benchmarks" / "emulated_cluster.py")
 PROBLEM = LAUNCHER.can_emulate()
 
 

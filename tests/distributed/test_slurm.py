@@ -11,7 +11,6 @@ installed (no root or no apt-get); each cluster starts in about a second once it
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shlex
@@ -24,6 +23,7 @@ import pytest
 
 from moetrain.cli import build_train_config
 from tests.helpers.dist_utils import free_port
+from tests.helpers.paths import load_script
 from tests.helpers.slurm_cluster import (
     REPO_PYTHON,
     REPO_ROOT,
@@ -150,14 +150,7 @@ def wait_for_files(paths: list[Path], cluster: LocalSlurmCluster, job_id: str, t
         time.sleep(0.2)
 
 
-def _load_bind_rank():
-    spec = importlib.util.spec_from_file_location("bind_rank", SLURM_DIR / "bind_rank.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bind_rank = _load_bind_rank()
+bind_rank = load_script(SLURM_DIR / "bind_rank.py")
 
 
 def node_cpus_split(ranks: int) -> list[str]:

@@ -4,21 +4,16 @@ checks them)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from tests.helpers.paths import ROOT
+from tests.helpers.paths import ROOT, load_script
 
 SCRIPT = ROOT / "scripts" / "update_plan_figures.py"
 
 
 @pytest.fixture(scope="module")
 def figures():
-    spec = importlib.util.spec_from_file_location("update_plan_figures", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def test_quoted_figures_are_the_planners_output(figures, capsys):

@@ -17,7 +17,7 @@ import torch
 
 from moetrain import _ext
 from moetrain._build_spec import TORCH_REQUIREMENT, object_name_clashes, sources, torch_range_problem
-from tests.helpers.paths import ROOT
+from tests.helpers.paths import ROOT, load_script
 
 NO_COMPILER = "moetrain-test-no-such-compiler"
 # Only the copy may be importable: drop the editable install's finder, which would otherwise resolve
@@ -204,13 +204,9 @@ def test_simd_levels_are_reported_and_capped():
 def test_an_old_setuptools_is_refused_with_one_line(monkeypatch):
     """pyproject.toml's SPDX ``license = "Apache-2.0"`` needs setuptools >= 77; older ones fail deep in
     their own validation, so setup.py says it first."""
-    import importlib.util
-
     import setuptools
 
-    spec = importlib.util.spec_from_file_location("moetrain_setup_under_test", ROOT / "setup.py")
-    setup_py = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(setup_py)  # defines functions only: main() runs under __main__
+    setup_py = load_script(ROOT / "setup.py", "moetrain_setup_under_test")  # main() runs under __main__ only
     monkeypatch.setattr(setuptools, "__version__", "65.5.0")
     with pytest.raises(SystemExit) as stop:
         setup_py._require_setuptools()

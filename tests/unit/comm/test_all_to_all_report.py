@@ -4,20 +4,14 @@ fit with a non-positive constant (noise on a loaded machine) predicts nothing fo
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import json
 
-from tests.helpers.paths import ROOT
+from tests.helpers.paths import ROOT, load_script
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "all_to_all_benchmark", ROOT / "benchmarks" / "all_to_all.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / "all_to_all.py", "all_to_all_benchmark")
 
 
 def _rows(alpha: float, beta_intra: float, beta_inter: float) -> list[dict]:
