@@ -3,7 +3,9 @@
 // Per element i (all arithmetic in fp32, hyper-parameters rounded to fp32 as torch does):
 //   g      = grad[i] * (1 / grad_scale)                  grad is fp32, bf16 or fp16
 //   g      = fma(p, weight_decay, g)       (Adam only: L2 penalty added to the gradient)
-//   m      = fma(1 - beta1, g - m, m)                     == exp_avg.lerp_(g, 1 - beta1)
+//   m      = fma(w, g - m, m)       when w = 1 - beta1 < 0.5,
+//            fma(w - 1, g - m, g)   else                  == exp_avg.lerp_(g, 1 - beta1)
+//            (torch's two-sided lerp: the end nearer the weight is the base)
 //   v      = fma((1 - beta2) * g, g, v * beta2)           == exp_avg_sq.mul_(beta2).addcmul_(g, g, ..)
 //   p      = p * decay - lr / (1 - beta1^step) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
 //            decay = 1 - lr * weight_decay for AdamW (decoupled weight decay), else 1;
@@ -71,7 +73,8 @@ struct AdamScalars {
   float inv_grad_scale;    // 1 / grad_scale
   float l2_weight_decay;   // Adam: weight_decay (0 for AdamW)
   bool use_l2;             // Adam with weight_decay != 0
-  float lerp_weight;       // 1 - beta1
+  float lerp_coeff;        // w = 1 - beta1 when w < 0.5, else w - 1 (torch's lerp)
+  bool lerp_from_grad;     // w >= 0.5: m = fma(w - 1, g - m, g), else fma(w, g - m, m)
   float beta2;             // beta2
   float one_minus_beta2;   // 1 - beta2
   float decay;             // AdamW: 1 - lr * weight_decay; Adam: 1
@@ -88,7 +91,9 @@ AdamScalars make_adam_scalars(int64_t step, double lr, double beta1, double beta
   s.inv_grad_scale = static_cast<float>(1.0 / grad_scale);
   s.use_l2 = !adamw && weight_decay != 0.0;
   s.l2_weight_decay = s.use_l2 ? static_cast<float>(weight_decay) : 0.0f;
-  s.lerp_weight = static_cast<float>(1.0 - beta1);
+  const float lerp_weight = static_cast<float>(1.0 - beta1);
+  s.lerp_from_grad = !(std::abs(lerp_weight) < 0.5f);  // at::native::is_lerp_weight_small
+  s.lerp_coeff = s.lerp_from_grad ? lerp_weight - 1.0f : lerp_weight;
   s.beta2 = static_cast<float>(beta2);
   s.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   s.decay = (adamw && weight_decay != 0.0) ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
@@ -142,7 +147,7 @@ void chunk_scalar(const void* grad, float* p, float* m, float* v, void* out, int
     } else {
       g = g * s.inv_grad_scale;
       if (s.use_l2) g = std::fma(pi, s.l2_weight_decay, g);
-      mi = std::fma(s.lerp_weight, g - mi, mi);
+      mi = std::fma(s.lerp_coeff, g - mi, s.lerp_from_grad ? g : mi);
       vi = std::fma(s.one_minus_beta2 * g, g, vi * s.beta2);
       const float denom = std::sqrt(vi) + s.eps_hat;
       pi = std::fma(pi, s.decay, (s.neg_step_size * mi) / denom);
@@ -204,7 +209,7 @@ MOETRAIN_TARGET_AVX2_F16C void kernel_avx2(const void* grad, float* p, float* m,
                                            const AdamScalars& s) {
   const __m256 inv_grad_scale = _mm256_set1_ps(s.inv_grad_scale);
   const __m256 l2_weight_decay = _mm256_set1_ps(s.l2_weight_decay);
-  const __m256 lerp_weight = _mm256_set1_ps(s.lerp_weight);
+  const __m256 lerp_coeff = _mm256_set1_ps(s.lerp_coeff);
   const __m256 beta2 = _mm256_set1_ps(s.beta2);
   const __m256 one_minus_beta2 = _mm256_set1_ps(s.one_minus_beta2);
   const __m256 decay = _mm256_set1_ps(s.decay);
@@ -223,7 +228,7 @@ MOETRAIN_TARGET_AVX2_F16C void kernel_avx2(const void* grad, float* p, float* m,
     } else {
       g = _mm256_mul_ps(g, inv_grad_scale);
       if (s.use_l2) g = _mm256_fmadd_ps(pv, l2_weight_decay, g);
-      mv = _mm256_fmadd_ps(lerp_weight, _mm256_sub_ps(g, mv), mv);
+      mv = _mm256_fmadd_ps(lerp_coeff, _mm256_sub_ps(g, mv), s.lerp_from_grad ? g : mv);
       vv = _mm256_fmadd_ps(_mm256_mul_ps(one_minus_beta2, g), g, _mm256_mul_ps(vv, beta2));
       const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(vv), eps_hat);
       pv = _mm256_fmadd_ps(pv, decay, _mm256_div_ps(_mm256_mul_ps(neg_step_size, mv), denom));
@@ -275,7 +280,7 @@ MOETRAIN_TARGET_AVX512 void kernel_avx512(const void* grad, float* p, float* m, 
                                           const AdamScalars& s) {
   const __m512 inv_grad_scale = _mm512_set1_ps(s.inv_grad_scale);
   const __m512 l2_weight_decay = _mm512_set1_ps(s.l2_weight_decay);
-  const __m512 lerp_weight = _mm512_set1_ps(s.lerp_weight);
+  const __m512 lerp_coeff = _mm512_set1_ps(s.lerp_coeff);
   const __m512 beta2 = _mm512_set1_ps(s.beta2);
   const __m512 one_minus_beta2 = _mm512_set1_ps(s.one_minus_beta2);
   const __m512 decay = _mm512_set1_ps(s.decay);
@@ -294,7 +299,7 @@ MOETRAIN_TARGET_AVX512 void kernel_avx512(const void* grad, float* p, float* m, 
     } else {
       g = _mm512_mul_ps(g, inv_grad_scale);
       if (s.use_l2) g = _mm512_fmadd_ps(pv, l2_weight_decay, g);
-      mv = _mm512_fmadd_ps(lerp_weight, _mm512_sub_ps(g, mv), mv);
+      mv = _mm512_fmadd_ps(lerp_coeff, _mm512_sub_ps(g, mv), s.lerp_from_grad ? g : mv);
       vv = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_beta2, g), g, _mm512_mul_ps(vv, beta2));
       const __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(vv), eps_hat);
       pv = _mm512_fmadd_ps(pv, decay, _mm512_div_ps(_mm512_mul_ps(neg_step_size, mv), denom));

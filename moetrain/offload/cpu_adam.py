@@ -17,13 +17,13 @@ which is ``torch.optim.Adam`` / ``torch.optim.AdamW`` with ``foreach=False`` up 
 Tensors here are flat or any shape, but contiguous, on the CPU, and of equal numel.
 """
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 from moetrain._ext import ops
+from moetrain.validation import require_nonneg_float, require_numbers
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -131,15 +131,13 @@ def adam_step_multi_(
 
 
 def _check_hyperparameters(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """Raises ValueError naming the first out-of-range hyper-parameter (NaN counts as out of range)."""
-    if math.isnan(float(lr)) or float(lr) < 0.0:
-        raise ValueError(f"CPUAdam: lr must be >= 0, got {lr}")
-    if len(betas) != 2 or any(math.isnan(float(beta)) or not 0.0 <= float(beta) < 1.0 for beta in betas):
-        raise ValueError(f"CPUAdam: betas must be two numbers in [0, 1), got {betas}")
-    if math.isnan(eps) or eps < 0.0:
-        raise ValueError(f"CPUAdam: eps must be >= 0, got {eps}")
-    if math.isnan(weight_decay) or weight_decay < 0.0:
-        raise ValueError(f"CPUAdam: weight_decay must be >= 0, got {weight_decay}")
+    """Raises ValueError naming the first out-of-range hyper-parameter: ``lr``, ``eps`` and
+    ``weight_decay`` finite numbers >= 0, ``betas`` two numbers in [0, 1) (NaN and inf are out of
+    range; a bool is not a number)."""
+    require_nonneg_float("CPUAdam: lr", lr)
+    require_numbers("CPUAdam: betas", betas, count=2, low=0, high=1, high_open=True)
+    require_nonneg_float("CPUAdam: eps", eps)
+    require_nonneg_float("CPUAdam: weight_decay", weight_decay)
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -224,12 +222,11 @@ class CPUAdam(torch.optim.Optimizer):
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
                     state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
-                state["step"] += 1
                 params.append(param)
                 grads.append(grad.contiguous())
                 exp_avgs.append(state["exp_avg"])
                 exp_avg_sqs.append(state["exp_avg_sq"])
-                steps.append(int(state["step"].item()))
+                steps.append(int(state["step"].item()) + 1)
             if not params:
                 continue
             adam_step_multi_(
@@ -241,4 +238,6 @@ class CPUAdam(torch.optim.Optimizer):
                 grad_scale=grad_scale,
                 **group_hyperparameters(group),
             )
+            for param in params:  # counted once the kernel has updated them (it checks before writing)
+                self.state[param]["step"] += 1
         return loss

@@ -45,6 +45,7 @@ activations are then an upper bound the run did not reach (the 0.57B calibration
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import tempfile
 from dataclasses import dataclass, field, fields, replace
@@ -55,6 +56,7 @@ from moetrain.planner.model import ModelDescription, resolve_model
 from moetrain.planner.plan import Plan, make_plan
 from moetrain.planner.reserve import FRAGMENTATION
 from moetrain.planner.settings import PlanSettings
+from moetrain.validation import is_number, require_number, require_numbers
 
 PHASE_KEYS = {
     "step": "time/step_s",
@@ -66,6 +68,16 @@ PHASE_KEYS = {
 }
 PEAK_ALLOCATED = "memory/peak_allocated_bytes"
 PEAK_RESERVED = "memory/peak_reserved_bytes"
+PHASE_PEAKS = {name: f"memory/peak_{name}_bytes" for name in ("backward", "optimizer")}
+# the records' numbers read: each finite, > 0 where it divides (the step time, the throughput),
+# else >= 0 (a phase that took no measurable time; a phase peak is 0 where the phase did not run)
+POSITIVE_KEYS = (PHASE_KEYS["step"], "tokens_per_s")
+NONNEGATIVE_KEYS = (
+    *(key for key in PHASE_KEYS.values() if key not in POSITIVE_KEYS),
+    PEAK_ALLOCATED,
+    PEAK_RESERVED,
+    *PHASE_PEAKS.values(),
+)
 
 
 @dataclass
@@ -87,43 +99,77 @@ class RunRecords:
     dropped_fraction: float | None = None
 
 
+def _read_text(run_dir: Path, path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"--calibrate {run_dir}: {path.name} must be UTF-8 text (byte {error.start}: {error.reason})"
+        ) from None
+
+
+def _read_config(run_dir: Path, path: Path) -> dict:
+    """``config.json``: a JSON object (ValueError naming the file otherwise)."""
+    try:
+        config = json.loads(_read_text(run_dir, path))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--calibrate {run_dir}: {path.name} must be a JSON object: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"--calibrate {run_dir}: {path.name} must be a JSON object, got {type(config).__name__}"
+        )
+    return config
+
+
+def _check_record(record: dict, where: str) -> None:
+    """ValueError naming ``where`` (file:line) and the key of a number the calibration reads that is
+    not a finite number (a bool is not one) in its range: see ``POSITIVE_KEYS`` and
+    ``NONNEGATIVE_KEYS``; ``dropped_fraction`` a list of numbers in [0, 1]."""
+    for key in (*POSITIVE_KEYS, *NONNEGATIVE_KEYS):
+        if key in record:
+            require_number(f"{where}: {key}", record[key], low=0, low_open=key in POSITIVE_KEYS)
+    if "dropped_fraction" in record:
+        require_numbers(f"{where}: dropped_fraction", record["dropped_fraction"], low=0, high=1)
+
+
 def read_run(run_dir: str | Path) -> RunRecords:
-    """Reads ``config.json``, ``metrics.jsonl`` and the rank logs of a run directory (ValueError
-    naming the file when one is missing or holds no logged step)."""
+    """Reads ``config.json``, ``metrics.jsonl`` and the rank logs of a run directory. ValueError
+    naming the file when one is missing, is not UTF-8 text, holds no logged step, or (config.json)
+    is not a JSON object; and naming ``metrics.jsonl:<line>`` and the key for a value read (see
+    :func:`_check_record`) that is not a finite number in its range."""
     run_dir = Path(run_dir)
     config_path, metrics_path = run_dir / "config.json", run_dir / "metrics.jsonl"
     for path in (config_path, metrics_path):
         if not path.is_file():
             raise ValueError(f"--calibrate {run_dir}: no {path.name} (is it a moetrain train out_dir?)")
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    lines = metrics_path.read_text(encoding="utf-8").splitlines()
+    config = _read_config(run_dir, config_path)
     records = []
-    for line in lines:
+    for number, line in enumerate(_read_text(run_dir, metrics_path).splitlines(), start=1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a torn last line
-    records = [r for r in records if isinstance(r, dict) and "step" in r]
+        if isinstance(record, dict) and "step" in record:
+            _check_record(record, f"--calibrate {run_dir}: {metrics_path.name}:{number}")
+            records.append(record)
     if not records:
         raise ValueError(f"--calibrate {run_dir}: {metrics_path.name} has no logged step")
     used = records[1:] if len(records) > 1 else records
     rank_logs = list((run_dir / "logs").glob("rank_*.log"))
 
     def median(key: str) -> float | None:
-        values = [r[key] for r in used if isinstance(r.get(key), (int, float))]
+        values = [r[key] for r in used if key in r]
         return statistics.median(values) if values else None
 
     def largest(key: str) -> int | None:  # the step's peak: the start-up's one-time work left out too
-        values = [r[key] for r in used if isinstance(r.get(key), (int, float))]
+        values = [r[key] for r in used if key in r]
         return int(max(values)) if values else None
 
     phases = {name: median(key) for name, key in PHASE_KEYS.items()}
     dropped = []  # each record's mean over its MoE layers
     for r in used:
-        value = r.get("dropped_fraction")
-        layers = [v for v in value if isinstance(v, (int, float))] if isinstance(value, list) else []
-        if layers:
-            dropped.append(statistics.fmean(layers))
+        if r.get("dropped_fraction"):
+            dropped.append(statistics.fmean(r["dropped_fraction"]))
     return RunRecords(
         run_dir=run_dir,
         config=config,
@@ -133,11 +179,7 @@ def read_run(run_dir: str | Path) -> RunRecords:
         phases={name: value for name, value in phases.items() if value is not None},
         peak_allocated=largest(PEAK_ALLOCATED),
         peak_reserved=largest(PEAK_RESERVED),
-        phase_peaks={
-            name: value
-            for name in ("backward", "optimizer")
-            if (value := largest(f"memory/peak_{name}_bytes")) is not None
-        },
+        phase_peaks={name: value for name, key in PHASE_PEAKS.items() if (value := largest(key)) is not None},
         dropped_fraction=statistics.fmean(dropped) if dropped else None,
     )
 
@@ -296,7 +338,23 @@ def calibrate(
                 "FLOP/s allow (give this machine's --peak-tflops); planned again at 1"
             )
     calibrated_plan = make_plan(model, calibrated_cluster, calibrated_settings, kernels)
-    return Calibration(plan, calibrated_plan, run, kernels, measured, predicted, constants, notes)
+    result = Calibration(plan, calibrated_plan, run, kernels, measured, predicted, constants, notes)
+    _check_finite(result)
+    return result
+
+
+def _check_finite(result: Calibration) -> None:
+    """ValueError when a figure found from the records is not finite (finite records at the ends of
+    the float range, e.g. a step of 1e-320 s, can overflow the quotients): the report (and its
+    ``--json``) holds finite numbers only."""
+    out = result.to_dict()
+    figures = {**out["measured"], **out["calibrated"], "calibrated_step_s": out["calibrated_step_s"]}
+    for key, value in figures.items():
+        if is_number(value) and not math.isfinite(value):
+            raise ValueError(
+                f"--calibrate {result.run.run_dir}: the records give {key} = {value} (not finite): "
+                "their times or peaks are out of any plausible range"
+            )
 
 
 def _measured(run: RunRecords, t: dict) -> dict:
