@@ -28,17 +28,24 @@ SIZES = [7, 4096 + 37]  # scalar only; 16- and 8-lane vectors plus a scalar tail
 
 
 def two_gradients(numel: int) -> list[torch.Tensor]:
-    """A large gradient, then a small one: with beta1 = 0 the second moment must be exactly g."""
+    """A large gradient, then a small one: with beta1 = 0 the first moment must be exactly g."""
     generator = torch.Generator().manual_seed(numel)
     return [torch.randn(numel, generator=generator) * scale for scale in (100.0, 1e-3)]
 
 
-def torch_exp_avg(param0: torch.Tensor, grads: list[torch.Tensor], betas) -> torch.Tensor:
+def stepped(optimizer_class, param0: torch.Tensor, grads: list[torch.Tensor], **options):
+    """``(optimizer, param)``: an ``optimizer_class`` over one parameter starting at ``param0``
+    after one step per gradient of ``grads``."""
     param = torch.nn.Parameter(param0.clone())
-    optimizer = torch.optim.Adam([param], lr=1e-3, betas=betas, foreach=False)
+    optimizer = optimizer_class([param], lr=1e-3, **options)
     for grad in grads:
         param.grad = grad.clone()
         optimizer.step()
+    return optimizer, param
+
+
+def torch_exp_avg(param0: torch.Tensor, grads: list[torch.Tensor], betas) -> torch.Tensor:
+    optimizer, param = stepped(torch.optim.Adam, param0, grads, betas=betas, foreach=False)
     return optimizer.state[param]["exp_avg"]
 
 
@@ -47,11 +54,7 @@ def torch_exp_avg(param0: torch.Tensor, grads: list[torch.Tensor], betas) -> tor
 def test_cpu_adam_exp_avg_equals_torch_bit_for_bit(simd_level, numel, betas):
     param0 = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     grads = two_gradients(numel)
-    param = torch.nn.Parameter(param0.clone())
-    optimizer = CPUAdam([param], lr=1e-3, betas=betas, adamw_mode=False)
-    for grad in grads:
-        param.grad = grad.clone()
-        optimizer.step()
+    optimizer, param = stepped(CPUAdam, param0, grads, betas=betas, adamw_mode=False)
     assert torch.equal(optimizer.state[param]["exp_avg"], torch_exp_avg(param0, grads, betas))
 
 
@@ -60,11 +63,7 @@ def test_offload_optimizer_exp_avg_equals_torch_bit_for_bit(simd_level, betas):
     numel = SIZES[-1]
     param0 = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     grads = two_gradients(numel)
-    param = torch.nn.Parameter(param0.clone())
-    optimizer = OffloadOptimizer([param], lr=1e-3, betas=betas, adamw_mode=False)
-    for grad in grads:
-        param.grad = grad.clone()
-        optimizer.step()
+    optimizer, _ = stepped(OffloadOptimizer, param0, grads, betas=betas, adamw_mode=False)
     exp_avg = optimizer.state_dict()["state"][0]["exp_avg"]
     assert torch.equal(exp_avg.reshape(-1), torch_exp_avg(param0, grads, betas))
 
