@@ -68,7 +68,9 @@ step "tests"
 tests=(tests/gpu/test_build.py tests/gpu/test_extension_jit.py tests/gpu/test_cuda_kernels.py
        tests/unit/kernels/test_kernel_ops.py tests/unit/kernels/test_permute_ops.py
        tests/unit/kernels/test_a2a_layout.py tests/unit/kernels/test_kernel_selection.py
-       tests/unit/kernels/test_cpu_adam.py tests/unit/layers/test_compile.py tests/unit/layers/test_moe_layer.py
+       tests/unit/kernels/test_cpu_adam.py tests/unit/kernels/test_kernel_edges.py
+       tests/unit/machinery/test_adam_and_calibrate_edges.py
+       tests/unit/layers/test_compile.py tests/unit/layers/test_moe_layer.py
        tests/unit/machinery/test_offload_optimizer.py tests/unit/foundation/test_torch_compat.py
        tests/unit/engine/test_engine.py)
 # as make test: the tests that time real work (marker serial: rank-speed calibration) run alone after
