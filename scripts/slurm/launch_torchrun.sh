@@ -32,7 +32,7 @@ SLURM_HELPERS=scripts/slurm
 
 GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-8}}}
 GPUS_PER_NODE=${GPUS_PER_NODE##*:} # a typed request, "v100:8" -> 8
-[[ $GPUS_PER_NODE =~ ^[0-9]+$ ]] || fail "GPUS_PER_NODE must be an integer >= 0, got '$GPUS_PER_NODE'"
+[[ $GPUS_PER_NODE =~ ^(0|[1-9][0-9]*)$ ]] || fail "GPUS_PER_NODE must be an integer >= 0, got '$GPUS_PER_NODE'"
 RANKS_PER_NODE=${RANKS_PER_NODE:-$((GPUS_PER_NODE > 0 ? GPUS_PER_NODE : 1))}
 [[ $RANKS_PER_NODE =~ ^[1-9][0-9]*$ ]] || fail "RANKS_PER_NODE must be an integer >= 1, got '$RANKS_PER_NODE'"
 if [[ -z ${CPU_BIND:-} ]]; then

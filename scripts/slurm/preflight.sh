@@ -28,7 +28,7 @@ torch_gpu_count='python -c "import torch; print(torch.cuda.device_count())"'
 GPU_COUNT_CMD=${GPU_COUNT_CMD:-$torch_gpu_count}
 CPU_BIND=${CPU_BIND:-none}
 
-if [[ ! $GPUS_PER_NODE =~ ^[0-9]+$ ]]; then
+if [[ ! $GPUS_PER_NODE =~ ^(0|[1-9][0-9]*)$ ]]; then  # no leading 0: bash reads 08 as octal
     problem "GPUS_PER_NODE must be an integer >= 0, got '$GPUS_PER_NODE'"
 elif [[ $GPUS_PER_NODE -gt 0 ]]; then
     # `timeout`: a GPU stuck in the driver can hang the count; report it instead of hanging too.

@@ -284,6 +284,13 @@ def test_preflight_fails_a_node_with_fewer_gpus_than_asked(tmp_path):
     assert "ok (GPUs: 8, CPU_BIND=none)" in ok.stdout
 
 
+def test_preflight_refuses_a_gpu_count_with_a_leading_zero(tmp_path):
+    """bash reads ``08`` as octal (an error inside ``[[ -gt ]]``, which skipped the GPU check)."""
+    result = run_preflight(tmp_path, GPUS_PER_NODE="08", GPU_COUNT_CMD="echo 8")
+    assert result.returncode == 1
+    assert "GPUS_PER_NODE must be an integer >= 0, got '08'" in result.stderr
+
+
 def test_preflight_reports_a_gpu_count_that_fails(tmp_path):
     result = run_preflight(tmp_path, GPUS_PER_NODE="2", GPU_COUNT_CMD="echo 'no driver' >&2; exit 3")
     assert result.returncode == 1
