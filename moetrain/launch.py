@@ -44,6 +44,8 @@ import time
 import traceback
 from pathlib import Path
 
+from moetrain.validation import is_int
+
 log = logging.getLogger(__name__)
 
 PORT_IN_USE = (
@@ -244,7 +246,7 @@ def failure_line(failures: dict) -> tuple[str, int]:
     return (
         f"moetrain: error: rank {rank} (pid {failure.pid}) ended with exit code {failure.exitcode} and "
         "no error line of moetrain's",
-        EXIT_RUN_FAILED,
+        failure.exitcode if 0 < failure.exitcode < 256 else EXIT_RUN_FAILED,
     )
 
 
@@ -263,6 +265,36 @@ def _preempted_line(log_dir: Path, since: float) -> str | None:
         record = data.get("moetrain") if isinstance(data, dict) else None
         if isinstance(record, dict) and record.get("exit_code") == EXIT_PREEMPTED:
             return str(data.get("message"))
+    return None
+
+
+def argument_problem(argv: list[str]) -> str | None:
+    """What is wrong with torchrun's arguments ``argv`` (one line naming the flag), or None. torchrun
+    itself ends these with a traceback (or, for ``--nproc-per-node 0``, starts no rank)."""
+    from torch.distributed.run import (
+        config_from_args,
+        determine_local_world_size,
+        parse_args,
+        parse_min_max_nnodes,
+    )
+
+    args = parse_args(argv)
+    try:
+        nproc = determine_local_world_size(args.nproc_per_node)
+    except ValueError as error:
+        nproc = f"{args.nproc_per_node!r} ({_first_line(error)})"
+    if not is_int(nproc) or nproc < 1:
+        return f"--nproc-per-node must be an integer >= 1 or one of cpu, gpu, xpu, auto, got {nproc}"
+    try:
+        low, high = parse_min_max_nnodes(args.nnodes)
+    except (ValueError, RuntimeError):
+        low = high = 0
+    if not 0 < low <= high:
+        return f"--nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got {args.nnodes!r}"
+    try:
+        config_from_args(args)
+    except (ValueError, AssertionError) as error:
+        return _first_line(error)
     return None
 
 
@@ -298,12 +330,16 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import main as torchrun_main
 
-    from moetrain.failures import EXIT_PREEMPTED
+    from moetrain.failures import EXIT_BAD_INPUT, EXIT_PREEMPTED
 
     argv = sys.argv[1:] if argv is None else argv
     argv, log_dir = _log_dir(argv)
     detail = log_dir / "launcher.log"
     handler = _send_torch_records_to(detail)
+    bad_arguments = argument_problem(argv)
+    if bad_arguments is not None:
+        print(f"moetrain: error: {bad_arguments}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     started = time.time()
     problem = None
     try:

@@ -50,12 +50,14 @@ NODE_GRID_ALGORITHMS = ("hierarchical", "node_dedup")  # need ep_node_grid and t
 
 
 def first_host(nodelist: str) -> str:
-    """First host of a SLURM node list: ``"gpu[03-05,9],cpu1"`` -> ``"gpu03"``."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not match or not match.group(1):
+    """First host of a SLURM node list: ``"gpu[03-05,9],cpu1"`` -> ``"gpu03"``,
+    ``"rack[1-2]-node[01-04]"`` -> ``"rack1-node01"`` (the first value of each bracket group of the
+    first entry)."""
+    text = nodelist.strip()
+    match = re.match(r"[^,\[\]]+(?:[^,\[\]]|\[[^\[\]]+\])*", text)
+    if not match or text[match.end() : match.end() + 1] not in ("", ","):
         raise ValueError(f"SLURM_JOB_NODELIST {nodelist!r} is not a node list like 'node[01-04],gpu7'")
-    prefix, ranges = match.group(1), match.group(2)
-    return prefix if ranges is None else prefix + re.split(r"[-,]", ranges)[0]
+    return re.sub(r"\[([^\]]+)\]", lambda group: re.split(r"[-,]", group.group(1))[0], match.group(0))
 
 
 def tasks_per_node(value: str) -> int:
@@ -82,35 +84,59 @@ class LaunchEnvironment:
     store: object = None  # the rendezvous store once init_distributed made it (heartbeats use it)
 
 
+def _env_int(
+    env: Mapping[str, str], name: str, default: int, low: int, high: int | None = None, note: str = ""
+) -> int:
+    """The integer in ``env[name]`` (``default`` when unset), or ``ValueError`` naming ``name`` and
+    the allowed range ``low..high`` (``high`` None: no upper bound; ``note`` appended to it)."""
+    text = env.get(name)
+    if text is None:
+        return default
+    allowed = (f"an integer >= {low}" if high is None else f"an integer in {low}..{high}") + note
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be {allowed}, got {text!r}") from None
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be {allowed}, got {text!r}")
+    return value
+
+
+def _rank_and_world(env: Mapping[str, str], rank: str, world: str) -> tuple[int, int]:
+    """``(rank, world size)`` from the variables named, checked: ``0 <= rank < world size``."""
+    world_size = _env_int(env, world, 1, 1)
+    return _env_int(env, rank, 0, 0, world_size - 1, f" ({world}={world_size})"), world_size
+
+
 def read_launch_environment(env: Mapping[str, str] | None = None) -> LaunchEnvironment:
     """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT; under
     ``srun`` (one task per GPU) SLURM sets SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID and the node
     list, from which the first host becomes the master (port: MASTER_PORT, else 29500). Neither:
-    a single process."""
+    a single process. A variable that is not an integer in its range is a ``ValueError`` naming it."""
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
-        world = int(env["WORLD_SIZE"])
+        rank, world = _rank_and_world(env, "RANK", "WORLD_SIZE")
         return LaunchEnvironment(
-            rank=int(env["RANK"]),
+            rank=rank,
             world_size=world,
-            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+            local_rank=_env_int(env, "LOCAL_RANK", rank, 0),
+            local_world_size=_env_int(env, "LOCAL_WORLD_SIZE", world, 1),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT)),
+            master_port=_env_int(env, "MASTER_PORT", DEFAULT_MASTER_PORT, 1, 65535),
             launcher="torchrun",
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            restart_count=_env_int(env, "TORCHELASTIC_RESTART_COUNT", 0, 0),
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        world = int(env["SLURM_NTASKS"])
+        rank, world = _rank_and_world(env, "SLURM_PROCID", "SLURM_NTASKS")
         per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world)
         return LaunchEnvironment(
-            rank=int(env["SLURM_PROCID"]),
+            rank=rank,
             world_size=world,
-            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            local_rank=_env_int(env, "SLURM_LOCALID", 0, 0),
             local_world_size=tasks_per_node(per_node),
             master_addr=env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
-            master_port=int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT)),
+            master_port=_env_int(env, "MASTER_PORT", DEFAULT_MASTER_PORT, 1, 65535),
             launcher="slurm",
         )
     return LaunchEnvironment(0, 1, 0, 1, "127.0.0.1", DEFAULT_MASTER_PORT, "single")

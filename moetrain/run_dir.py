@@ -28,6 +28,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from moetrain.validation import is_int
+
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
@@ -42,6 +44,20 @@ def _parse_holder(content: bytes) -> dict[str, Any]:
     except ValueError:
         return {}
     return holder if isinstance(holder, dict) else {}
+
+
+def _pid_max() -> int:
+    """The largest process id this system gives (``/proc/sys/kernel/pid_max``; 2**22 when unreadable)."""
+    try:
+        return int(Path("/proc/sys/kernel/pid_max").read_text())
+    except (OSError, ValueError):
+        return 2**22
+
+
+def _is_pid(value: Any) -> bool:
+    """Whether ``value`` can be a process id (an integer in 1..pid_max): 0 and -1 would make
+    ``os.kill`` signal a process group or every process, and a huge one overflows it."""
+    return is_int(value) and 0 < value <= _pid_max()
 
 
 def _identity(status: os.stat_result, content: bytes) -> tuple:
@@ -172,15 +188,15 @@ class RunLock:
             return f"not refreshed for {age:.0f} s"
         if holder.get("host") == self.owner["host"] and holder.get("pid") == self.owner["pid"]:
             return "held by this process (an earlier run in it that was not closed)"
-        if holder.get("host") == self.owner["host"] and isinstance(holder.get("pid"), int):
+        if not _is_pid(holder.get("pid")):
+            return "unreadable" if age > 5 else None
+        if holder.get("host") == self.owner["host"]:
             try:
                 os.kill(holder["pid"], 0)
             except ProcessLookupError:
                 return f"process {holder['pid']} on this host is gone"
-            except PermissionError:
+            except (PermissionError, OverflowError):
                 return None
-        if not holder and age > 5:
-            return "unreadable"
         return None
 
     def _refresh(self) -> None:

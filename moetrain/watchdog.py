@@ -33,9 +33,10 @@ the silent ones.
 A heartbeat's step can be old (steps are faster than ``interval_s``), so a finding names the step
 the run had reached (this rank's) and the silent rank's last heartbeat beside it.
 
-Store traffic: one small ``set`` per rank every ``interval_s``; one ``multi_get`` of ``world`` keys
-per rank every ``stall_s / 2`` of a stall, until a silent rank is found, and once per failing rank
-after a lost connection. The watchdog has a store connection of its own (:meth:`Watchdog.connection_to`):
+Store traffic: one small ``set`` per rank every ``interval_s``; one ``check`` and one ``multi_get``
+of ``world`` keys per rank every ``stall_s / 2`` of a stall (a ``check`` per key while a rank has
+never beaten), until a silent rank is found, and once per failing rank after a lost connection.
+The watchdog has a store connection of its own (:meth:`Watchdog.connection_to`):
 a client serialises its calls, so on the process groups' connection a heartbeat would wait behind a
 ``get`` of the main thread (a group's rendezvous) and a healthy rank would look silent.
 
@@ -340,16 +341,21 @@ class Watchdog:
             log.debug("watchdog: %s", caught)
 
     def _read(self) -> list[tuple[int, dict | None, float]]:
-        """``(rank, heartbeat or None, age in s)`` of every other rank (one ``multi_get``, within
-        ``store_deadline_s``)."""
-        beats = self._call("multi_get", [_key(r) for r in range(self.world_size)])
+        """``(rank, heartbeat or None, age in s)`` of every other rank (one ``check`` and one
+        ``multi_get``, each within ``store_deadline_s``). ``multi_get`` waits for a key that does not
+        exist: when one is missing (a rank that never started beating), each key is checked and only
+        the present ones are read, so the look names that rank instead of timing out on the store."""
+        keys = [_key(r) for r in range(self.world_size)]
+        if not self._call("check", keys):
+            keys = [key for key in keys if self._call("check", [key])]
+        beats = dict(zip(keys, self._call("multi_get", keys) if keys else [], strict=True))
         now = time.time()
         found = []
-        for rank, raw in enumerate(beats):
+        for rank in range(self.world_size):
             if rank == self.rank:
                 continue
             try:
-                beat = json.loads(bytes(raw).decode("utf-8"))
+                beat = json.loads(bytes(beats.get(_key(rank), b"")).decode("utf-8"))
             except (ValueError, UnicodeDecodeError):
                 found.append((rank, None, math.inf))
                 continue

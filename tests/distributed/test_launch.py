@@ -132,7 +132,7 @@ def test_the_launchers_last_line_prefers_a_ranks_own_failure_then_a_killed_rank(
     )
     assert failure_line({0: _failure(3, pid=7)}) == (
         "moetrain: error: rank 0 (pid 7) ended with exit code 3 and no error line of moetrain's",
-        1,
+        3,
     )
     saved = {"exit_code": 75, "time": 1.0, "caused_by_others": False}
     failures = {

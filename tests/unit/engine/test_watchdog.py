@@ -13,7 +13,8 @@ pytestmark = pytest.mark.serial  # times real waits and rates: run alone (tests/
 
 
 class DictStore:
-    """The two store calls the watchdog makes (``set`` and ``multi_get``), on a dict."""
+    """The store calls the watchdog makes (``set``, ``check`` and ``multi_get``), on a dict; like
+    a TCPStore's, ``multi_get`` of a missing key fails (the real one waits for it)."""
 
     def __init__(self):
         self.values = {}
@@ -21,8 +22,11 @@ class DictStore:
     def set(self, key, value):
         self.values[key] = value.encode("utf-8") if isinstance(value, str) else value
 
+    def check(self, keys):
+        return all(key in self.values for key in keys)
+
     def multi_get(self, keys):
-        return [self.values.get(key, b"") for key in keys]
+        return [self.values[key] for key in keys]
 
 
 def _beat(store, rank, step, phase, age_s):
@@ -261,3 +265,26 @@ def test_heartbeats_go_on_while_the_process_groups_connection_waits_in_a_get():
 def test_a_store_that_cannot_be_cloned_is_shared():
     store = DictStore()
     assert Watchdog.connection_to(store) is store
+
+
+def test_a_rank_that_never_beat_is_named_not_the_store():
+    """Rank 1 never published a heartbeat (stuck before its watchdog started): a real TCPStore's
+    ``multi_get`` waits for its key, so the look used to time out and blame the store; it names the
+    rank."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    from moetrain.launch import free_port
+
+    store = TCPStore("127.0.0.1", free_port(), 2, is_master=True, timeout=datetime.timedelta(seconds=30),
+                     wait_for_workers=False)  # fmt: skip
+    position = RunPosition(rank=0, step=3, phase="forward")
+    watchdog = Watchdog(store, 0, 2, position, interval_s=0.2, stall_s=0.5, store_served_by=0).start()
+    try:
+        deadline = time.monotonic() + 20
+        while position.stall is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        watchdog.stop()
+    assert position.stall is not None and "rank 1 never sent a heartbeat" in position.stall, position.stall
