@@ -116,9 +116,7 @@ class JsonlSink:
         self.file.flush()
 
     def summary(self, values: dict[str, Any]) -> None:
-        temporary = self.summary_path.with_name(self.summary_path.name + ".tmp")
-        temporary.write_text(json.dumps(finite_or_null(values), allow_nan=False, indent=2), encoding="utf-8")
-        os.replace(temporary, self.summary_path)
+        replace_text(self.summary_path, json.dumps(finite_or_null(values), allow_nan=False, indent=2))
 
     def finish(self) -> None:
         self.file.close()
@@ -163,9 +161,7 @@ def _run_id(path: Path, new) -> str:
         if run_id:
             return run_id
     run_id = str(new())
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(run_id + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    replace_text(path, run_id + "\n")
     return run_id
 
 
@@ -279,6 +275,14 @@ class MetricsLog:
                 log.error("metrics sink %s could not finish: %s", type(sink).__name__, error)
 
 
+def replace_text(path: Path, text: str) -> None:
+    """``text`` (UTF-8) into ``path`` through ``path.tmp`` renamed over it: a reader sees the old
+    file or the new one, never half of one."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, path)
+
+
 def drop_records_after(path: Path, step: int) -> None:
     """Rewrites ``path`` (JSON lines with a ``step``) without the records after ``step``, via a
     temporary file and an atomic rename; a torn last line (a crash mid-write) is dropped too."""
@@ -287,9 +291,7 @@ def drop_records_after(path: Path, step: int) -> None:
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     kept = [line for line in lines if _record_step(line) <= step]
     if len(kept) < len(lines):
-        temporary = path.with_name(path.name + ".tmp")
-        temporary.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        os.replace(temporary, path)
+        replace_text(path, "".join(line + "\n" for line in kept))
 
 
 def _record_step(line: str) -> float:
