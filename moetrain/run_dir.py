@@ -9,7 +9,9 @@ and every config the run was trained with.
   second run is refused naming the owner. A lock is stale, and taken over with a warning, when its
   process is gone (same host) or it was not refreshed for ``STALE_S`` seconds (any host). The
   takeover is atomic: of runs that find one stale lock at once, one takes it and the others are
-  refused.
+  refused. A run whose lock was taken over (it was suspended for longer than ``STALE_S``) or deleted
+  finds out (:meth:`RunLock.lost`): it never refreshes nor deletes another run's lock, and the engine
+  stops it before it writes another checkpoint.
 - :func:`record_config` (rank 0): ``config.json`` is the config now in use; ``config_history.jsonl``
   gets one line per start: the step it starts at, what changed from the config saved in the
   checkpoint it resumes from, and the whole config.
@@ -92,6 +94,7 @@ class RunLock:
         self.owner = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lost: str | None = None
 
     def acquire(self) -> None:
         """Takes the lock or raises ``ValueError`` naming the run that holds it. A stale lock is taken
@@ -199,17 +202,46 @@ class RunLock:
                 return None
         return None
 
+    def lost(self, look: bool = True) -> str | None:
+        """None while the lock file still names this run; else one line saying who holds ``out_dir``
+        now (a run that found this one's lock stale: this process was suspended for longer than
+        ``STALE_S``) or that the lock was deleted. ``look=False`` answers from the last look (the
+        refresh thread looks every ``REFRESH_S``) without reading the file. Once lost, always lost."""
+        if self._lost is None and look:
+            try:
+                holder = _parse_holder(self.path.read_bytes())
+            except FileNotFoundError:
+                holder = None
+            except OSError:  # unreadable for now (a network file system's hiccup): judged next time
+                return None
+            if holder is None or not self._is_ours(holder):
+                self._lost = (
+                    f"out_dir {self.path.parent}: the lock {self.path} was deleted"
+                    if holder is None
+                    else f"out_dir {self.path.parent} was taken over by another run (host "
+                    f"{holder.get('host')}, pid {holder.get('pid')}) while this one did not refresh its lock "
+                    f"for {STALE_S:.0f} s (suspended?)"
+                )
+                log.error("%s: this run stops before it writes another checkpoint", self._lost)
+        return self._lost
+
+    def _is_ours(self, holder: dict[str, Any]) -> bool:
+        return all(holder.get(key) == value for key, value in self.owner.items())
+
     def _refresh(self) -> None:
         while not self._stop.wait(REFRESH_S):
+            if self.lost() is not None:
+                return  # never refreshes another run's lock
             with contextlib.suppress(OSError):
                 os.utime(self.path)
 
     def release(self) -> None:
+        """Stops refreshing and deletes the lock file when it is still this run's."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
-            if self._read_holder().get("pid") == self.owner["pid"]:
+            if self._is_ours(self._read_holder()):
                 with contextlib.suppress(FileNotFoundError):
                     self.path.unlink()
 

@@ -81,7 +81,9 @@ class TrainingLoop:
                             **{"tok/s": int(metrics["tokens_per_s"])},
                             **load,
                         )
-                stop, due, failed = self._step_flags()
+                stop, due, failed, lost = self._step_flags()
+                if lost:
+                    self._stop_if_lock_lost()  # raises: another run owns out_dir
                 if failed:
                     self.writer.wait()  # raises the background save's error, on every rank
                 if stop or due:
@@ -122,16 +124,29 @@ class TrainingLoop:
         return bool(minutes) and time.monotonic() - self._last_checkpoint_time >= 60 * minutes
 
     def _step_flags(self) -> list[bool]:
-        """``[stop, due, failed]`` after the current step: SIGTERM arrived, a checkpoint is due
-        (:meth:`_checkpoint_due`), the background save failed; each the same on every rank
+        """``[stop, due, failed, lost]`` after the current step: SIGTERM arrived, a checkpoint is due
+        (:meth:`_checkpoint_due`), the background save failed, the lock's last look found ``out_dir``
+        taken by another run (:meth:`RunLock.lost`, no file read); each the same on every rank
         (:meth:`_agree_flags`). Agreed once per step, by whichever asks first: the metrics, to log
         a step that saves a checkpoint (:meth:`_is_logging_step`), or the loop, after the step."""
         agreed = self._agreed_flags
         if agreed is None or agreed[0] != self.step:
             self.position.phase = "checkpoint"
-            flags = self._agree_flags(self.stop_requested, self._checkpoint_due(), self.writer.failed())
+            lost = self.lock is not None and self.lock.lost(look=False) is not None
+            flags = self._agree_flags(self.stop_requested, self._checkpoint_due(), self.writer.failed(), lost)
             agreed = self._agreed_flags = (self.step, flags)
         return agreed[1]
+
+    def _stop_if_lock_lost(self) -> None:
+        """Raises ``RuntimeError`` on every rank (one small all-reduce) when rank 0 finds, reading the
+        lock now, that another run has taken ``out_dir`` (this one was suspended past the lock's
+        staleness) or the lock was deleted: writing on would mix two runs' checkpoints."""
+        lost = self.lock.lost() if self.lock is not None else None
+        if self._agree_flags(lost is not None)[0]:
+            raise RuntimeError(
+                (lost or f"out_dir {self.out_dir} was taken over by another run (rank 0 found its lock lost)")
+                + f"; stopped at step {self.step} without writing a checkpoint"
+            )
 
     def _agree_flags(self, *flags: bool) -> list[bool]:
         """Each flag True on every rank when it is True on any rank (one small all-reduce), so
@@ -154,8 +169,10 @@ class TrainingLoop:
         }
 
     def save(self) -> None:
-        """Checkpoints the current step (in the background when ``async_checkpoint``)."""
+        """Checkpoints the current step (in the background when ``async_checkpoint``), unless another
+        run has taken ``out_dir`` (:meth:`_stop_if_lock_lost`)."""
         self.position.phase = "checkpoint save"
+        self._stop_if_lock_lost()
         self.writer.save(
             self.step,
             model=self.model,

@@ -41,7 +41,7 @@ class StepMetrics:
         writes."""
         if step % self.config.log_every == 0 or step in (self.config.steps, self._last_step):
             return True
-        stop, due, _ = self._step_flags()
+        stop, due, *_ = self._step_flags()
         return stop or due
 
     def _record_checkpoint_stall(self) -> None:
