@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import tempfile
+import uuid
 from pathlib import Path
 
 from moetrain.logs import LEVELS
@@ -111,20 +111,15 @@ def write_output(option: str, path: Path, text: str) -> None:
         raise OSError(f"{option} {path}: {error.strerror or error}") from None
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def write_atomically(path: Path, text: str) -> None:
     """``text`` into ``path`` through a temporary file in the same directory, written, synced to
-    disk and renamed over ``path``; the file gets mode ``0o666 & ~umask``, as ``open`` gives."""
+    disk and renamed over ``path``; the file gets mode ``0o666 & ~umask``, as ``open`` gives (the
+    kernel applies the umask: reading it would mean setting it, a race with other threads)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    temporary = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as file:
-            os.fchmod(file.fileno(), 0o666 & ~_umask())  # not mkstemp's 0o600
             file.write(text)
             file.flush()
             os.fsync(file.fileno())

@@ -139,8 +139,10 @@ def test_written_files_get_the_umask_mode_and_are_synced_before_the_rename(monke
     monkeypatch.setattr(os, "fsync", lambda fd: calls.append("fsync") or fsync(fd))
     monkeypatch.setattr(os, "replace", lambda a, b: calls.append("replace") or replace(a, b))
     previous = os.umask(0o027)
-    try:
-        command_options.write_atomically(tmp_path / "out.jsonl", "{}\n")
+    try:  # the umask is not set to read it (a race: another thread's files would get umask 0)
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "umask", lambda mask: pytest.fail(f"os.umask({mask:#o}) called"))
+            command_options.write_atomically(tmp_path / "out.jsonl", "{}\n")
     finally:
         os.umask(previous)
     assert (tmp_path / "out.jsonl").read_text() == "{}\n"
