@@ -123,7 +123,7 @@ def test_scores_are_printed_when_the_predictions_cannot_be_written(workspace, cl
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(command_options.tempfile, "mkstemp", full_disk)
+    monkeypatch.setattr(command_options.os, "fsync", full_disk)  # the write of the predictions
     path = tmp_path / "p.jsonl"
     code, out, err = cli(*eval_argv(workspace, "--predictions", path, "--json"))
     assert (
@@ -131,6 +131,7 @@ def test_scores_are_printed_when_the_predictions_cannot_be_written(workspace, cl
         and err.splitlines()[-1] == f"moetrain: error: --predictions {path}: No space left on device"
     )
     assert json.loads(out)["manifests"][0]["images"] == 5
+    assert not path.exists() and not list(tmp_path.glob(".p.jsonl.*"))  # nothing half-written
 
 
 def test_written_files_get_the_umask_mode_and_are_synced_before_the_rename(monkeypatch, tmp_path):
