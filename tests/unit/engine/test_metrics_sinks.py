@@ -8,6 +8,7 @@ import json
 import sys
 import types
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 
@@ -119,6 +120,53 @@ def test_an_unknown_sink_is_a_config_error(tmp_path, capsys):
         "metrics.sinks must be one of 'jsonl', 'tensorboard', 'wandb', 'mlflow', got 'neptune'"
         in one_error(capsys)
     )
+
+
+class FakeSummaryWriter:
+    """``torch.utils.tensorboard.SummaryWriter`` as the sink uses it (the package is optional and
+    not installed by ``make test``; ``tests/unit/engine/test_engine.py`` reads real events where it is)."""
+
+    writers: ClassVar[list] = []
+
+    def __init__(self, log_dir, purge_step=None):
+        self.log_dir, self.purge_step, self.scalars, self.closed = log_dir, purge_step, [], False
+        FakeSummaryWriter.writers.append(self)
+
+    def add_scalar(self, name, value, step):
+        self.scalars.append((name, value, step))
+
+    def close(self):
+        self.closed = True
+
+
+def test_tensorboard_gets_every_logging_step_and_a_resumed_run_purges_the_steps_redone(tmp_path, monkeypatch):
+    module = types.ModuleType("torch.utils.tensorboard")
+    module.SummaryWriter = FakeSummaryWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", module)
+    monkeypatch.setattr(FakeSummaryWriter, "writers", [])
+    out_dir = tmp_path / "run"
+    sinks = {"metrics.sinks": ["tensorboard"], "checkpoint_every": 2}
+    assert train(tmp_path, out_dir, steps=3, **sinks) == 0
+    assert train(tmp_path, out_dir, steps=5, **sinks) == 0  # resumes at step 3 (the end's checkpoint)
+    first, resumed = FakeSummaryWriter.writers
+    assert first.log_dir == resumed.log_dir == str(out_dir / "tensorboard")
+    assert (first.purge_step, resumed.purge_step) == (1, 4) and first.closed and resumed.closed
+    logged = [(name, step) for name, _, step in first.scalars if not name.startswith("summary/")]
+    assert sorted({step for _, step in logged}) == [1, 2, 3]
+    assert {"loss", "lr", "grad_norm", "expert_load_cv/layer0"} <= {
+        name for name, step in logged if step == 1
+    }
+    summary = {name: (value, step) for name, value, step in first.scalars if name.startswith("summary/")}
+    assert summary["summary/last_step"] == (3.0, 3)
+    assert sorted({step for name, _, step in resumed.scalars if name == "loss"}) == [4, 5]
+
+
+def test_tensorboard_without_its_package_writes_nothing_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # the import raises ImportError
+    out_dir = tmp_path / "run"
+    assert train(tmp_path, out_dir, steps=2, **{"metrics.sinks": ["jsonl", "tensorboard"]}) == 0
+    assert "tensorboard is not installed: no TensorBoard events (metrics.sinks)" in capsys.readouterr().err
+    assert not (out_dir / "tensorboard").exists() and (out_dir / "metrics.jsonl").exists()
 
 
 def test_scalars_flattens_per_layer_lists_and_json_gets_null_for_non_finite_values():
