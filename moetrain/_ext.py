@@ -11,8 +11,9 @@ implementations, autograd formulas and torch-native twins. At import, in this or
    with an undefined symbol, and a loaded build has registered its operators for good.
 3. Otherwise (none built, built for another torch, sources edited since) the same sources are
    compiled just in time, with the same flags as ``setup.py``, into a cache directory named by the
-   torch version and the source fingerprint (``~/.cache/moetrain/extensions/``; ranks starting
-   together wait on torch's build lock), with one progress line; later imports load it from there.
+   torch version, the source fingerprint and the build's other inputs
+   (``~/.cache/moetrain/extensions/``; :func:`build_just_in_time`), with one progress line; later
+   imports load it from there.
 4. Where nothing can compile (no C++ compiler or ninja, or the build fails), the torch-native twins
    (:mod:`moetrain.kernels.native`) serve every operator, with one warning.
 
@@ -22,11 +23,18 @@ the operators, the build facts and the SIMD switches under one name.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import importlib
+import json
 import logging
 import mmap
 import os
+import re
 import shutil
+import sys
+import sysconfig
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -44,7 +52,7 @@ from moetrain._build_spec import (
     sources,
     torch_range_problem,
 )
-from moetrain._source_hash import csrc_fingerprint
+from moetrain._source_hash import CPU_SUFFIXES, CUDA_SUFFIXES, csrc_fingerprint
 
 logger = logging.getLogger("moetrain.ext")
 
@@ -57,6 +65,13 @@ _TORCH_VERSION_PREFIX = b"moetrain-built-against-torch="
 _SOURCE_PREFIX = b"moetrain-source-fingerprint="
 _PACKAGE = Path(__file__).resolve().parent
 JIT_NAME = "moetrain_C"
+BUILD_LOCK = ".moetrain-build.lock"
+_COMPILER_ERROR = re.compile(r"error:|undefined reference", re.IGNORECASE)
+
+
+class BuildFailed(RuntimeError):
+    """The just-in-time build failed; the message is one line: the build directory and the first
+    compiler errors."""
 
 
 def _binary_record(binary: Path, prefix: bytes) -> str | None:
@@ -106,7 +121,12 @@ def prebuilt_problem(binary: Path | None, csrc: Path | None, torch_version: str)
     """Why the pre-built binary cannot serve the running torch (None: it can)."""
     if binary is None:
         return "no pre-built extension was found"
-    built = built_against_torch_version(binary)
+    try:
+        if binary.stat().st_size == 0:
+            return f"the pre-built extension {binary} is empty"
+        built = built_against_torch_version(binary)
+    except (OSError, ValueError) as error:
+        return f"the pre-built extension {binary} cannot be read ({error})"
     if built != torch_version:
         return f"the pre-built extension was built against torch {built or 'of an unknown version'}"
     if csrc is not None:
@@ -135,46 +155,210 @@ def compiler_problem() -> str | None:
     return None
 
 
+def _nvcc_arch_flags(nvcc: str) -> list[str]:
+    """As ``setup.py``'s: ``-gencode`` flags for the presets' GPUs this nvcc can target (one
+    warning names those it cannot); none when ``TORCH_CUDA_ARCH_LIST`` is set, which torch's build
+    then applies."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return []
+    flags, skipped = cuda_arch_flags(nvcc_archs(nvcc))
+    if skipped:
+        gpus = ", ".join(CUDA_ARCHS[arch] for arch in skipped)
+        logger.warning("moetrain: this nvcc cannot compile for %s", gpus)
+    return flags
+
+
+def build_key(nvcc: str | None, flags: list[str]) -> str:
+    """12 hex digits over what a build embeds besides the sources and the torch version: the Python
+    (``sys.implementation.cache_tag``, its include directory), the torch install (its commit and
+    location), the compilers, ``TORCH_CUDA_ARCH_LIST`` for a CUDA build, and the flags."""
+    parts = [
+        sys.implementation.cache_tag,
+        sysconfig.get_paths()["include"],
+        str(torch.version.git_version),
+        str(Path(torch.__file__).resolve().parent),
+        os.environ.get("CXX", "c++"),
+        nvcc or "",
+        os.environ.get("TORCH_CUDA_ARCH_LIST", "") if nvcc else "",
+        *flags,
+    ]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path):
+    """Holds ``directory/.moetrain-build.lock`` (``flock``, which the kernel releases when the
+    holder dies, however it dies), waiting with one warning while another process holds it."""
+    descriptor = os.open(directory / BUILD_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning("moetrain: waiting for another process building the extension in %s", directory)
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)
+
+
+def _write_if_changed(path: Path, data: bytes) -> None:
+    """Writes ``data`` to ``path`` through a renamed temporary file, unless ``path`` holds it already
+    (an unchanged file keeps its time, so ninja does not recompile what includes it)."""
+    if path.is_file() and path.read_bytes() == data:
+        return
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_bytes(data)
+    os.replace(temporary, path)
+
+
+def _copy_sources(csrc: Path, copy: Path, with_cuda: bool) -> list[Path]:
+    """Copies the fingerprinted files of ``csrc`` into ``copy`` and returns the sources to compile
+    there: every install whose sources have one fingerprint then builds from the same paths."""
+    copy.mkdir(exist_ok=True)
+    suffixes = CPU_SUFFIXES + (CUDA_SUFFIXES if with_cuda else ())
+    for path in sorted(csrc.iterdir()):
+        if path.suffix in suffixes and path.is_file():
+            _write_if_changed(copy / path.name, path.read_bytes())
+    return sources(copy, with_cuda)
+
+
+def _stamp_path(binary: Path) -> Path:
+    return binary.with_name(binary.name + ".stamp")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_stamp(binary: Path) -> None:
+    """``<binary>.stamp``: the binary's size, modification time (ns) and SHA-256, written once the
+    binary is on disk (fsync), through a renamed temporary file."""
+    with open(binary, "rb") as file:
+        os.fsync(file.fileno())
+    status = binary.stat()
+    stamp = {"size": status.st_size, "mtime_ns": status.st_mtime_ns, "sha256": _sha256(binary)}
+    path = _stamp_path(binary)
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w") as file:
+        json.dump(stamp, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+    directory = os.open(binary.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def _read_stamp(binary: Path) -> dict | None:
+    try:
+        stamp = json.loads(_stamp_path(binary).read_text())
+    except (OSError, ValueError):
+        return None
+    return stamp if isinstance(stamp, dict) else None
+
+
+def _stamp_is_current(binary: Path) -> bool:
+    """Whether the stamp names the binary's present size and modification time (that is, the
+    binary was checked against it, or it was written, and nothing has written the binary since)."""
+    stamp, status = _read_stamp(binary), binary.stat()
+    recorded = None if stamp is None else (stamp.get("size"), stamp.get("mtime_ns"))
+    return recorded == (status.st_size, status.st_mtime_ns)
+
+
+def cached_build_problem(binary: Path, fingerprint: str) -> str | None:
+    """Why a cached just-in-time build cannot be loaded (None: it can): no stamp of a completed
+    build, a size or SHA-256 other than the stamp's (a crash, a full disk), or records (where the
+    sources compile them in) of other sources or another torch."""
+    stamp = _read_stamp(binary)
+    if stamp is None:
+        return "has no stamp of a completed build"
+    try:
+        size = binary.stat().st_size
+        if size != stamp.get("size") or _sha256(binary) != stamp.get("sha256"):
+            return f"is damaged ({size} bytes; its build wrote {stamp.get('size')} bytes of another SHA-256)"
+        sources_built, torch_built = built_from_sources(binary), built_against_torch_version(binary)
+    except (OSError, ValueError) as error:
+        return f"cannot be read ({error})"
+    if sources_built not in (None, fingerprint) or torch_built not in (None, torch.__version__):
+        return f"records sources {sources_built} and torch {torch_built}"
+    return None
+
+
+def _failure_summary(error: Exception) -> str:
+    """The first compiler errors (at most 3) in a failed build's output, else its last line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    errors = [line[:300] for line in lines if _COMPILER_ERROR.search(line)][:3]
+    return "; ".join(errors or lines[-1:]) or type(error).__name__
+
+
 def build_just_in_time(csrc: Path, reason: str) -> ModuleType:
     """Compiles ``csrc`` for the running torch into the cache (or loads an earlier build of the
-    same torch and sources from it) and returns the loaded module."""
+    same sources, torch, Python and flags from it) and returns the loaded module.
+
+    The build directory, ``torch-<version>-<fingerprint>-<key>`` (:func:`build_key`) in
+    :func:`cache_root`, holds a copy of the sources that is compiled, so every install with the same
+    sources, torch and Python shares one build. One process builds there at a time (``flock`` on
+    ``.moetrain-build.lock``; a ``lock`` of torch's found then was left by a killed build and is
+    removed). A cached binary is loaded only when :func:`cached_build_problem` finds none; else it
+    and its objects are removed and rebuilt. A failed build raises :class:`BuildFailed`."""
     from torch.utils import cpp_extension
 
     nvcc = _cuda_compiler()
-    fingerprint = csrc_fingerprint(csrc, with_cuda=nvcc is not None)
-    directory = cache_root() / f"torch-{torch.__version__}-{fingerprint.replace(':', '-')}"
+    with_cuda = nvcc is not None
+    fingerprint = csrc_fingerprint(csrc, with_cuda=with_cuda)
+    cflags = [*CXX_FLAGS, *(["-DMOETRAIN_WITH_CUDA=1"] if with_cuda else [])]
+    cuda_flags = [*NVCC_FLAGS, *_nvcc_arch_flags(nvcc), "-DMOETRAIN_WITH_CUDA=1"] if with_cuda else []
+    key = build_key(nvcc, [*cflags, *cuda_flags, *LINK_FLAGS])
+    directory = cache_root() / f"torch-{torch.__version__}-{fingerprint.replace(':', '-')}-{key}"
     directory.mkdir(parents=True, exist_ok=True)
-    header = directory / "moetrain_build_info.h"
-    text = build_info_header(fingerprint, torch.__version__)
-    if not header.exists() or header.read_text() != text:
-        header.write_text(text)
-    if not any((directory / f"{JIT_NAME}{suffix}").exists() for suffix in EXTENSION_SUFFIXES):
-        logger.warning(
-            "moetrain: %s; compiling the C++%s extension for torch %s into %s (once per torch and "
-            "source version; a minute or two)",
-            reason,
-            "/CUDA" if nvcc else "",
-            torch.__version__,
-            directory,
+    with _build_lock(directory):
+        (directory / "lock").unlink(missing_ok=True)  # torch's FileBaton, left by a killed build
+        copied = _copy_sources(csrc, directory / "csrc", with_cuda)
+        _write_if_changed(
+            directory / "moetrain_build_info.h", build_info_header(fingerprint, torch.__version__).encode()
         )
-    cuda_flags = []
-    if nvcc is not None:
-        arch_flags, skipped = cuda_arch_flags(nvcc_archs(nvcc))
-        cuda_flags = [*NVCC_FLAGS, *arch_flags, "-DMOETRAIN_WITH_CUDA=1"]
-        if skipped:
-            gpus = ", ".join(CUDA_ARCHS[arch] for arch in skipped)
-            logger.warning("moetrain: this nvcc cannot compile for %s", gpus)
-    return cpp_extension.load(
-        name=JIT_NAME,
-        sources=[str(p) for p in sources(csrc, with_cuda=nvcc is not None)],
-        extra_cflags=[*CXX_FLAGS, *(["-DMOETRAIN_WITH_CUDA=1"] if nvcc else [])],
-        extra_cuda_cflags=cuda_flags,
-        extra_ldflags=list(LINK_FLAGS),
-        extra_include_paths=[str(csrc), str(directory)],
-        build_directory=str(directory),
-        with_cuda=nvcc is not None,
-        verbose=False,
-    )
+        binaries = [directory / f"{JIT_NAME}{suffix}" for suffix in EXTENSION_SUFFIXES]
+        cached = next((binary for binary in binaries if binary.exists()), None)
+        problem = None if cached is None else cached_build_problem(cached, fingerprint)
+        if problem is not None:
+            logger.warning("moetrain: the cached build %s %s; rebuilding it", cached, problem)
+            for stale in [cached, _stamp_path(cached), *directory.glob("*.o")]:
+                stale.unlink(missing_ok=True)
+        if cached is None or problem is not None:
+            logger.warning(
+                "moetrain: %s; compiling the C++%s extension for torch %s into %s (once per torch and "
+                "source version; a minute or two)",
+                reason,
+                "/CUDA" if nvcc else "",
+                torch.__version__,
+                directory,
+            )
+        try:
+            module = cpp_extension.load(
+                name=JIT_NAME,
+                sources=[str(p) for p in copied],
+                extra_cflags=cflags,
+                extra_cuda_cflags=cuda_flags,
+                extra_ldflags=list(LINK_FLAGS),
+                extra_include_paths=[str(directory / "csrc"), str(directory)],
+                build_directory=str(directory),
+                with_cuda=with_cuda,
+                verbose=False,
+            )
+        except Exception as error:  # a compiler error, a failed link or load: anything counts  # noqa: BLE001
+            logger.debug("moetrain: the build in %s failed: %s", directory, error)
+            summary = _failure_summary(error).replace(f"{directory / 'csrc'}{os.sep}", f"{csrc}{os.sep}")
+            raise BuildFailed(f"the build in {directory} failed ({summary})") from error
+        binary = Path(module.__file__)
+        if not _stamp_is_current(binary):  # built (or rebuilt by ninja) just now
+            _write_stamp(binary)
+    return module
 
 
 def _prebuilt_binary() -> Path | None:
@@ -218,14 +402,16 @@ def _load() -> tuple[object, str]:
     if missing is None:
         try:
             return build_just_in_time(csrc, reason), "just-in-time"
-        except Exception as error:  # a compiler error, a failed link: anything counts  # noqa: BLE001
-            missing = f"the build failed ({type(error).__name__}: {str(error).strip().splitlines()[-1:]})"
+        except BuildFailed as error:
+            missing = str(error)
+        except Exception as error:  # a missing nvcc architecture, an unwritable cache: anything  # noqa: BLE001
+            missing = f"the build failed ({type(error).__name__}: {_failure_summary(error)})"
     logger.warning(
         "moetrain: %s and %s: the torch-native implementations of its kernels serve instead (correct, "
         "slower on the CPU); to compile, %s",
         reason,
         missing,
-        CHECKOUT_BUILD,
+        INSTALLED_REBUILD if csrc == _PACKAGE / "_csrc" else CHECKOUT_BUILD,
     )
     return _torch_native_module(), "torch-native"
 
