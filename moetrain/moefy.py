@@ -204,7 +204,9 @@ def moefy(
     chosen = [(name, module) for name, module in model.named_modules() if name and accepts(name, module)]
     if not chosen:
         raise ValueError(f"match {match!r} selects no module of {type(model).__name__}")
-    replaced = []
+    dropless = {"capacity_factor": None, "eval_capacity_factor": None}
+    options = {**dropless, **({"normalize_gates": True} if upcycle else {}), **moe_options}
+    layers = []  # every match read and its layer built before the model changes: an error leaves it whole
     for name, module in chosen:
         dense = read_dense_ffn(module)
         if dense is None:
@@ -213,8 +215,6 @@ def moefy(
                 "ReLU/GELU, Linear[, Dropout]), a GPT-2 MLP (c_fc, act, c_proj) or a gated MLP (gate_proj, "
                 "up_proj, down_proj, SiLU act_fn)"
             )
-        dropless = {"capacity_factor": None, "eval_capacity_factor": None}
-        options = {**dropless, **({"normalize_gates": True} if upcycle else {}), **moe_options}
         has_bias = dense.b1_H is not None or dense.b2_D is not None
         config = config_from_dict(
             MoEConfig,
@@ -234,9 +234,10 @@ def moefy(
         if upcycle:
             upcycle_into(layer, dense)
         layer.train(module.training)  # an eval() model's new layer routes as in evaluation
-        replacement = layer if dense.after is None else nn.Sequential(layer, dense.after)
+        layers.append((name, layer if dense.after is None else nn.Sequential(layer, dense.after)))
+    for name, replacement in layers:
         model.set_submodule(name, replacement)
-        replaced.append(name)
+    replaced = [name for name, _ in layers]
     resolved = {key: value for key, value in asdict(config).items() if key not in _NOT_OPTIONS}
     _record(model, {"modules": replaced, "num_experts": num_experts, "top_k": top_k, "options": resolved})
     log.info(

@@ -362,16 +362,12 @@ class ParallelContext:
         self.world_size = dist.get_world_size() if initialized else 1
         self.rank = dist.get_rank() if initialized else 0
         self.ep_size, self.tp_size, self.pp_size = config.ep_size, config.tp_size, config.pp_size
-        check_sizes(self.world_size, self.ep_size, self.tp_size, self.pp_size)
-        if (
-            self.world_size == 1
-            and not initialized
-            and max(config.ep_size, config.tp_size, config.pp_size) > 1
-        ):
+        if not initialized and max(config.ep_size, config.tp_size, config.pp_size) > 1:
             raise ValueError(
                 f"ep_size = {config.ep_size}, tp_size = {config.tp_size}, pp_size = {config.pp_size} need "
                 "torch.distributed initialised with that many ranks"
             )
+        check_sizes(self.world_size, self.ep_size, self.tp_size, self.pp_size)
         self.local_world_size = config.local_world_size or _local_world_size_from_env(self.world_size)
         if self.world_size % self.local_world_size:
             raise ValueError(

@@ -48,6 +48,7 @@ from torch import nn
 
 from moetrain.config import REPLICA_MODES, STRATEGY_KINDS, validate_strategy
 from moetrain.grad_sync import (
+    DDP_COMM_HOOKS,
     GradReducer,
     clip_grad_norm_,
     global_grad_norm,
@@ -90,8 +91,9 @@ def resolve_strategy(
     model: nn.Module, strategy: dict[str, str], *, allow_unmatched: bool = False
 ) -> list[Assignment]:
     """The modules each pattern claims (first match wins, in the strategy's order), checked: a
-    pattern matching no module (unless ``allow_unmatched``: a pipeline stage, checked whole before),
-    or a kind on a module it cannot apply to, is a ValueError naming the pattern and the module."""
+    pattern matching no module, or only modules earlier patterns took (unless ``allow_unmatched``:
+    a pipeline stage, checked whole before), or a kind on a module it cannot apply to, is a
+    ValueError naming the pattern and the module (or the earlier pattern)."""
     strategy = validate_strategy("strategy", strategy)
     modules = [(name, module) for name, module in model.named_modules() if name]
     matched = dict.fromkeys(strategy, 0)
@@ -102,12 +104,21 @@ def resolve_strategy(
                 matched[pattern] += 1
                 assignments.append(Assignment(name, module, kind, pattern))
                 break
+    taken_by = {a.name: a.pattern for a in assignments}
     for pattern, count in matched.items():
-        if count == 0 and not allow_unmatched and not any(fnmatchcase(name, pattern) for name, _ in modules):
-            shown = ", ".join(name for name, _ in modules[:8]) + (", ..." if len(modules) > 8 else "")
+        if count or allow_unmatched:
+            continue
+        shadows = list(dict.fromkeys(taken_by[name] for name, _ in modules if fnmatchcase(name, pattern)))
+        if shadows:
             raise ValueError(
-                f"strategy pattern {pattern!r} matches no module of {type(model).__name__} (modules: {shown})"
+                f"strategy pattern {pattern!r} matches only modules that the earlier pattern"
+                f"{'s' if len(shadows) > 1 else ''} {', '.join(map(repr, shadows))} already took (the first "
+                f"match wins): put {pattern!r} first or remove it"
             )
+        shown = ", ".join(name for name, _ in modules[:8]) + (", ..." if len(modules) > 8 else "")
+        raise ValueError(
+            f"strategy pattern {pattern!r} matches no module of {type(model).__name__} (modules: {shown})"
+        )
     for a in assignments:
         if a.kind == "expert" and not isinstance(a.module, MoELayer):
             raise ValueError(
@@ -323,7 +334,7 @@ def parallelize(
     afterwards with :func:`materialize`. Call it on every rank with the same arguments (it creates
     DTensors and DDP / FSDP state collectively)."""
     parallel = target if isinstance(target, ParallelContext) else ParallelContext.from_mesh(target)
-    replica, cpu_offload = _replica_options(parallel, replica, cpu_offload)
+    replica, cpu_offload = _replica_options(parallel, replica, cpu_offload, comm_hook)
     strategy = _chosen_strategy(model, parallel, strategy, auto)
     assignments = resolve_strategy(model, strategy)
     stages = None
@@ -358,16 +369,30 @@ def parallelize(
 
 
 def _replica_options(
-    parallel: ParallelContext, replica: str | None, cpu_offload: bool | None
+    parallel: ParallelContext, replica: str | None, cpu_offload: bool | None, comm_hook: str | None
 ) -> tuple[str, bool]:
     """``replica`` and ``cpu_offload`` of :func:`parallelize`, defaulted from the context's config
-    and checked."""
+    and checked with ``comm_hook`` (DDP's: refused where no DDP runs, FSDP2 or a pipeline)."""
     replica = replica or parallel.config.replica
     if replica not in REPLICA_MODES:
         raise ValueError(f"replica must be one of {', '.join(map(repr, REPLICA_MODES))}, got {replica!r}")
     cpu_offload = parallel.config.fsdp_cpu_offload if cpu_offload is None else cpu_offload
     if cpu_offload and replica != "fsdp":
         raise ValueError("cpu_offload is FSDP2's offload policy: it needs replica = 'fsdp'")
+    if comm_hook not in DDP_COMM_HOOKS:
+        raise ValueError(
+            f"comm_hook must be one of {', '.join(map(repr, DDP_COMM_HOOKS))}, got {comm_hook!r}"
+        )
+    if comm_hook is not None and replica == "fsdp":
+        raise ValueError(
+            f"comm_hook = {comm_hook!r} is DDP's gradient compression: replica = 'fsdp' has no DDP; use "
+            "comm_hook=None or replica='ddp'"
+        )
+    if comm_hook is not None and parallel.pp_size > 1:
+        raise ValueError(
+            f"comm_hook = {comm_hook!r} is DDP's gradient compression: pp_size = {parallel.pp_size} "
+            "averages the replicas without DDP; use comm_hook=None"
+        )
     return replica, cpu_offload
 
 

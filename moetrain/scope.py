@@ -52,9 +52,13 @@ Kinds, innermost scope wins (one dimension each: a module can be ``replica`` and
 
 MoE layers are ``expert`` by default: a scope written around an enclosing module (a block built
 under ``replica()``) or the default does not change them; a scope opened around the layer itself
-does (``with scope.replica(): self.ffn = MoELayer(...)`` replicates its experts). Precisely: only
-the scopes the layer's parent module was not itself registered under count for the layer. Inside an MoE
-layer only ``replica`` marks count: the layer is parallelized as a whole.
+does (``with scope.replica(): self.ffn = MoELayer(...)`` replicates its experts, and so does the
+same scope around ``nn.Sequential(MoELayer(...), nn.Dropout())``). Precisely: only the scopes the
+enclosing module was not itself registered under count for the layer; the enclosing module is the
+nearest one holding parameters besides the layer's (parameter-free wrappers and layer containers
+are passed over); the root, registered nowhere, takes the scopes all its children share (none when
+it has one child). Inside an MoE layer only ``replica`` marks count: the layer is parallelized as
+a whole.
 
 A scope around a module it cannot apply to (``split`` around a ``LayerNorm``, around a module with no
 weight to shard, ``expert`` around a plain ``Linear``) is a ``ValueError`` naming the module and the
@@ -267,6 +271,29 @@ def _parent(name: str) -> str:
     return name.rpartition(".")[0]
 
 
+def _enclosing_marks(model: nn.Module, modules: dict[str, nn.Module], name: str) -> tuple[Frame, ...]:
+    """The scopes of the module that encloses MoE layer ``name``: its nearest ancestor, not a layer
+    container (``nn.ModuleList`` / ``nn.ModuleDict``), holding parameters besides the layer's,
+    passing over parameter-free wrappers (``nn.Sequential(layer, nn.Dropout())``). The root is
+    registered nowhere: its own marks if it was, else the scopes all its children share when it has
+    two or more (the root built under them); a root's only child tells no scope around the root
+    from one around the child: none is taken for the root's."""
+    own = {id(p) for p in modules[name].parameters()}
+    enclosing = name
+    while "." in enclosing:
+        enclosing = _parent(enclosing)
+        module = modules[enclosing]
+        if not isinstance(module, CONTAINERS) and any(id(p) not in own for p in module.parameters()):
+            return marks(module)
+    if MARK_ATTRIBUTE in vars(model):
+        return marks(model)
+    children = [marks(child) for child in model.children()]
+    if len(children) < 2:
+        return ()
+    shared = set.intersection(*(set(map(id, frames)) for frames in children))
+    return tuple(f for f in children[0] if id(f) in shared)
+
+
 def _kinds(model: nn.Module, tp_size: int | None) -> tuple[dict[str, str], list[str]]:
     """``{name: kind}`` of the marked modules and the names left to ``auto`` (module docstring)."""
     modules = {name: m for name, m in model.named_modules() if name}
@@ -297,8 +324,8 @@ def _kinds(model: nn.Module, tp_size: int | None) -> tuple[dict[str, str], list[
     for name, module in modules.items():
         frame = effective[name]
         if isinstance(module, MoELayer):
-            parent = set(map(id, marks(modules[_parent(name)]))) if "." in name else set()
-            direct = [f for f in marks(module) if id(f) not in parent and not f.default]
+            enclosing = set(map(id, _enclosing_marks(model, modules, name)))
+            direct = [f for f in marks(module) if id(f) not in enclosing and not f.default]
             own = _innermost(direct, "kind", opaque)
             if own is not None and own.value in ("split.row", "split.head"):
                 raise _error(name, module, own, f"{own.value!r} applies to {APPLIES_TEXT[own.value]}")

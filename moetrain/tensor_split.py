@@ -20,7 +20,9 @@ SPLIT_KINDS = ("split", "split.row", "split.head")
 
 
 def check_split(assignments: list[Assignment], model: nn.Module, tp: int) -> None:
-    """Shapes that ``tp`` ranks cannot split evenly, and attention whose heads they would cut."""
+    """Shapes that ``tp`` ranks cannot split evenly, and attention whose heads they would cut: a
+    split module whose parent has ``num_heads`` not divisible by ``tp``, or has ``head_dim`` (an int)
+    while the split dimension (a multiple of it) is not a multiple of ``head_dim * tp``."""
     parents = dict(model.named_modules())
     for a in assignments:
         if a.kind not in SPLIT_KINDS:
@@ -52,6 +54,16 @@ def check_split(assignments: list[Assignment], model: nn.Module, tp: int) -> Non
             raise ValueError(
                 f"strategy {a.pattern!r}: {a.kind!r} of {a.name!r} over tp_size = {tp} would cut heads: "
                 f"{a.name.rpartition('.')[0]!r} has num_heads = {heads}, not divisible by {tp}"
+            )
+        # Hugging Face attention (Llama, Mistral, Qwen) keeps head_dim, not num_heads: a projection
+        # of n heads (k / v: the key-value heads under GQA) needs n divisible by tp
+        head_dim = getattr(parent, "head_dim", None)
+        if isinstance(head_dim, int) and head_dim > 0 and size % head_dim == 0 and size % (head_dim * tp):
+            count = size // head_dim
+            raise ValueError(
+                f"strategy {a.pattern!r}: {a.kind!r} of {a.name!r} over tp_size = {tp} would cut heads: "
+                f"{count} head{'s' * (count != 1)} of head_dim {head_dim} ({dim} = {size}), not divisible "
+                f"by {tp}"
             )
 
 
