@@ -268,8 +268,17 @@ class M6Batches:
 
     def probe(self, sequences: int, seed: int) -> tuple[dict, torch.Tensor]:
         """A batch of ``sequences`` samples from a separate stream seeded with ``seed`` (profiling,
-        calibration); the data position and the counters do not move."""
-        return self.draw(0, sequences, self.sampler.with_seed(seed))
+        calibration) at the largest shape a batch can take: padded to ``L = T = seq_len`` with every
+        position and image marked real (``prefix_mask``, ``target_mask``, ``image_mask`` all True;
+        the labels of padding stay ignored), so the memory measured on it (the engine's recompute
+        plan) bounds every training batch, whose padding is neither attended nor routed. The data
+        position and the counters do not move."""
+        sampler = self.sampler.with_seed(seed)
+        samples = [sampler.sample_at(*divmod(p, sampler.epoch_size)) for p in range(sequences)]
+        inputs, labels = collate(samples, sampler.tokenizer, self.image_shape, sampler.seq_len)
+        for name in ("prefix_mask", "target_mask", "image_mask"):
+            inputs[name] = torch.ones_like(inputs[name])
+        return inputs, labels
 
     def reseed(self, seed: int, rank: int, step: int) -> None:
         """For a rank the saved run did not have (resuming with more ranks): it takes rank 0's

@@ -271,9 +271,15 @@ class RunSetUp:
 
     def _plan_recompute(self) -> None:
         """Profiles one micro-batch in the training precision and recomputes the cheapest set of
-        blocks whose activations fit ``recompute_budget_mb`` (0: the least memory reachable)."""
+        blocks whose activations fit ``recompute_budget_mb`` (0: the least memory reachable).
+
+        The batch is the data's ``probe`` (the largest shape it can produce, where the batches
+        object says so). With several ranks (expert parallelism: ranks route different rows), every
+        rank plans on the element-wise maximum of all ranks' profiles (:func:`merge_profiles`):
+        all apply one plan, which fits the budget on each rank, or all raise the same error."""
         from moetrain.recompute import (
             apply_recompute_plan,
+            merge_profiles,
             plan_recompute,
             profile_activations,
             remove_recompute,
@@ -283,19 +289,29 @@ class RunSetUp:
         inputs, targets = to_device(probe, self.device)
         with self._autocast(), self.trained.loss_context():
             profile = profile_activations(self.model, inputs, loss_fn=lambda out: self.loss_fn(out, targets))
-        budget = self.config.recompute_budget_mb * 2**20 or profile.min_activation_bytes
-        plan = plan_recompute(profile, int(budget), self.model)
-        names = list(plan.recomputed)
-        if self.parallel.world_size > 1:  # every rank recomputes what the rank that saves the most
-            # activations chose (expert parallelism: ranks receive different rows), once at start
-            plans = [None] * self.parallel.world_size
-            dist.all_gather_object(plans, (profile.baseline_bytes, names))
-            names = max(plans, key=lambda entry: entry[0])[1]
+        world = self.parallel.world_size
+        if world > 1:
+            profiles = [None] * world
+            dist.all_gather_object(profiles, profile)
+            profile = merge_profiles(profiles)
+        budget_mb = self.config.recompute_budget_mb
+        budget = int(budget_mb * 2**20) if budget_mb else profile.min_activation_bytes
+        try:
+            plan = plan_recompute(profile, budget, self.model)
+        except ValueError:
+            least = _mib_at_least(profile.min_activation_bytes)
+            over = f", the largest over the {world} ranks" if world > 1 else ""
+            raise ValueError(
+                f"recompute_budget_mb = {budget_mb} is below the least activation memory recompute can "
+                f"reach, {least} MiB{over} ({profile.baseline_bytes / 2**20:.3f} MiB without recompute); "
+                f"set recompute_budget_mb to at least {least}, or to 0 for the least memory reachable"
+            ) from None
         remove_recompute(self.model)
-        apply_recompute_plan(self.model, names)
+        apply_recompute_plan(self.model, plan)
         self.recompute_plan = plan
         if self.is_main:
-            log.info("%s", plan.summary())
+            ranks = f"recompute plan of the {world} ranks (each block at its largest over them)\n"
+            log.info("%s%s", ranks if world > 1 else "", plan.summary())
 
     def _autocast(self):
         return torch.autocast(
@@ -359,6 +375,14 @@ class RunSetUp:
             y = F.gelu(x @ w1) @ w2
         y.float().square().mean().backward()
         w1.grad = w2.grad = None
+
+
+def _mib_at_least(num_bytes: int) -> str:
+    """``num_bytes`` in MiB with 3 decimals, rounded up: ``int(float(result) * 2**20) >= num_bytes``."""
+    mib = math.ceil(num_bytes / 2**20 * 1000) / 1000
+    while int(float(f"{mib:.3f}") * 2**20) < num_bytes:
+        mib += 0.001
+    return f"{mib:.3f}"
 
 
 def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

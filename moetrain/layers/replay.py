@@ -27,7 +27,9 @@ a recompute takes the oldest live record whose digest matches the recomputed inp
 more than once in one forward, each call in its own checkpoint, is recomputed in reverse order.
 ``RoutingReplay.clear()`` (``MoELayer.set_recompute_replay``) drops every record. A record is
 replayed once: the exchanger lets go of its rows as the recompute uses them (the rebuilt graph
-keeps what its backward needs), so they do not wait for the end of the step.
+keeps what its backward needs), so they do not wait for the end of the step. A graph with
+recomputed MoE layers can therefore be backpropagated once: a second backward through it (after
+``retain_graph=True``) raises, naming that cause.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class RoutingReplay:
         self.id = next(_NEXT_ID)
         _REPLAYS[self.id] = self
         self._entries: deque[_Entry] = deque()
+        self._replayed: list[weakref.ref] = []  # records taken, while their graph lives (error message)
         self.current: DispatchRecord | None = None
 
     def __reduce__(self):
@@ -108,6 +111,7 @@ class RoutingReplay:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._replayed.clear()
         self.current = None
 
     def records(self) -> list[DispatchRecord]:
@@ -140,13 +144,22 @@ class RoutingReplay:
         still come)."""
         live = [(entry, record) for entry in self._entries if (record := entry.get()) is not None]
         only = len(live) == 1
+        self._replayed = [ref for ref in self._replayed if ref() is not None]
         for position, (_, record) in enumerate(live):
             if only or torch.equal(record.digest, digest):
                 older = [e for e, _ in live[:position] if e.record is None]
                 self._entries = deque(older + [e for e, _ in live[position + 1 :]])
                 record.replayed = True
+                self._replayed.append(weakref.ref(record))
                 self.current = record
                 return record
+        if any(torch.equal(r.digest, digest) for r in (ref() for ref in self._replayed) if r is not None):
+            raise RuntimeError(
+                "MoELayer is recomputed a second time for one forward: a graph whose recomputed MoE "
+                "layers replay their routing can be backpropagated once (its record is used up by "
+                "the first backward; a second backward after retain_graph=True is not supported); "
+                "run the forward again for each backward"
+            )
         raise RuntimeError(
             "MoELayer is recomputed during backward but holds no recorded forward of this input to "
             "replay; set_recompute_replay(True) must be on before the forward that is recomputed, "

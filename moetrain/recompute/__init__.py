@@ -38,9 +38,14 @@ MoE rule: a recomputed MoELayer must not re-route nor re-communicate, so every M
 recomputed block gets ``set_recompute_replay(True)``: its first forward records the routing decision
 and the all-to-all outputs and the recompute replays them.
 
-Modules: ``results`` (the profile and plan dataclasses), ``candidates`` (what may be recomputed),
-``recorders`` (the forward hooks that measure), ``profile`` (measuring a model), ``solve`` (choosing
-under the budget), ``apply`` (wrapping modules, MoE replay on), ``auto`` (:func:`auto_checkpoint`).
+Several ranks (the engine's ``recompute_budget_mb``): each profiles its own batch, and every rank
+plans on the element-wise maximum of all ranks' profiles (:func:`merge_profiles`), so that all
+apply one plan that fits the budget on each of them.
+
+Modules: ``results`` (the profile and plan dataclasses, :func:`merge_profiles`), ``candidates``
+(what may be recomputed), ``recorders`` (the forward hooks that measure), ``profile`` (measuring a
+model), ``solve`` (choosing under the budget), ``apply`` (wrapping modules, MoE replay on),
+``auto`` (:func:`auto_checkpoint`).
 """
 
 from moetrain.recompute.apply import (
@@ -62,6 +67,7 @@ from moetrain.recompute.results import (
     RecomputeOption,
     RecomputePlan,
     format_bytes,
+    merge_profiles,
 )
 from moetrain.recompute.solve import plan_recompute, solve_recompute
 
@@ -77,6 +83,7 @@ __all__ = [
     "default_candidates",
     "format_bytes",
     "measure_saved_bytes",
+    "merge_profiles",
     "moe_replay_bytes",
     "plan_recompute",
     "profile_activations",

@@ -271,19 +271,21 @@ def measure_saved_bytes(model: nn.Module, example_batch) -> int:
     insides; it does not see what a module keeps outside autograd (MoE routing replay records: add
     ``plan.profile.blocks[name].replay_bytes`` for those). The records this forward makes are
     dropped again (``set_recompute_replay(True)`` clears them), so it must not run between a
-    training forward and its backward."""
+    training forward and its backward. RNG state and buffers (e.g. the routers' ``load_E``) are
+    restored, as in :func:`profile_activations`."""
     _check_batch(example_batch)
     recorder = _SavedTensorRecorder(model, {})
     try:
-        with torch.enable_grad(), recorder.hooks():
-            output = _call_model(model, example_batch)
-        live = recorder.live_storages()
+        with _side_effect_free(model, _devices(model, example_batch)):
+            with torch.enable_grad(), recorder.hooks():
+                output = _call_model(model, example_batch)
+            live = recorder.live_storages()
+            del output
     finally:
         recorder.remove()
         for layer in model.modules():
             if isinstance(layer, MoELayer) and layer.recompute_replay:
                 layer.set_recompute_replay(True)  # drop the record no backward will consume
-    del output
     everything: dict[StorageKey, int] = {}
     for storages in live.values():
         everything.update(storages)

@@ -26,16 +26,18 @@ def _storage_key(t: torch.Tensor) -> StorageKey:
 
 
 def _tensors_in(args, kwargs) -> list[torch.Tensor]:
+    """The tensors in ``args`` and ``kwargs`` (looked into lists, tuples and dicts), in argument
+    order."""
     found: list[torch.Tensor] = []
-    stack = [*args, *kwargs.values()]
+    stack = [*args, *kwargs.values()][::-1]
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
             found.append(item)
         elif isinstance(item, (list, tuple)):
-            stack.extend(item)
+            stack.extend(reversed(item))
         elif isinstance(item, dict):
-            stack.extend(item.values())
+            stack.extend(reversed(item.values()))
     return found
 
 
@@ -155,7 +157,7 @@ class _MoEReplayRecorder:
 
     def _layer_pre(self, name):
         def hook(layer, args, kwargs):
-            (x,) = _tensors_in(args, kwargs)[:1]
+            x = args[0] if args else kwargs["x"]  # MoELayer.forward(x, sequence_lengths=None)
             self._pending[name] = {"tokens": x.numel() // x.shape[-1]}
 
         return hook

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,54 @@ class ActivationProfile:
         return total_bytes, total_ms
 
 
+def merge_profiles(profiles: Sequence[ActivationProfile]) -> ActivationProfile:
+    """The element-wise maximum of ``profiles`` of one model measured on different batches (e.g.
+    one per rank: under expert parallelism ranks route different rows): every byte count and time,
+    of each option, block, ``baseline_bytes`` and ``outside_bytes``, is the largest over the
+    profiles. A plan of the merged profile fits its budget on each of them: for every set of
+    recomputed blocks, each profile's ``cost_of`` is at most the merged one's. ValueError unless the
+    profiles have the same candidates and options (the same model, profiled the same way)."""
+    first = profiles[0]
+    for index, other in enumerate(profiles[1:], start=1):
+        if _layout(other) != _layout(first):
+            raise ValueError(
+                f"profiles must have the same candidates and options to be merged; profile {index} has "
+                f"{sorted(other.blocks)}, profile 0 has {sorted(first.blocks)}"
+            )
+    groups = tuple(
+        tuple(
+            RecomputeOption(
+                options[0].recomputed,
+                max(o.activation_bytes for o in options),
+                max(o.recompute_ms for o in options),
+            )
+            for options in zip(*same_group, strict=True)
+        )
+        for same_group in zip(*(p.groups for p in profiles), strict=True)
+    )
+    blocks = {}
+    for name, block in first.blocks.items():
+        merged = {
+            f.name: max(getattr(p.blocks[name], f.name) for p in profiles)
+            for f in fields(BlockProfile)
+            if f.name not in ("name", "parent")
+        }
+        blocks[name] = BlockProfile(name=name, parent=block.parent, **merged)
+    return ActivationProfile(
+        baseline_bytes=max(p.baseline_bytes for p in profiles),
+        outside_bytes=max(p.outside_bytes for p in profiles),
+        blocks=blocks,
+        groups=groups,
+    )
+
+
+def _layout(profile: ActivationProfile) -> tuple:
+    """What must agree for profiles to be merged: the blocks and their parents, and each group's
+    options (the blocks each one recomputes), in order."""
+    blocks = tuple((name, block.parent) for name, block in profile.blocks.items())
+    return blocks, tuple(tuple(o.recomputed for o in options) for options in profile.groups)
+
+
 @dataclass(frozen=True)
 class RecomputePlan:
     """The blocks to recompute and what that buys.
@@ -106,7 +154,7 @@ class RecomputePlan:
         return self.baseline_bytes - self.activation_bytes
 
     def summary(self) -> str:
-        """The plan as printed by :func:`auto_checkpoint`."""
+        """The plan as :func:`auto_checkpoint` logs it (INFO, logger ``moetrain.recompute``)."""
         lines = [
             f"auto_checkpoint: budget {format_bytes(self.memory_budget_bytes)}; activations "
             f"{format_bytes(self.baseline_bytes)} without recompute -> {format_bytes(self.activation_bytes)} "
