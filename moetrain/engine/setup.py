@@ -112,6 +112,15 @@ def check_fits(config: TrainConfig, world_size: int) -> None:
         raise ValueError(
             f"model.moe.num_experts = {moe.num_experts} must be divisible by parallel.ep_size = {ep}"
         )
+    check_balance_lengths(config.balance, world_size)
+
+
+def check_balance_lengths(balance, world_size: int) -> None:
+    """``balance.speeds`` / ``balance.memory_limits``, when given, have one entry per rank."""
+    for name in ("speeds", "memory_limits"):
+        value = getattr(balance, name)
+        if balance.enabled and value is not None and len(value) != world_size:
+            raise ValueError(f"balance.{name} has {len(value)} entries; the run has {world_size} ranks")
 
 
 def world_size_from_env() -> int:
@@ -320,11 +329,8 @@ class RunSetUp:
 
     def _balance_batches(self) -> None:
         """Splits the global micro-batch between the ranks by speed (given or calibrated)."""
-        balance, world = self.config.balance, self.parallel.world_size
-        for name in ("speeds", "memory_limits"):
-            value = getattr(balance, name)
-            if value is not None and len(value) != world:
-                raise ValueError(f"balance.{name} has {len(value)} entries; the run has {world} ranks")
+        balance = self.config.balance
+        check_balance_lengths(balance, self.parallel.world_size)  # the command line: in check_fits
         if balance.calibrate:
             micro = self.config.data.micro_batch_size
             sizes = (micro, 2 * micro, 4 * micro)

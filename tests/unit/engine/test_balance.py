@@ -190,3 +190,14 @@ def test_failed_calibration_raises_the_same_error_everywhere():
 
     with pytest.raises(ValueError, match=r"speed calibration failed on ranks \[0\]"):
         calibrate_speeds(shrinking_step, sizes=(1, 4), repeats=1, warmup=0)
+
+
+@pytest.mark.parametrize("key", ["balance.speeds", "balance.memory_limits"])
+def test_a_balance_list_not_one_entry_per_rank_is_refused_before_out_dir_is_made(tmp_path, capsys, key):
+    from tests.faults.test_run_directory import one_error, train
+
+    out_dir = tmp_path / "run"
+    overrides = {key: [1.0, 2.0]} if key == "balance.speeds" else {key: [4, 4], "balance.speeds": [1.0]}
+    assert train(tmp_path, out_dir, steps=1, **overrides) == 2
+    assert one_error(capsys).endswith(f"{key} has 2 entries; the run has 1 ranks")
+    assert not out_dir.exists()  # no lock, no log file: a config error, found before anything is written
