@@ -72,6 +72,7 @@ from dataclasses import dataclass, field, fields, replace
 from m6_moe.tokenizer import ByteTokenizer
 from moetrain.config import MoEConfig, option
 from moetrain.validation import (
+    is_int,
     require_bool,
     require_fraction,
     require_int,
@@ -207,7 +208,7 @@ class M6Config:
             raise ValueError(f"num_heads must divide d_model = {self.d_model}, got {self.num_heads}")
         if self.image_size % self.patch_size:
             raise ValueError(f"patch_size must divide image_size = {self.image_size}, got {self.patch_size}")
-        if self.image_channels not in (1, 3):
+        if not is_int(self.image_channels) or self.image_channels not in (1, 3):
             raise ValueError(f"image_channels must be one of 1, 3, got {self.image_channels!r}")
         channels = self.stem_channels
         if not isinstance(channels, (list, tuple)):

@@ -21,11 +21,18 @@ from moe_lm.model import (
 )
 from moe_lm.planning import describe_lm
 
+BYTE_VALUES = 256  # token ids of the byte corpus: 0-255
+
 
 def build_moe_lm(config, shard):
     """The registry builder of ``moe_lm``: (model, batches, loss function) for a ``TrainConfig``
     whose ``model`` is an :class:`LMConfig` (``data.source``: ``embedded`` or a UTF-8 text file);
     ``shard``: this rank's data stream (:class:`moetrain.registry.DataShard`)."""
+    if config.model.vocab_size < BYTE_VALUES:
+        raise ValueError(
+            f"model.vocab_size must be >= {BYTE_VALUES} (the byte corpus' ids 0-{BYTE_VALUES - 1}), got "
+            f"{config.model.vocab_size}"
+        )
     if config.data.seq_len > config.model.max_seq_len:
         raise ValueError(
             f"data.seq_len = {config.data.seq_len} exceeds model.max_seq_len = {config.model.max_seq_len}"

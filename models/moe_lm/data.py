@@ -97,12 +97,13 @@ def sample_batch(corpus: torch.Tensor, batch: int, seq: int, generator: torch.Ge
 class TextBatches:
     """Random windows of a byte corpus (``uint8`` or int64 ``[bytes]``, e.g. the memory map of
     :func:`load_text_corpus`) for next-token prediction, as int64 ``[batch, seq]`` inputs and
-    targets; the generator is seeded per rank (``seed * 1000003 + rank``) and its state is the
+    targets; the generator is seeded per rank (``(seed * 1000003 + rank) mod 2**64``: any int64
+    seed) and its state is the
     data position saved in checkpoints."""
 
     def __init__(self, corpus: torch.Tensor, batch: int, seq: int, seed: int, rank: int):
         self.corpus, self.batch, self.seq = corpus, batch, seq
-        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+        self.generator = torch.Generator().manual_seed((seed * 1_000_003 + rank) % 2**64)
         self.batches_drawn = 0
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +125,7 @@ class TextBatches:
     def reseed(self, seed: int, rank: int, step: int) -> None:
         """A new stream for ``rank`` resuming at ``step`` when no saved position exists for it
         (the run was saved with fewer ranks)."""
-        self.generator.manual_seed((seed * 1_000_003 + rank) * 1_000_033 + step)
+        self.generator.manual_seed(((seed * 1_000_003 + rank) * 1_000_033 + step) % 2**64)
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state(), "batches_drawn": self.batches_drawn}

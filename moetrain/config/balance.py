@@ -15,7 +15,8 @@ class BalanceConfig:
     world`` is split between the ranks in proportion to ``speeds`` (one per rank, any unit),
     within ``memory_limits`` (most sequences per rank), and each rank weights its loss so the
     gradient equals that of the uniform split. ``calibrate``: measure the speeds at start-up (a few
-    timed forward+backward passes) instead of giving them. Off when neither is set."""
+    timed forward+backward passes) instead of giving them. Off when neither is set
+    (``memory_limits`` alone is an error)."""
 
     speeds: tuple[float, ...] | None = option(
         None,
@@ -24,7 +25,9 @@ class BalanceConfig:
             "global micro-batch is split in proportion"
         ),
     )
-    memory_limits: tuple[int, ...] | None = option(None, "most sequences each rank can hold, one per rank")
+    memory_limits: tuple[int, ...] | None = option(
+        None, "most sequences each rank can hold, one per rank (with speeds or calibrate)"
+    )
     calibrate: bool = option(False, "measure the ranks' speeds at start-up instead of giving them")
 
     def __post_init__(self) -> None:
@@ -41,6 +44,11 @@ class BalanceConfig:
         require_bool("balance.calibrate", self.calibrate)
         if self.calibrate and self.speeds is not None:
             raise ValueError("balance: give either speeds or calibrate: true, not both")
+        if self.memory_limits is not None and not self.enabled:
+            raise ValueError(
+                "balance.memory_limits needs balance.speeds or balance.calibrate: true (without either, "
+                "balancing is off and the limits would be ignored)"
+            )
 
     @property
     def enabled(self) -> bool:

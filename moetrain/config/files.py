@@ -11,7 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from moetrain.config.loading import config_from_dict, import_model_modules
+from moetrain.config.loading import config_from_dict, import_model_modules, short_repr, shorten_error
+from moetrain.config.parallel import validate_strategy
 from moetrain.config.train import TrainConfig
 
 _INT_TAG = "tag:yaml.org,2002:int"
@@ -99,18 +100,43 @@ def _json_mapping(pairs: list) -> dict:
     return mapping
 
 
+MAX_CONFIG_VALUES = 100_000
+MAX_CONFIG_DEPTH = 100
+_TOO_DEEP = "nested too deeply or refers to itself (an alias inside its own anchor)"
+
+
 def reject_non_json_values(value, where: str = "") -> None:
     """Raises ``ValueError`` naming the key path (``out_dir``, ``optim.betas[0]``) of the first value
-    in ``value`` that JSON cannot hold (what safe YAML makes of a date, ``!!binary`` or ``!!set``)."""
+    in ``value`` that JSON cannot hold (what safe YAML makes of a date, ``!!binary`` or ``!!set``),
+    or naming the top-level key where ``value`` nests deeper than ``MAX_CONFIG_DEPTH`` (an alias
+    inside its own anchor nests forever) or where its values pass ``MAX_CONFIG_VALUES``. Values are
+    counted as written out, every use of an alias counting its anchor's values again: YAML's loader
+    shares an anchor's value between its aliases, so a few hundred bytes of nested aliases (an
+    "alias bomb") stand for gigabytes, which copying the config (``json.dumps``) would build.
+    Nothing is copied here, and the walk stops at the limit."""
+    _reject_non_json(value, where, where, 0, [0])
+
+
+def _reject_non_json(value, where: str, named: str, depth: int, count: list[int]) -> None:
+    """:func:`reject_non_json_values` below key path ``where``; ``named``: the key the depth and size
+    errors name (the top-level one); ``count[0]``: the values visited so far."""
+    count[0] += 1
+    if count[0] > MAX_CONFIG_VALUES:
+        raise ValueError(
+            f"{named or 'config'}: the config holds more than {MAX_CONFIG_VALUES} values (each use of a "
+            "YAML alias counts its anchor's values again)"
+        )
+    if depth > MAX_CONFIG_DEPTH:
+        raise ValueError(f"{named or 'config'}: {_TOO_DEEP}")
     if isinstance(value, dict):
         for key, item in value.items():
             path = f"{where}.{key}" if where else str(key)
             if not isinstance(key, (str, int, float, bool, type(None))):
                 raise ValueError(f"{path}: {_non_json_reason(key)} (as a key)")
-            reject_non_json_values(item, path)
+            _reject_non_json(item, path, named or path, depth + 1, count)
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
-            reject_non_json_values(item, f"{where}[{index}]")
+            _reject_non_json(item, f"{where}[{index}]", named, depth + 1, count)
     elif not isinstance(value, (str, int, float, bool, type(None))):
         raise ValueError(f"{where or 'config'}: {_non_json_reason(value)}")
 
@@ -141,20 +167,28 @@ def load_config_file(path: str) -> dict:
         raise ValueError(
             f"config {path} is not valid {'JSON' if is_json else 'YAML'}: {' '.join(str(error).split())}"
         ) from None
+    except RecursionError:  # the parsers recurse once per level of nesting
+        raise ValueError(f"config {path}: {_TOO_DEEP}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config {path} must hold a mapping of keys to values")
     try:
         reject_non_json_values(data)
     except ValueError as error:
         raise ValueError(f"config {path}: {error}") from None
+    except RecursionError:
+        raise ValueError(f"config {path}: {_TOO_DEEP}") from None
     return data
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """``["optim.lr=1e-3"]`` -> ``data["optim"]["lr"] = 0.001`` (on a copy). A value JSON cannot hold
-    (a date, ``!!binary``, ``!!set``) in ``data`` or an override is a ``ValueError`` naming its key."""
-    reject_non_json_values(data)
-    data = json.loads(json.dumps(data))
+    (a date, ``!!binary``, ``!!set``) in ``data`` or an override, nesting too deep or too many values
+    (:func:`reject_non_json_values`) is a ``ValueError`` naming its key."""
+    try:
+        reject_non_json_values(data)
+        data = json.loads(json.dumps(data))
+    except RecursionError:
+        raise ValueError(f"config: {_TOO_DEEP}") from None
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -167,13 +201,16 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
                 raise ValueError(f"--set {key}: '{part}' is not a section")
         try:
             node[leaf] = parse_yaml(raw)
+            reject_non_json_values(node[leaf], key)
         except yaml.YAMLError as error:
             reason = " ".join(str(error).split())
-            raise ValueError(f"--set {key}: the value {raw!r} is not valid YAML ({reason})") from None
-        try:
-            reject_non_json_values(node[leaf], key)
+            raise ValueError(
+                f"--set {key}: the value {short_repr(raw)} is not valid YAML ({reason})"
+            ) from None
         except ValueError as error:
             raise ValueError(f"--set {error}") from None
+        except RecursionError:
+            raise ValueError(f"--set {key}: {_TOO_DEEP}") from None
     return data
 
 
@@ -191,7 +228,8 @@ def load_strategy_file(path: str) -> dict:
         raise ValueError(
             f"strategy file {path} has no 'strategy' key (a mapping of module patterns to kinds)"
         )
-    parallel = data.get("parallel") or {}
+    strategy = validate_strategy(f"strategy file {path}: strategy", data["strategy"])
+    parallel = {} if data.get("parallel") is None else data["parallel"]
     if not isinstance(parallel, dict) or set(parallel) - set(STRATEGY_FILE_PARALLEL_KEYS):
         extra = (
             sorted(set(parallel) - set(STRATEGY_FILE_PARALLEL_KEYS))
@@ -200,9 +238,9 @@ def load_strategy_file(path: str) -> dict:
         )
         raise ValueError(
             f"strategy file {path}: 'parallel' may hold {', '.join(STRATEGY_FILE_PARALLEL_KEYS)}, "
-            f"got {extra!r}"
+            f"got {short_repr(extra)}"
         )
-    return {"strategy": data["strategy"], "parallel": parallel}
+    return {"strategy": strategy, "parallel": parallel}
 
 
 def build_train_config(
@@ -211,12 +249,15 @@ def build_train_config(
     """The validated config of a file, ``--set`` overrides and a ``--strategy`` file (its
     ``strategy`` and ``parallel`` sizes replace the config's). Modules named under ``imports`` are
     looked up next to the config file first (a user's model beside its config); the config's folder
-    is on ``sys.path`` only while they import, and not at all for a config without ``imports``."""
-    data = apply_overrides(load_config_file(config_path), overrides)
-    if strategy_file is not None:
-        chosen = load_strategy_file(strategy_file)
-        section = data.get("parallel") or {}
-        data["parallel"] = {**section, **chosen["parallel"], "strategy": chosen["strategy"]}
-    if data.get("imports"):
-        import_model_modules(data["imports"], "imports", beside=str(Path(config_path).resolve().parent))
-    return config_from_dict(TrainConfig, data)
+    is on ``sys.path`` only while they import, and not at all for a config without ``imports``.
+    An error message longer than ``MAX_ERROR_CHARS`` is shortened (:func:`shorten_error`)."""
+    with shorten_error():
+        data = apply_overrides(load_config_file(config_path), overrides)
+        if strategy_file is not None:
+            chosen = load_strategy_file(strategy_file)
+            section = {} if data.get("parallel") is None else data["parallel"]
+            if isinstance(section, dict):  # else config_from_dict names the key and what it holds
+                data["parallel"] = {**section, **chosen["parallel"], "strategy": chosen["strategy"]}
+        if data.get("imports"):
+            import_model_modules(data["imports"], "imports", beside=str(Path(config_path).resolve().parent))
+        return config_from_dict(TrainConfig, data)

@@ -9,8 +9,28 @@ import sys
 from dataclasses import MISSING, fields
 
 from moetrain.config.moe import MoEConfig
+from moetrain.config.options import short_repr
 from moetrain.config.train import TrainConfig
 from moetrain.validation import require_int
+
+MAX_ERROR_CHARS = 1000  # an error line longer than this is shortened (shorten_error)
+
+
+@contextlib.contextmanager
+def shorten_error():
+    """A ``ValueError`` raised inside the block whose message is longer than ``MAX_ERROR_CHARS``
+    (a huge value in ``got ...``) comes out as a plain ``ValueError`` with the message's first 800
+    and last 100 characters and how many were left out between them."""
+    try:
+        yield
+    except ValueError as error:
+        message = str(error)
+        if len(message) <= MAX_ERROR_CHARS:
+            raise
+        left_out = len(message) - 900
+        raise ValueError(
+            f"{message[:800]} ... [{left_out} characters left out] ... {message[-100:]}"
+        ) from None
 
 
 def model_config_classes() -> dict[str, type]:
@@ -81,7 +101,9 @@ def _model_config_from_dict(data, path: str):
     classes = model_config_classes()
     name = data.get("name") if isinstance(data, dict) else data
     if not isinstance(data, dict) or not isinstance(name, str) or name not in classes:
-        raise ValueError(f"{path}.name must be one of {', '.join(map(repr, classes))}, got {name!r}")
+        raise ValueError(
+            f"{path}.name must be one of {', '.join(map(repr, classes))}, got {short_repr(name)}"
+        )
     cls = classes[data["name"]]
     body = {k: v for k, v in data.items() if k not in ("name", "preset")}
     if "preset" in data:
@@ -97,10 +119,10 @@ def import_model_modules(modules, where: str = "imports", beside: str | None = N
     import importlib
 
     if isinstance(modules, str) or not isinstance(modules, (list, tuple)):
-        raise ValueError(f"{where} must be a list of module names, got {modules!r}")
+        raise ValueError(f"{where} must be a list of module names, got {short_repr(modules)}")
     for name in modules:
         if not isinstance(name, str) or not name:
-            raise ValueError(f"{where} must be a list of module names, got {modules!r}")
+            raise ValueError(f"{where} must be a list of module names, got {short_repr(modules)}")
         try:
             with _first_on_path(beside):
                 importlib.import_module(name)

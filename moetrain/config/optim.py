@@ -11,6 +11,7 @@ from moetrain.validation import (
     require_nonneg_float,
     require_number,
     require_numbers,
+    require_positive_float,
 )
 
 OPTIMIZERS = ("adamw", "groupwise", "offload")
@@ -35,7 +36,7 @@ class OptimConfig:
     )
     lr: float = option(3e-3, "peak learning rate, reached after warmup_steps")
     betas: tuple[float, float] = option((0.9, 0.95), "Adam's (beta1, beta2), each in [0, 1)")
-    eps: float = option(1e-8, "Adam's epsilon")
+    eps: float = option(1e-8, "Adam's epsilon, > 0 (the update divides by sqrt(v) + eps)")
     weight_decay: float = option(
         0.01, ("decoupled weight decay of matrices (not of biases, norms, 1-D parameters)")
     )
@@ -69,7 +70,7 @@ class OptimConfig:
         require_nonneg_float("optim.lr", self.lr)
         betas = require_numbers("optim.betas", self.betas, count=2, low=0, high=1, high_open=True)
         object.__setattr__(self, "betas", betas)
-        require_nonneg_float("optim.eps", self.eps)
+        require_positive_float("optim.eps", self.eps)
         require_nonneg_float("optim.weight_decay", self.weight_decay)
         require_int("optim.warmup_steps", self.warmup_steps, 0)
         require_number("optim.min_lr_ratio", self.min_lr_ratio, low=0, high=1)

@@ -9,7 +9,7 @@ from moetrain.config.balance import BalanceConfig
 from moetrain.config.data import DataConfig
 from moetrain.config.metrics import MetricsConfig
 from moetrain.config.optim import OptimConfig
-from moetrain.config.options import option
+from moetrain.config.options import option, short_repr
 from moetrain.config.parallel import ParallelConfig, check_pipeline_microbatches
 from moetrain.validation import (
     is_int,
@@ -22,6 +22,14 @@ from moetrain.validation import (
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 RESUME_CHOICES = ("latest", "latest-valid")
+# Upper bounds of numbers that would otherwise fail later, without naming their key. SEED_MAX: an
+# int64 (checkpoints and other JSON readers); the seed formulas reduce modulo 2**64 or hash.
+# THREADS_MAX: torch takes a C int. DIST_TIMEOUT_MAX_S: a year (a timedelta holds 1e9 days at most).
+# RECOMPUTE_BUDGET_MAX_MB: 2**40 MiB = 2**60 bytes, within int64.
+SEED_MAX = 2**63 - 1
+THREADS_MAX = 4096
+DIST_TIMEOUT_MAX_S = 365 * 24 * 3600
+RECOMPUTE_BUDGET_MAX_MB = 2**40
 
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -79,7 +87,9 @@ class TrainConfig:
     precision: str = option(
         "fp32", ("compute precision: 'fp32', 'bf16' (autocast) or 'fp16' (autocast + loss scaling)")
     )
-    seed: int = option(0, "seed of the weights (identical on every rank) and of the data stream")
+    seed: int = option(
+        0, f"seed of the weights (identical on every rank) and of the data stream, in [0, {SEED_MAX}]"
+    )
     out_dir: str = option(
         "runs/default",
         ("output directory: checkpoints/, logs/, metrics.jsonl, config.json, config_history.jsonl"),
@@ -111,19 +121,23 @@ class TrainConfig:
         True, ("resume from out_dir's checkpoints when there are any; false refuses an out_dir that has some")
     )
     resume_from: str | int = option(
-        "latest", ("which checkpoint: 'latest', 'latest-valid' (the newest that verifies) or a step")
+        "latest",
+        (
+            "which checkpoint: 'latest', 'latest-valid' (the newest that verifies) or a step; other than"
+            " 'latest' needs resume: true"
+        ),
     )
     recompute_budget_mb: float | None = option(
         None,
         (
-            "activation memory budget (MiB) for automatic recomputation; None: off;"
+            "activation memory budget (MiB, at most 2**40) for automatic recomputation; None: off;"
             " 0: the least memory reachable"
         ),
     )
     threads: int | None = option(
         None,
         (
-            "torch CPU threads per rank; None: chosen from the rank's CPUs and its "
+            f"torch CPU threads per rank, 1 to {THREADS_MAX}; None: chosen from the rank's CPUs and its "
             "data-loader workers (logged)"
         ),
     )
@@ -150,7 +164,7 @@ class TrainConfig:
     dist_timeout_s: float = option(
         600.0,
         (
-            "seconds any collective of any process group may wait for the other "
+            "seconds (a year at most) any collective of any process group may wait for the other "
             "ranks; covers the longest collective and a checkpoint save"
         ),
     )
@@ -163,9 +177,11 @@ class TrainConfig:
         require_int("steps", self.steps, 1)
         require_int("grad_accum", self.grad_accum, 1)
         require_choice("precision", self.precision, PRECISIONS)
-        require_int("seed", self.seed, 0)
-        if not isinstance(self.out_dir, str) or not self.out_dir:
-            raise ValueError(f"out_dir must be a directory path, got {self.out_dir!r}")
+        _require_int_in("seed", self.seed, 0, SEED_MAX)
+        if not isinstance(self.out_dir, str) or not self.out_dir or "\0" in self.out_dir:
+            raise ValueError(
+                f"out_dir must be a directory path (without NUL bytes), got {short_repr(self.out_dir)}"
+            )
         require_int("log_every", self.log_every, 1)
         require_int("checkpoint_every", self.checkpoint_every, 0)
         if self.checkpoint_every_minutes is not None:
@@ -178,16 +194,28 @@ class TrainConfig:
         if not (self.resume_from in RESUME_CHOICES or is_int(self.resume_from) and self.resume_from >= 0):
             raise ValueError(
                 f"resume_from must be one of {', '.join(map(repr, RESUME_CHOICES))} or a step >= 0, got "
-                f"{self.resume_from!r}"
+                f"{short_repr(self.resume_from)}"
             )
-        if self.recompute_budget_mb is not None:
-            require_nonneg_float("recompute_budget_mb", self.recompute_budget_mb)
+        if not self.resume and self.resume_from != "latest":
+            raise ValueError(
+                f"resume_from = {self.resume_from!r} needs resume: true (resume: false starts from scratch)"
+            )
+        require_number(
+            "recompute_budget_mb", self.recompute_budget_mb, low=0, high=RECOMPUTE_BUDGET_MAX_MB,
+            allow_none=True, note="(MiB)",
+        )  # fmt: skip
         if self.threads is not None:
-            require_int("threads", self.threads, 1)
+            _require_int_in("threads", self.threads, 1, THREADS_MAX)
         require_choice("device", self.device, DEVICES)
         require_choice("param_dtype", self.param_dtype, PRECISIONS)
         require_choice("experts_init", self.experts_init, EXPERTS_INIT)
-        require_number("dist_timeout_s", self.dist_timeout_s, low=1, note="(seconds)")
+        require_number(
+            "dist_timeout_s",
+            self.dist_timeout_s,
+            low=1,
+            high=DIST_TIMEOUT_MAX_S,
+            note="(seconds, a year at most)",
+        )
         if self.param_dtype != "fp32" and self.param_dtype != self.precision:
             raise ValueError(
                 f"param_dtype = {self.param_dtype!r} needs precision = {self.param_dtype!r} (the weights' "
@@ -229,3 +257,9 @@ class TrainConfig:
         if self.balance.enabled or self.recompute_budget_mb is not None:
             what = "balance" if self.balance.enabled else "recompute_budget_mb"
             raise ValueError(f"{what} is not supported with parallel.pp_size > 1: turn it off")
+
+
+def _require_int_in(name: str, value, low: int, high: int) -> None:
+    """An integer in ``[low, high]``."""
+    if not is_int(value) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {short_repr(value)}")

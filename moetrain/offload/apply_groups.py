@@ -37,11 +37,13 @@ def plan_apply_groups(
     ``[start, end)`` of that tensor), in order. With ``num_apply_groups = G`` group k covers the
     concatenation's elements ``[k * total // G, (k + 1) * total // G)`` (fewer than G groups when
     ``total < G``); with ``group_numel = n`` every group but the last has n elements; with neither,
-    one group holds everything.
+    one group holds everything. Work and memory grow with ``min(G, total)``, not with G.
     """
     total = sum(numels)
     if num_apply_groups is not None:
-        bounds = [k * total // num_apply_groups for k in range(num_apply_groups + 1)]
+        # With G >= total every non-empty group is one element: the groups of G = total.
+        count = max(1, min(num_apply_groups, total))
+        bounds = [k * total // count for k in range(count + 1)]
     elif group_numel is not None:
         bounds = [*range(0, total, group_numel), total]
     else:

@@ -97,17 +97,18 @@ class GroupwiseApply(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
 
     def apply_groups(self) -> list[list[torch.Tensor]]:
-        """The groups the next ``step()`` will use (params with a gradient, about equal bytes)."""
+        """The groups the next ``step()`` will use (params with a gradient, about equal bytes), the
+        non-empty ones in order: at most one per parameter, whatever ``num_groups`` is."""
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         sizes = [p.numel() * p.element_size() for p in params]
         total = sum(sizes)
-        groups: list[list[torch.Tensor]] = [[] for _ in range(self.num_groups)]
+        groups: dict[int, list[torch.Tensor]] = {}  # k -> group k; k never decreases along params
         before = 0
         for param, size in zip(params, sizes, strict=True):
             k = min(self.num_groups - 1, (2 * before + size) * self.num_groups // (2 * total)) if total else 0
-            groups[k].append(param)
+            groups.setdefault(k, []).append(param)
             before += size
-        return [group for group in groups if group]
+        return list(groups.values())
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Steps the wrapped optimizer group by group; returns ``closure()``'s loss if given."""
