@@ -16,7 +16,10 @@ so their batches must be equal: seed the data from ``shard.index``, not from the
   (stops loader workers; the engine calls it when a run ends);
 - ``loss_fn(output, targets) -> scalar`` (a mean), optionally with ``loss_units(targets)``.
 
-Optional hooks: ``strategy(train_config) -> {pattern: kind}`` (the model's default strategy, used
+Optional hooks: ``check(train_config)`` (raises ``ValueError``, one line naming the key, for a
+config the builder cannot take: called by ``moetrain train`` before the run writes anything, so a
+builder should call it too for users of the Python API), ``strategy(train_config) -> {pattern:
+kind}`` (the model's default strategy, used
 when the config gives none; without it: the marks of a model built under :mod:`moetrain.scope`,
 else every ``MoELayer`` ``expert``, everything else replicated), ``describe`` (the planner's model
 description, see ``moetrain.planner``), ``evaluate`` and ``generate`` (the ``moetrain eval`` /
@@ -64,6 +67,7 @@ class ModelSpec:
     evaluate: Callable | None = None
     generate: Callable | None = None
     strategy: Callable | None = None
+    check: Callable | None = None
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -79,6 +83,7 @@ def register_model(
     evaluate: Callable | None = None,
     generate: Callable | None = None,
     strategy: Callable | None = None,
+    check: Callable | None = None,
 ) -> ModelSpec:
     """Registers (or replaces) model ``name``. Returns its :class:`ModelSpec`."""
     if not isinstance(name, str) or not name.isidentifier():
@@ -87,9 +92,10 @@ def register_model(
         raise ValueError(f"config_class of model {name!r} must be a class, got {config_class!r}")
     if not callable(builder):
         raise ValueError(f"builder of model {name!r} must be callable, got {builder!r}")
-    if strategy is not None and not callable(strategy):
-        raise ValueError(f"strategy hook of model {name!r} must be callable, got {strategy!r}")
-    spec = ModelSpec(name, config_class, builder, describe, evaluate, generate, strategy)
+    for hook, value in (("strategy", strategy), ("check", check)):
+        if value is not None and not callable(value):
+            raise ValueError(f"{hook} hook of model {name!r} must be callable, got {value!r}")
+    spec = ModelSpec(name, config_class, builder, describe, evaluate, generate, strategy, check)
     _REGISTRY[name] = spec
     return spec
 

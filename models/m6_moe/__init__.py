@@ -59,19 +59,9 @@ def prepare_manifest_indexes(manifests: list[Path], rank: int, world_size: int, 
         dist.barrier()
 
 
-def build_m6(config, shard):
-    """Builds ``(model, batches, loss_fn)`` for the engine from a ``TrainConfig`` whose ``model``
-    is an :class:`M6Config`. ``config.data``: ``source`` is ``"embedded"`` (the synthetic
-    dataset, written once into ``<out_dir>/data``), a manifest path, or a list of manifest paths and
-    glob patterns (their indexes are built first, split between the ranks);
-    ``micro_batch_size`` samples per batch; ``seq_len`` the longest prefix and the longest target
-    (bos / eos included), so ``2 * seq_len`` must fit in ``model.max_text_len``; ``num_workers``
-    loader processes per rank (``"auto"``: :func:`moetrain.cpus.default_num_workers` of the rank's
-    CPUs); with ``parallel.pp_size > 1`` every batch is padded to ``seq_len`` (one shape for the
-    pipeline stages) and ``tie_embeddings`` is refused. ``shard``: this rank's data stream
-    (:class:`moetrain.registry.DataShard`); the data is seeded by ``config.seed`` and the
-    shard's index (tensor-parallel ranks read the same batches).
-    The model is built whole; the engine parallelizes it (:func:`m6_strategy`)."""
+def check_m6(config):
+    """The registry's check hook: ``ValueError`` (one line naming the key) for a ``TrainConfig`` the
+    builder cannot take; returns the tokenizer it loaded to check the vocabulary."""
     model_config = config.model
     if not isinstance(model_config, M6Config):
         raise ValueError(f"model must be an M6Config, got {type(model_config).__name__}")
@@ -87,9 +77,27 @@ def build_m6(config, shard):
             f"model.vocab_size = {model_config.vocab_size} is smaller than the tokenizer's vocabulary "
             f"({tokenizer.vocab_size} ids, tokenizer {model_config.tokenizer!r})"
         )
-    pipeline = config.parallel.pp_size > 1
-    if pipeline and model_config.tie_embeddings:
+    if config.parallel.pp_size > 1 and model_config.tie_embeddings:
         raise ValueError(TIED_PIPELINE_ERROR)
+    return tokenizer
+
+
+def build_m6(config, shard):
+    """Builds ``(model, batches, loss_fn)`` for the engine from a ``TrainConfig`` whose ``model``
+    is an :class:`M6Config`. ``config.data``: ``source`` is ``"embedded"`` (the synthetic
+    dataset, written once into ``<out_dir>/data``), a manifest path, or a list of manifest paths and
+    glob patterns (their indexes are built first, split between the ranks);
+    ``micro_batch_size`` samples per batch; ``seq_len`` the longest prefix and the longest target
+    (bos / eos included), so ``2 * seq_len`` must fit in ``model.max_text_len``; ``num_workers``
+    loader processes per rank (``"auto"``: :func:`moetrain.cpus.default_num_workers` of the rank's
+    CPUs); with ``parallel.pp_size > 1`` every batch is padded to ``seq_len`` (one shape for the
+    pipeline stages) and ``tie_embeddings`` is refused. ``shard``: this rank's data stream
+    (:class:`moetrain.registry.DataShard`); the data is seeded by ``config.seed`` and the
+    shard's index (tensor-parallel ranks read the same batches).
+    The model is built whole; the engine parallelizes it (:func:`m6_strategy`)."""
+    tokenizer = check_m6(config)
+    model_config, data = config.model, config.data
+    pipeline = config.parallel.pp_size > 1
     rank, world_size = shard.rank, shard.world_size
     if data.source == "embedded":
         manifests = [prepare_embedded_dataset(config.out_dir, rank, world_size) / "train.jsonl"]
@@ -133,7 +141,7 @@ def register() -> None:
 
     register_model(
         "m6_moe", M6Config, build_m6, describe=describe_m6, evaluate=EvalCommand(),
-        generate=GenerateCommand(), strategy=m6_strategy,
+        generate=GenerateCommand(), strategy=m6_strategy, check=check_m6,
     )  # fmt: skip
 
 

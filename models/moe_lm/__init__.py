@@ -24,10 +24,10 @@ from moe_lm.planning import describe_lm
 BYTE_VALUES = 256  # token ids of the byte corpus: 0-255
 
 
-def build_moe_lm(config, shard):
-    """The registry builder of ``moe_lm``: (model, batches, loss function) for a ``TrainConfig``
-    whose ``model`` is an :class:`LMConfig` (``data.source``: ``embedded`` or a UTF-8 text file);
-    ``shard``: this rank's data stream (:class:`moetrain.registry.DataShard`)."""
+def check_moe_lm(config) -> None:
+    """The registry's check hook: ``ValueError`` (one line naming the key) for a ``TrainConfig`` the
+    builder cannot take (a vocabulary smaller than the byte corpus, windows longer than the model's
+    positions)."""
     if config.model.vocab_size < BYTE_VALUES:
         raise ValueError(
             f"model.vocab_size must be >= {BYTE_VALUES} (the byte corpus' ids 0-{BYTE_VALUES - 1}), got "
@@ -37,6 +37,13 @@ def build_moe_lm(config, shard):
         raise ValueError(
             f"data.seq_len = {config.data.seq_len} exceeds model.max_seq_len = {config.model.max_seq_len}"
         )
+
+
+def build_moe_lm(config, shard):
+    """The registry builder of ``moe_lm``: (model, batches, loss function) for a ``TrainConfig``
+    whose ``model`` is an :class:`LMConfig` (``data.source``: ``embedded`` or a UTF-8 text file);
+    ``shard``: this rank's data stream (:class:`moetrain.registry.DataShard`)."""
+    check_moe_lm(config)
     corpus = load_text_corpus(config.data.source, config.data.seq_len + 1)
     model = MoETransformerLM(config.model, seed=config.seed)
     batches = TextBatches(corpus, config.data.micro_batch_size, config.data.seq_len, config.seed, shard.index)
@@ -53,7 +60,9 @@ def register() -> None:
     its planner description (:func:`moe_lm.planning.describe_lm`) and its default strategy."""
     from moetrain.registry import register_model
 
-    register_model("moe_lm", LMConfig, build_moe_lm, describe=describe_lm, strategy=lm_strategy)
+    register_model(
+        "moe_lm", LMConfig, build_moe_lm, describe=describe_lm, strategy=lm_strategy, check=check_moe_lm
+    )
 
 
 __all__ = [

@@ -99,8 +99,9 @@ def run_strategy(config: TrainConfig, spec, model) -> dict[str, str] | None:
 
 
 def check_fits(config: TrainConfig, world_size: int) -> None:
-    """Validates the parallel layout against the model before anything is built: one-line
-    ValueErrors naming the numbers."""
+    """Validates the parallel layout against the model, the balancing lists against the ranks and
+    the config against the model's ``check`` hook (:mod:`moetrain.registry`) before anything is
+    built or written: one-line ValueErrors naming the numbers."""
     ep, tp = config.parallel.ep_size, config.parallel.tp_size
     try:
         check_sizes(world_size, ep, tp, config.parallel.pp_size)
@@ -113,6 +114,9 @@ def check_fits(config: TrainConfig, world_size: int) -> None:
             f"model.moe.num_experts = {moe.num_experts} must be divisible by parallel.ep_size = {ep}"
         )
     check_balance_lengths(config.balance, world_size)
+    check = spec_for_config(config.model).check
+    if check is not None:
+        check(config)
 
 
 def check_balance_lengths(balance, world_size: int) -> None:

@@ -233,17 +233,30 @@ def test_out_dir_with_a_nul_byte_is_one_line_naming_out_dir(tmp_path, capsys):
     )
 
 
-def test_a_vocabulary_smaller_than_the_byte_corpus_is_refused_before_the_run_writes(tmp_path, capsys):
-    config, out_dir = json_config(tmp_path, **{"model.vocab_size": 100})
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"model.vocab_size": 100}, "model.vocab_size must be >= 256 (the byte corpus' ids 0-255), got 100"),
+        ({"data.seq_len": 17}, "data.seq_len = 17 exceeds model.max_seq_len = 16"),
+    ],
+    ids=["vocab_size", "seq_len"],
+)
+def test_a_config_the_model_cannot_take_is_refused_before_the_run_writes(
+    tmp_path, capsys, overrides, expected
+):
+    """The model's check hook runs before the run takes out_dir (it ran in the builder, after the run
+    had started its log file there)."""
+    config, out_dir = json_config(tmp_path, **overrides)
     assert train(config) == EXIT_BAD_INPUT
-    assert one_error(capsys) == (
-        "rank 0, model set-up: ValueError: model.vocab_size must be >= 256 (the byte corpus' ids 0-255), got "
-        f"100; full traceback in {out_dir}/logs/rank_0.log"
-    )
-    # the builder runs once the run owns out_dir: its log file, nothing of a run
-    assert sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file()) == [
-        "logs/rank_0.log"
-    ]
+    assert one_error(capsys) == expected
+    assert not out_dir.exists()
+
+
+def test_a_registered_check_hook_must_be_callable():
+    from moetrain.registry import register_model
+
+    with pytest.raises(ValueError, match="^check hook of model 'x' must be callable, got 3$"):
+        register_model("x", dict, lambda config, shard: None, check=3)
 
 
 @pytest.mark.parametrize(
