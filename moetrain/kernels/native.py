@@ -199,11 +199,19 @@ def unpermute_rows(
     return out_TD[:tokens].to(y_ND.dtype)
 
 
+# unpermute_weight_grad forms its dot products this many elements of [N, D] at a time, so its
+# temporaries (grad rows gathered, both in the accumulate dtype, their product) stay within about
+# 16 MiB for bf16 rows, whatever N and D.
+WEIGHT_GRAD_CHUNK_ELEMENTS = 1 << 20
+
+
 def unpermute_weight_grad(
     grad_TD: torch.Tensor, y_ND: torch.Tensor, row_of_slot_TK: torch.Tensor
 ) -> torch.Tensor:
     """``gw[t, j] = <grad[t], y[row_of_slot[t, j]]>`` in the accumulate dtype, 0 for dropped slots;
-    the rows >= 0 of ``row_of_slot`` are distinct (:func:`check_index`)."""
+    the rows >= 0 of ``row_of_slot`` are distinct (:func:`check_index`). The dots are formed
+    ``max(1, WEIGHT_GRAD_CHUNK_ELEMENTS // D)`` rows of ``y`` at a time (each as one product and
+    row sum in the accumulate dtype), so no temporary is ``[N, D]``."""
     tokens, k = row_of_slot_TK.shape
     check_index(row_of_slot_TK, "row_of_slot", y_ND.shape[0], "row")
     acc = accumulate_dtype(grad_TD.dtype)
@@ -212,7 +220,13 @@ def unpermute_weight_grad(
     if tokens == 0:  # no token: the rows of y (all unused) read a spare zero grad row
         grad_TD = torch.cat([grad_TD, grad_TD.new_zeros((1, grad_TD.shape[1]))])
     token_N = torch.where(kept_N, slot_of_row_N // max(k, 1), 0)
-    dots_N = (grad_TD.index_select(0, token_N).to(acc) * y_ND.to(acc)).sum(1)
+    step = max(1, WEIGHT_GRAD_CHUNK_ELEMENTS // max(y_ND.shape[1], 1))
+    dots_N = torch.cat(
+        [
+            (grad_TD.index_select(0, token_n).to(acc) * y_nD.to(acc)).sum(1)
+            for token_n, y_nD in zip(token_N.split(step), y_ND.split(step), strict=True)
+        ]
+    )
     target_N = torch.where(kept_N, slot_of_row_N, tokens * k)  # unused rows: a spare slot
     gw_S = dots_N.new_zeros(tokens * k + 1).scatter_(0, target_N, dots_N)
     return gw_S[: tokens * k].view(tokens, k)

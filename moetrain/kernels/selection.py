@@ -4,11 +4,14 @@
 - ``torch``: the torch-native twin (:mod:`moetrain.kernels.native`), on every device.
 - ``auto`` (default): the custom kernel on the CPU and on ``meta`` (the C++ CPU kernels are tested
   against the twins in CI); on a CUDA device the custom kernel only after it has matched the twin
-  on that device: the first call of each op in the process runs both on small random inputs
-  (:data:`SAMPLES`: four dtypes, packet and element paths, weighted and not) and compares values
-  and gradients. A mismatch or an error logs one warning naming the op and selects
-  the twin for the rest of the run (no GPU has run the CUDA kernels in this project's CI: this keeps
-  a user's first GPU run from trusting code no test executed).
+  on that device: the first call of each op on each GPU of the process runs both on small random
+  inputs on that GPU (:data:`SAMPLES`: four dtypes, packet and element paths, weighted and not,
+  padded plans, top-10) and compares values and gradients. A mismatch or an error logs one warning
+  naming the op and selects the twin for the rest of the run on that GPU (no GPU has run the CUDA
+  kernels in this project's CI: this keeps a user's first GPU run from trusting code no test
+  executed). A trusted CUDA kernel still hands a call with more than :data:`CUDA_MAX_CHOICES`
+  choices per token to the twin (:func:`custom_kernel_takes`); ``custom`` passes it to the kernel,
+  which refuses it.
 
 Under ``torch.compile`` the choice is made while tracing (the check runs eagerly then, as for
 ``torch.compiler.assume_constant_result``) and baked into the graph.
@@ -16,6 +19,7 @@ Under ``torch.compile`` the choice is made while tracing (the check runs eagerly
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -24,11 +28,21 @@ import torch
 from moetrain._torch_compat import assume_constant_result
 from moetrain.config import KERNEL_CHOICES
 from moetrain.kernels import native
+from moetrain.kernels.registration import most_kept_rows
 from moetrain.validation import require_choice
 
 logger = logging.getLogger("moetrain.kernels")
 
-__all__ = ["DEVICE_OPS", "KERNEL_CHOICES", "VERIFIER", "KernelVerifier", "compare_on_sample", "kernel"]
+__all__ = [
+    "CUDA_MAX_CHOICES",
+    "DEVICE_OPS",
+    "KERNEL_CHOICES",
+    "VERIFIER",
+    "KernelVerifier",
+    "compare_on_sample",
+    "custom_kernel_takes",
+    "kernel",
+]
 # Ops with a CUDA kernel in csrc/ (the CPU Adam ops run on host tensors only).
 DEVICE_OPS = (
     "build_dispatch_plan",
@@ -52,7 +66,8 @@ def _torch_ops() -> dict[str, Callable]:
 
 
 class KernelVerifier:
-    """Checks each custom op once per process and device type against its torch-native twin.
+    """Checks each custom op once per process and device against its torch-native twin, on that
+    device (verdicts by op and ``str(device)``: each GPU index on its own).
 
     ``custom`` / ``native``: the implementations by op name (default: the extension's operators
     and the twins); ``checked_device_types``: where a custom kernel must earn trust ("cuda").
@@ -70,20 +85,22 @@ class KernelVerifier:
         self.checked_device_types = checked_device_types
         self.verdicts: dict[tuple[str, str], bool] = {}
 
-    def trusts(self, op: str, device_type: str) -> bool:
-        """Whether ``op``'s custom kernel may run on ``device_type`` (checked on first use)."""
-        if device_type not in self.checked_device_types:
+    def trusts(self, op: str, device: torch.device | str) -> bool:
+        """Whether ``op``'s custom kernel may run on ``device`` (checked on its first use there, with
+        the samples on ``device``; a device without an index is the current one)."""
+        device = torch.device(device)
+        if device.type not in self.checked_device_types:
             return True
-        key = (op, device_type)
+        key = (op, str(device))
         if key not in self.verdicts:
-            problem = self._problem(op, torch.device(device_type))
+            problem = self._problem(op, device)
             self.verdicts[key] = problem is None
             if problem is not None:
                 logger.warning(
                     "moetrain kernel %s on %s: the custom kernel %s; using the torch-native implementation "
                     "for the rest of this run",
                     op,
-                    device_type,
+                    device,
                     problem,
                 )
         return self.verdicts[key]
@@ -99,19 +116,48 @@ VERIFIER = KernelVerifier()
 
 
 @assume_constant_result
-def _trusted(op: str, device_type: str) -> bool:
-    return VERIFIER.trusts(op, device_type)
+def _trusted(op: str, device_type: str, device_index: int | None) -> bool:
+    return VERIFIER.trusts(op, torch.device(device_type, device_index))
+
+
+# The most choices per token (K) the CUDA unpermute kernels take (csrc/permute_cuda.cu
+# kMaxChoices); permute_rows' backward runs unpermute_rows with its k.
+CUDA_MAX_CHOICES = 256
+# The choices per token of a call, from its arguments, for the ops whose CUDA kernels are limited.
+_CHOICES_OF_CALL = {
+    "permute_rows": lambda args: args[2],  # (x, slot_of_row, k, weights)
+    "unpermute_rows": lambda args: args[1].shape[1],  # (y, row_of_slot [T, K], weights)
+    "unpermute_weight_grad": lambda args: args[2].shape[1],  # (grad, y, row_of_slot [T, K])
+}
+
+
+def custom_kernel_takes(op: str, device_type: str, choices: int) -> bool:
+    """Whether ``op``'s custom kernel on ``device_type`` runs a call with ``choices`` (K) choices
+    per token, forward and backward: on CUDA the row ops take at most :data:`CUDA_MAX_CHOICES`."""
+    return device_type != "cuda" or op not in _CHOICES_OF_CALL or choices <= CUDA_MAX_CHOICES
+
+
+def _custom_within_choice_limit(op: str, custom: Callable, twin: Callable, *args):
+    """``custom(*args)`` on CUDA tensors, or ``twin(*args)`` when the call has more choices per
+    token than the CUDA kernel takes."""
+    fits = custom_kernel_takes(op, "cuda", _CHOICES_OF_CALL[op](args))
+    return custom(*args) if fits else twin(*args)
 
 
 def kernel(op: str, device: torch.device, choice: str = "auto") -> Callable:
     """The implementation of ``op`` for tensors on ``device`` under ``choice`` (one of
-    :data:`KERNEL_CHOICES`)."""
+    :data:`KERNEL_CHOICES`). Under ``auto`` a trusted CUDA row op comes wrapped so that calls with
+    more than :data:`CUDA_MAX_CHOICES` choices per token run the twin."""
     require_choice("kernels", choice, KERNEL_CHOICES)
     if choice == "torch":
         return VERIFIER.native[op]
-    if choice == "custom" or _trusted(op, device.type):
+    if choice == "custom":
         return VERIFIER.custom[op]
-    return VERIFIER.native[op]
+    if not _trusted(op, device.type, device.index):
+        return VERIFIER.native[op]
+    if device.type == "cuda" and op in _CHOICES_OF_CALL:
+        return functools.partial(_custom_within_choice_limit, op, VERIFIER.custom[op], VERIFIER.native[op])
+    return VERIFIER.custom[op]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -120,23 +166,42 @@ def kernel(op: str, device: torch.device, choice: str = "auto") -> Callable:
 
 # The samples each op is checked on: the weighted fp32 packet path with top-2 and a capacity cut;
 # bf16 rows of odd width (the element path), top-3 (choices grouped by 8), unweighted, dropless;
-# fp16 rows with top-6; fp64 rows (fp64 weights and sums, an fp64 wire codec), small: the check runs
-# on the first use of each op.
+# fp16 rows with top-6, padded (rows of slot -1, as a compiled graph's plan has); fp64 rows (fp64
+# weights and sums, an fp64 wire codec); fp32 top-10 (a second group of 8 choices), padded. Small:
+# the check runs on the first use of each op.
 SAMPLES = tuple(
-    {"tokens": t, "k": k, "experts": e, "hidden": h, "capacity": c, "dtype": dtype, "weighted": weighted}
-    for t, k, e, h, c, dtype, weighted in (
-        (37, 2, 5, 24, 9, torch.float32, True),
-        (29, 3, 6, 7, -1, torch.bfloat16, False),
-        (16, 6, 8, 40, 12, torch.float16, True),
-        (23, 2, 4, 9, 5, torch.float64, True),
+    {
+        "tokens": t,
+        "k": k,
+        "experts": e,
+        "hidden": h,
+        "capacity": c,
+        "dtype": dtype,
+        "weighted": weighted,
+        "padded": padded,
+    }
+    for t, k, e, h, c, dtype, weighted, padded in (
+        (37, 2, 5, 24, 9, torch.float32, True, False),
+        (29, 3, 6, 7, -1, torch.bfloat16, False, False),
+        (16, 6, 8, 40, 12, torch.float16, True, True),
+        (23, 2, 4, 9, 5, torch.float64, True, False),
+        (19, 10, 16, 12, 10, torch.float32, True, True),
     )
 )
+
+
+def _sample_rows(sample: dict) -> int | None:
+    """``num_rows`` of the sample's plan: the most rows it can keep when padded (the kept rows
+    come first, then rows of slot -1), else None (the kept rows)."""
+    if not sample["padded"]:
+        return None
+    return most_kept_rows(sample["tokens"], sample["k"], sample["experts"], sample["capacity"])
 
 
 def _sample_plan(sample: dict, device: torch.device, generator: torch.Generator):
     tokens, k, experts = sample["tokens"], sample["k"], sample["experts"]
     expert_ids_TK = torch.rand(tokens, experts, generator=generator).topk(k, dim=-1).indices
-    plan = native.build_dispatch_plan(expert_ids_TK, None, experts, sample["capacity"])
+    plan = native.build_dispatch_plan(expert_ids_TK, None, experts, sample["capacity"], _sample_rows(sample))
     return expert_ids_TK.to(device), [t.to(device) for t in plan]
 
 
@@ -155,7 +220,7 @@ def _sample_inputs(op: str, sample: dict, device: torch.device) -> tuple[tuple, 
 
     if op == "build_dispatch_plan":
         order_S = torch.randperm(tokens * k, generator=generator).to(device)
-        return (expert_ids_TK, order_S, sample["experts"], sample["capacity"]), ()
+        return (expert_ids_TK, order_S, sample["experts"], sample["capacity"], _sample_rows(sample)), ()
     if op == "permute_rows":
         if not sample["weighted"]:
             return (randn(tokens, hidden), slot_of_row_N, k, None), (0,)
@@ -196,7 +261,8 @@ def compare_on_sample(op: str, custom: Callable, twin: Callable, device: torch.d
 
 def _describe(sample: dict) -> str:
     dtype = str(sample["dtype"]).removeprefix("torch.")
-    return f"{dtype}, {sample['tokens']} tokens, top-{sample['k']}, hidden {sample['hidden']}"
+    padded = ", padded" if sample["padded"] else ""
+    return f"{dtype}, {sample['tokens']} tokens, top-{sample['k']}, hidden {sample['hidden']}{padded}"
 
 
 def _compare_one(op: str, custom: Callable, twin: Callable, device: torch.device, sample: dict) -> str | None:

@@ -94,13 +94,12 @@ def test_every_cuda_kernel_passes_the_start_up_check(cuda_ops):
 
 
 @needs_cuda
-@pytest.mark.parametrize("kernels", ["custom", "torch"])
-def test_moe_layer_custom_and_torch_kernels_agree_on_cuda(kernels, cuda_ops):
+def test_moe_layer_custom_and_torch_kernels_agree_on_cuda(cuda_ops):
     torch.manual_seed(0)
     base = MoELayer(
         d_model=64, d_ff=128, num_experts=8, top_k=2, capacity_factor=1.0, kernels="custom"
     ).cuda()
-    other = MoELayer(dataclasses.replace(base.config, kernels=kernels)).cuda()
+    other = MoELayer(dataclasses.replace(base.config, kernels="torch")).cuda()
     other.load_state_dict(base.state_dict())
     x = torch.randn(300, 64, device="cuda", requires_grad=True)
     outs = []
@@ -110,6 +109,27 @@ def test_moe_layer_custom_and_torch_kernels_agree_on_cuda(kernels, cuda_ops):
         outs.append([out, grad_x, *grads])
     for a, b in zip(*outs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@needs_cuda
+def test_auto_runs_more_than_256_choices_per_token_on_cuda_with_the_twins(cuda_ops):
+    """The CUDA unpermute kernels take K <= 256 (kMaxChoices), which ``custom`` hits; ``auto`` gives
+    such calls to the twins, forward and backward, and agrees with the CPU."""
+    tokens, k, experts, hidden = 6, 300, 320, 16
+    g = torch.Generator().manual_seed(3)
+    expert_ids = _random_routing(tokens, k, experts, g)
+    x = torch.randn(tokens, hidden, generator=g)
+    gates = torch.rand(tokens, k, generator=g)
+    cuda_plan = build_dispatch_plan(expert_ids.cuda(), experts, None)
+    with pytest.raises(RuntimeError, match="at most 256"):
+        unpermute_tokens(permute_tokens(x.cuda(), cuda_plan, "custom"), gates.cuda(), cuda_plan, "custom")
+    results = []
+    for device, plan in (("cuda", cuda_plan), ("cpu", build_dispatch_plan(expert_ids, experts, None))):
+        inputs = [x.to(device).requires_grad_(True), gates.to(device).requires_grad_(True)]
+        out = unpermute_tokens(permute_tokens(inputs[0], plan, "auto") * 2, inputs[1], plan, "auto")
+        results.append([t.cpu() for t in (out, *torch.autograd.grad(out.square().sum(), inputs))])
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 @needs_cuda
