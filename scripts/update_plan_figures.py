@@ -6,7 +6,10 @@ writes, between ``plan-figures:begin`` / ``plan-figures:end`` marker lines, the 
 comments of scripts/slurm/m6_1t_480gpu.sbatch, and "How it fits" in docs/planner.md; it also sets
 the config's ``recompute_budget_mb`` to the activation budget the planner chose and every
 checkpoint size quoted as "N GiB per rank (N TiB per run)" in the sbatch script and
-scripts/slurm/README.md. Nothing outside the markers and those values is touched. ``--check``
+scripts/slurm/README.md. It also writes the output of the ``moetrain plan --mixed`` commands of
+MIXED_COMMANDS, each after its ``$ moetrain plan ...`` line, between ``mixed-figures:begin`` /
+``mixed-figures:end`` in docs/planner.md ("Hardware-aware batch balancing"). Nothing outside the
+markers and those values is touched. ``--check``
 changes nothing and exits 1 naming every file that is out of date (tests/docs/test_plan_figures.py runs
 it).
 
@@ -21,6 +24,7 @@ import io
 import json
 import math
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -33,22 +37,39 @@ PLANNER_DOC = ROOT / "docs" / "planner.md"
 CHECKPOINT_SIZE = re.compile(r"\d+\.\d\d GiB per rank \(\d+\.\d\d TiB per run\)")
 CLUSTER_ARGS = ["--cluster", "v100-32gb", "--nodes", "60", "--inter-node-gbps", "35"]
 COMMAND = "moetrain plan --model configs/m6_1t.yaml " + " ".join(CLUSTER_ARGS)
-BEGIN, END = "plan-figures:begin", "plan-figures:end"
+MIXED_COMMANDS = [  # mixed V100 + P100 clusters: the dense M6-base, M6-100B with its experts over all 64 GPUs
+    ["--model", "m6-base", "--cluster", "v100-32gb", "--nodes", "4", "--mixed", "p100-16gb:4", "--precision",
+     "fp16", "--global-batch", "1024"],
+    ["--model", "m6-100B", "--cluster", "v100-32gb", "--nodes", "4", "--mixed", "p100-16gb:4", "--precision",
+     "fp16", "--global-batch", "1024", "--ep-size", "64", "--offload"],
+]  # fmt: skip
 GiB = 2**30
 
 
 def run_plan(json_output: bool, extra: tuple[str, ...] = ()) -> str:
     """COMMAND's standard output (``extra``: more flags)."""
+    return plan_output(["--model", str(CONFIG), *CLUSTER_ARGS, *extra, *(["--json"] if json_output else [])])
+
+
+def plan_output(args: list[str]) -> str:
+    """``moetrain plan ARGS``'s standard output (in this process)."""
     from moetrain.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(
-            ["plan", "--model", str(CONFIG), *CLUSTER_ARGS, *extra, *(["--json"] if json_output else [])]
-        )
+        code = main(["plan", *args])
     if code != 0:
-        raise SystemExit(f"{COMMAND} says the plan does not fit:\n{out.getvalue()}")
+        raise SystemExit(f"moetrain plan {shlex.join(args)} says the plan does not fit:\n{out.getvalue()}")
     return out.getvalue()
+
+
+def mixed_block() -> list[str]:
+    """docs/planner.md's fenced block of the MIXED_COMMANDS: each ``$ moetrain plan ...`` line and
+    its output, a blank line between them."""
+    lines = []
+    for args in MIXED_COMMANDS:
+        lines += ["", f"$ moetrain plan {shlex.join(args)}", *plan_output(args).rstrip("\n").splitlines()]
+    return ["```", *lines[1:], "```"]
 
 
 def gib(value: float) -> str:
@@ -211,9 +232,10 @@ def how_it_fits(plan: dict, exact: dict) -> list[str]:
     return [*lines, "", *wrap(limits, "")]
 
 
-def replace_between(text: str, lines: list[str], prefix: str, where: Path) -> str:
-    """``text`` with the lines between the marker lines (``prefix`` + BEGIN / END) replaced."""
-    begin, end = f"{prefix}{BEGIN}", f"{prefix}{END}"
+def replace_between(text: str, lines: list[str], prefix: str, where: Path, name: str = "plan-figures") -> str:
+    """``text`` with the lines between the marker lines (``prefix`` + ``name:begin`` /
+    ``name:end``) replaced."""
+    begin, end = f"{prefix}{name}:begin", f"{prefix}{name}:end"
     pattern = re.compile(rf"(^{re.escape(begin)}[^\n]*\n)(.*?)(^{re.escape(end)}[^\n]*$)", re.S | re.M)
     if not pattern.search(text):
         raise SystemExit(f"{where}: the marker lines '{begin}' and '{end}' are missing")
@@ -264,6 +286,7 @@ def expected_files() -> dict[Path, str]:
     doc = PLANNER_DOC.read_text(encoding="utf-8")
     exact = json.loads(run_plan(json_output=True, extra=("--optim-overlap", "none")))
     doc = replace_between(doc, how_it_fits(plan, exact), "<!-- ", PLANNER_DOC)
+    doc = replace_between(doc, mixed_block(), "<!-- ", PLANNER_DOC, "mixed-figures")
     return {README: readme, CONFIG: config, SBATCH: sbatch, SLURM_README: slurm_readme, PLANNER_DOC: doc}
 
 

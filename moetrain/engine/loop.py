@@ -50,6 +50,14 @@ class TrainingLoop:
         last_step = config.steps if until is None else min(until, config.steps)
         changes = self.maybe_resume()
         if self.is_main:
+            if changes is not None and self.step >= last_step:  # a finished run resubmitted: exits 0
+                bound = f"steps = {config.steps}" if last_step == config.steps else f"until = {last_step}"
+                log.warning(
+                    "resumed at step %d, which is at or past %s: nothing to train; "
+                    "raise steps or use another out_dir",
+                    self.step,
+                    bound,
+                )
             record_config(self.out_dir, json.loads(json.dumps(asdict(config))), self.step, changes)
         self._report_skipped_records("start")
         run = RunInfo(

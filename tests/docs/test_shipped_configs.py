@@ -3,18 +3,23 @@
 Every config file of the repository (``configs/``, ``models/*/``, any yaml under ``scripts/``) and
 every model preset (a config ``{"model": {"name": ..., "preset": ...}}``) is shrunk in size only,
 through the same ``--set`` overrides users have (layers, widths, experts, image size, sequence
-length, vocabulary, data, steps, ``ep_size`` to what 2 gloo ranks hold, a recompute budget to the
-least memory reachable); everything else is kept: precision, ``param_dtype``, optimizer, recompute
-on or off, all-to-all algorithm, prototypes, capacity, ``moe_every``. Each is crossed with the
-precision layouts below and runs two training steps, a checkpoint, a resume that restores the
-exact weights, and one more step. A new config file or preset is covered without editing this file;
-a new model needs a shrink rule in ``SHRINK`` (the test for it fails until it has one).
+length, vocabulary, data, steps, ``ep_size`` to what 2 gloo ranks hold, a positive recompute
+budget to one that plans a partial recompute of the shrunk model, the exact updates before the
+delayed optimizer update to 1); everything else is kept: precision, ``param_dtype``, optimizer and
+its overlap, recompute on or off, all-to-all algorithm, prototypes, capacity, ``moe_every``. Each
+is crossed with the precision layouts below and runs two training steps, a checkpoint, a resume
+that restores the exact weights, and one more step. A new config file or preset is covered
+without editing this file; a new model needs a shrink rule in ``SHRINK`` (the test for it fails
+until it has one).
 
 Cases with ``ep_size > 1`` run in one 2-rank gloo job per session (each case reported on its own).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import logging.handlers
 import math
 import sys
 from pathlib import Path
@@ -39,6 +44,12 @@ LAYOUTS = {
     "bf16-weights": ["precision=bf16", "param_dtype=bf16", "optim.name=offload"],
     "fp16-weights": ["precision=fp16", "param_dtype=fp16", "optim.name=offload"],
 }
+
+# MiB, for a config's positive budget (a partial plan, as the planner's for the full model): between
+# the shrunk m6_1t's least activation memory (every block recomputed: 0.06-0.13 MiB in the layouts
+# below) and its activations without recompute (0.25-0.37 MiB)
+RECOMPUTE_BUDGET_MB = 0.19
+DELAYED = "later are delayed by one step"  # the offload optimizer's INFO line when its delayed update starts
 
 
 def _shrink_m6(model: dict) -> list[str]:
@@ -129,8 +140,10 @@ def shrunk_overrides(data: dict, layout: str, out_dir: Path, manifest: Path) -> 
         overrides.append(f"data.source={manifest}")  # a small manifest in place of any corpus
     if data.get("parallel", {}).get("all_to_all") == "hierarchical" and ep > 1:
         overrides.append("parallel.local_world_size=1")  # 2 emulated nodes: the 2-D exchange runs
-    if data.get("recompute_budget_mb") is not None:
-        overrides.append("recompute_budget_mb=0")  # the least activation memory: most recompute
+    if data.get("recompute_budget_mb") is not None:  # 0 (the least activation memory) stays 0
+        overrides.append(f"recompute_budget_mb={RECOMPUTE_BUDGET_MB if data['recompute_budget_mb'] else 0}")
+    if data.get("optim", {}).get("overlap_after_steps", 0) > 1:
+        overrides.append("optim.overlap_after_steps=1")  # one exact update, then the delayed ones
     return overrides + LAYOUTS[layout]
 
 
@@ -144,16 +157,19 @@ def run_case(data: dict, layout: str, out_dir: Path, manifest: Path) -> dict:
     from moetrain.engine import Trainer
 
     config = _config(data, shrunk_overrides(data, layout, out_dir, manifest))
-    first = Trainer(config)
-    history = first.train()
-    first.close()
-    saved = {k: v.detach().clone() for k, v in first.model.state_dict().items()}
-    resumed_config = _config(data, [*shrunk_overrides(data, layout, out_dir, manifest), "steps=3"])
-    second = Trainer(resumed_config)
-    second.maybe_resume()
-    restored = all(torch.equal(v, saved[k]) for k, v in second.model.state_dict().items())
-    more = second.train()
-    second.close()
+    with _records("moetrain.offload") as records:
+        first = Trainer(config)
+        history = first.train()
+        first.close()
+        saved = {k: v.detach().clone() for k, v in first.model.state_dict().items()}
+        resumed_config = _config(data, [*shrunk_overrides(data, layout, out_dir, manifest), "steps=3"])
+        second = Trainer(resumed_config)
+        second.maybe_resume()
+        restored = all(torch.equal(v, saved[k]) for k, v in second.model.state_dict().items())
+        more = second.train()
+        second.close()
+    plan = first.recompute_plan
+    memory = None if plan is None else [plan.min_activation_bytes, plan.activation_bytes, plan.baseline_bytes]
     return {
         "precision": config.precision,
         "param_dtype": config.param_dtype,
@@ -162,8 +178,24 @@ def run_case(data: dict, layout: str, out_dir: Path, manifest: Path) -> dict:
         "resumed_at": history[-1]["step"] if history else None,
         "restored": restored,
         "steps": [m["step"] for m in history + more],
-        "recompute": None if first.recompute_plan is None else sorted(first.recompute_plan.recomputed),
+        "recompute": None if plan is None else sorted(plan.recomputed),
+        "recompute_bytes": memory,  # least, kept with the plan, without recompute
+        "delayed": any(DELAYED in record.getMessage() for record in records),
     }
+
+
+@contextlib.contextmanager
+def _records(name: str):
+    """The INFO and higher records of logger ``name`` (and its children) while in the block."""
+    logger, handler = logging.getLogger(name), logging.handlers.BufferingHandler(capacity=10**6)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler.buffer
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 CASES = [(label, layout) for label, _ in _sources() for layout in LAYOUTS]
@@ -226,3 +258,8 @@ def test_shipped_config_trains(label, layout, tmp_path, manifest, two_rank_resul
     )
     if data.get("recompute_budget_mb") is not None:
         assert result["recompute"], "recompute was configured but nothing is recomputed"
+    if data.get("recompute_budget_mb"):  # a positive budget: fewer blocks recomputed than at the least
+        least, kept, none = result["recompute_bytes"]
+        assert least < kept < none, f"not a partial recompute plan: {result['recompute_bytes']}"
+    if data.get("optim", {}).get("overlap") == "delayed":
+        assert result["delayed"], "optim.overlap is delayed but no update was delayed"

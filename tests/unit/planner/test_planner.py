@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 
 import pytest
 
@@ -291,6 +292,14 @@ def _run(argv):
     return args.run(args)
 
 
+def _doc_block(page, name):
+    """The fenced block between ``page``'s ``<!-- name:begin`` / ``<!-- name:end`` lines, as
+    blank-line-separated groups of lines."""
+    text = page.read_text(encoding="utf-8").split(f"<!-- {name}:begin", 1)[1].split(f"<!-- {name}:end", 1)[0]
+    body = text.split("```\n", 1)[1].rsplit("```", 1)[0]
+    return [group.splitlines() for group in body.split("\n\n")]
+
+
 def test_cli_plan_with_a_config_file(tmp_path, capsys):
     config = tmp_path / "lm.yaml"
     config.write_text(
@@ -329,6 +338,11 @@ def test_cli_mixed_cluster_reports_the_balanced_speedup(capsys):
     assert result["balanced_step_s"] < result["uniform_step_s"]  # the V100s take more sequences
     assert _run([*argv, "--mixed", "p100-16gb:4"]) == 0
     assert "speed-up" in capsys.readouterr().out
+    quoted = _doc_block(ROOT / "docs" / "planner.md", "mixed-figures")  # the commands docs/planner.md quotes
+    assert [lines[0].split()[:4] for lines in quoted] == [["$", "moetrain", "plan", "--model"]] * 2, quoted
+    for command, *output in quoted:
+        assert _run(shlex.split(command)[2:]) == 0
+        assert capsys.readouterr().out.splitlines() == output, command
     for bad, message in (("p100:4", "--mixed takes GPU:NODES"), ("p100-16gb:0", "NODES an integer >= 1")):
         with pytest.raises(ValueError, match=message):
             _run([*argv, "--mixed", bad])
