@@ -14,12 +14,12 @@ def option(default=MISSING, help: str = ""):  # noqa: A002 - the name the refere
 
 
 _SHORT = reprlib.Repr()
-_SHORT.maxstring = _SHORT.maxother = 80
+_SHORT.maxstring = _SHORT.maxother = 400  # a long path stays whole
 _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 6
 _SHORT.maxlevel = 2
 
 
 def short_repr(value) -> str:
-    """``repr(value)`` cut for an error line (:mod:`reprlib`): strings to 80 characters, the first
-    6 items of a container, 2 levels deep; ``...`` marks what is left out."""
+    """``repr(value)`` cut for an error line (:mod:`reprlib`): strings to 400 characters (paths stay
+    whole), the first 6 items of a container, 2 levels deep; ``...`` marks what is left out."""
     return _SHORT.repr(value)

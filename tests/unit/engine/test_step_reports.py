@@ -177,8 +177,16 @@ def test_the_lr_reaches_min_lr_ratio_after_the_last_step_as_documented(tmp_path)
     ("key", "value", "message"),
     [
         ("model.d_model", 0, "model.d_model must be an integer >= 1, got 0"),
-        ("dist_timeout_s", 0.5, "dist_timeout_s must be a finite number >= 1 (seconds), got 0.5"),
-        ("dist_timeout_s", math.inf, "dist_timeout_s must be a finite number >= 1 (seconds), got inf"),
+        (
+            "dist_timeout_s",
+            0.5,
+            "dist_timeout_s must be a number in [1, 31536000] (seconds, a year at most), got 0.5",
+        ),
+        (
+            "dist_timeout_s",
+            math.inf,
+            "dist_timeout_s must be a number in [1, 31536000] (seconds, a year at most), got inf",
+        ),
         ("optim.min_lr_ratio", math.nan, "optim.min_lr_ratio must be a number in [0, 1], got nan"),
         ("optim.min_lr_ratio", 1.5, "optim.min_lr_ratio must be a number in [0, 1], got 1.5"),
         (
