@@ -43,6 +43,7 @@ from moetrain.launch import free_port
 from moetrain.parallel import ParallelContext
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import existing_file, nonnegative_int, output_path, positive_float, positive_int, write_json  # noqa: E402
 from emulated_cluster import can_emulate, run_on_emulated_cluster  # noqa: E402
 
 LOOPBACK_WORLD, LOOPBACK_LOCAL = 8, 4
@@ -241,16 +242,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--emulated-mbit", type=float, nargs="*", help="inter-node link rates to emulate")
-    parser.add_argument("--ranks-per-node", type=int, default=2, help="emulated cluster only")
+    parser.add_argument("--repeats", type=positive_int, default=7)
+    parser.add_argument("--warmup", type=nonnegative_int, default=3)
     parser.add_argument(
-        "--inter-node-gbps", type=float, default=35.0, help="node link of the 60x8 prediction"
+        "--emulated-mbit", type=positive_float, nargs="*", help="inter-node link rates to emulate"
     )
-    parser.add_argument("--sizes-kib", type=int, nargs="+", help="payloads per rank (default: per mode)")
-    parser.add_argument("--json", metavar="PATH")
-    parser.add_argument("--report", metavar="JSON", help="print the tables and fits of a saved --json run")
+    parser.add_argument("--ranks-per-node", type=positive_int, default=2, help="emulated cluster only")
+    parser.add_argument(
+        "--inter-node-gbps", type=positive_float, default=35.0, help="node link of the 60x8 prediction"
+    )
+    parser.add_argument(
+        "--sizes-kib", type=positive_int, nargs="+", help="payloads per rank (default: per mode)"
+    )
+    parser.add_argument("--json", metavar="PATH", type=output_path)
+    parser.add_argument(
+        "--report", metavar="JSON", type=existing_file, help="print the tables and fits of a saved --json run"
+    )
     parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)  # a launched rank
     args = parser.parse_args()
     if args.worker:
@@ -349,7 +356,7 @@ def report(runs: dict[str, dict], args) -> None:
             )
         saved[f"fit_{name}"] = {**fit, "prediction_60x8": predictions}
     if args.json:
-        Path(args.json).write_text(json.dumps(saved, indent=2))
+        write_json(args.json, saved)
 
 
 if __name__ == "__main__":

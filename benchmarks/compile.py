@@ -17,16 +17,20 @@ modules in bf16 on a GPU (scripts/gpu_check.sh). Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from moe_lm import LMConfig, TransformerBlock
 from moetrain import MoEConfig, MoELayer
 from moetrain._ext import ops
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import nonnegative_int, output_path, positive_int, write_json  # noqa: E402
 
 
 def _step(module, x, grad_out):
@@ -83,11 +87,13 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: in bf16")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--json", metavar="PATH", help="write the figures as JSON to PATH")
+    parser.add_argument("--threads", type=positive_int, default=2)
+    parser.add_argument("--repeats", type=positive_int, default=15)
+    parser.add_argument("--warmup", type=nonnegative_int, default=3)
+    parser.add_argument("--json", metavar="PATH", type=output_path, help="write the figures as JSON to PATH")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a GPU, but torch.cuda.is_available() is False")
     torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
@@ -116,8 +122,7 @@ def main() -> None:
     for row in results:
         print(" | ".join(f"{row[c]!s:>19}" for c in columns))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine, "results": results}, f, indent=1)
+        write_json(args.json, {"machine": machine, "results": results}, indent=1)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,9 @@ Usage: python benchmarks/cpu_adam.py [--numel 50000000] [--threads 2] [--json PA
 """
 
 import argparse
-import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +28,9 @@ from pathlib import Path
 import torch
 
 from moetrain._ext import ops
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import nonnegative_int, positive_int, write_json  # noqa: E402
 
 BYTES_PER_PARAM = 2 + 12 + 12 + 2  # grad bf16 in; param, exp_avg, exp_avg_sq in and out; bf16 copy out
 LR = 1e-3
@@ -128,11 +131,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--numel", type=int, default=50_000_000, help="parameters per step (default 50M)")
-    parser.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads (default 2)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed runs before timing (default 3)")
     parser.add_argument(
-        "--reps", type=int, default=15, help="timed rounds; the median is reported (default 15)"
+        "--numel", type=positive_int, default=50_000_000, help="parameters per step (default 50M)"
+    )
+    parser.add_argument("--threads", type=positive_int, default=2, help="torch / OpenMP threads (default 2)")
+    parser.add_argument(
+        "--warmup", type=nonnegative_int, default=3, help="untimed runs before timing (default 3)"
+    )
+    parser.add_argument(
+        "--reps", type=positive_int, default=15, help="timed rounds; the median is reported (default 15)"
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     parser.add_argument(
@@ -199,7 +206,7 @@ def main() -> None:
             "targets_met": {"speedup_ge_1.3": speedup >= 1.3, "roofline_ge_0.8": roofline_fraction >= 0.8},
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -20,10 +20,11 @@ Usage: python benchmarks/decode.py [--batch 8] [--new-tokens 40] [--beams 4] [--
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -31,6 +32,9 @@ from m6_moe.config import M6Config
 from m6_moe.generate import beam_search, build_context, greedy_search
 from m6_moe.model import M6Model
 from m6_moe.tokenizer import ByteTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import output_path, positive_int, write_json  # noqa: E402
 
 
 class NoEosTokenizer(ByteTokenizer):
@@ -50,17 +54,24 @@ def decode(strategy: str, model, tokenizer, context: dict, new_tokens: int, beam
 def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
-    parser.add_argument("--batch", type=int, default=8, help="images decoded together")
-    parser.add_argument("--new-tokens", type=int, default=40, help="tokens per row (tiny.yaml's seq_len)")
-    parser.add_argument("--beams", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=positive_int, default=8, help="images decoded together")
+    parser.add_argument(
+        "--new-tokens", type=positive_int, default=40, help="tokens per row (tiny.yaml's seq_len)"
+    )
+    parser.add_argument("--beams", type=positive_int, default=4)
+    parser.add_argument("--rounds", type=positive_int, default=5)
+    parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", type=output_path, default=None)
     args = parser.parse_args()
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as error:
+        parser.error(f"argument --device: {error}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("argument --device: cuda needs a GPU, but torch.cuda.is_available() is False")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    device = torch.device(args.device)
     config = M6Config.preset("tiny")
     model = M6Model(config).to(device).eval()
     tokenizer = NoEosTokenizer()
@@ -123,8 +134,7 @@ def main() -> None:
     print("outputs identical with and without the cache (checked)")
     if args.json:
         report = {"benchmark": "decode", "config": vars(args), "machine": machine, "results": results}
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

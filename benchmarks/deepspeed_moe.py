@@ -17,10 +17,10 @@ MoE layer needs no compiled op). Usage: ``python benchmarks/deepspeed_moe.py [--
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +29,9 @@ import torch.distributed as dist
 from torch import nn
 
 from moetrain import MoELayer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import int_in, nonnegative_int, output_path, positive_int, write_json  # noqa: E402
 
 
 def skew(router_weight: torch.Tensor, x: torch.Tensor, ids_of, hot: int, share: float) -> float:
@@ -52,14 +55,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--d-model", type=int, default=512)
-    parser.add_argument("--d-ff", type=int, default=2048)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=11)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--tokens", type=positive_int, default=2048)
+    parser.add_argument("--d-model", type=positive_int, default=512)
+    parser.add_argument("--d-ff", type=positive_int, default=2048)
+    parser.add_argument("--experts", type=int_in(2, why=" (top-2 routing)"), default=8)
+    parser.add_argument("--threads", type=positive_int, default=2)
+    parser.add_argument("--repeats", type=positive_int, default=11)
+    parser.add_argument("--warmup", type=nonnegative_int, default=5)
+    parser.add_argument("--json", metavar="PATH", type=output_path)
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # for DeepSpeed, in this benchmark's process
     try:
@@ -146,9 +149,7 @@ def main() -> None:
         print(" | ".join(f"{row[c]!s:>19}" for c in columns))
     if args.json:
         machine = {"cpu": platform.processor() or platform.machine(), "threads": args.threads}
-        Path(args.json).write_text(
-            json.dumps({"benchmark": "deepspeed_moe", "machine": machine, "results": results}, indent=2)
-        )
+        write_json(args.json, {"benchmark": "deepspeed_moe", "machine": machine, "results": results})
     dist.destroy_process_group()
 
 

@@ -28,6 +28,10 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import int_in, positive_float, positive_int  # noqa: E402
 
 NODES = 2
 
@@ -161,10 +165,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--ranks-per-node", type=int, default=2)
-    parser.add_argument("--rate-mbit", type=float, default=200.0, help="inter-node link, each direction")
-    parser.add_argument("--port", type=int, default=29517)
-    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--ranks-per-node", type=positive_int, default=2)
+    parser.add_argument(
+        "--rate-mbit", type=positive_float, default=200.0, help="inter-node link, each direction"
+    )
+    parser.add_argument("--port", type=int_in(1, 65535), default=29517)
+    parser.add_argument("--timeout", type=positive_float, default=600.0)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...]")
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import existing_file, positive_float, write_atomic  # noqa: E402
 from all_to_all import joint_fit  # noqa: E402
 
 HARDWARE = Path(__file__).resolve().parent.parent / "moetrain" / "comm" / "chunk_cost.py"
@@ -82,8 +83,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("all_to_all_json")
-    parser.add_argument("--rate", type=float, required=True, help="the emulated run (Mbit/s) to take")
+    parser.add_argument("all_to_all_json", type=existing_file)
+    parser.add_argument(
+        "--rate", type=positive_float, required=True, help="the emulated run (Mbit/s) to take"
+    )
     parser.add_argument("--write", action="store_true", help=f"rewrite the block in {HARDWARE.name}")
     args = parser.parse_args()
     report = json.loads(Path(args.all_to_all_json).read_text())
@@ -125,7 +128,7 @@ def main() -> None:
     pattern = re.compile(rf"^{re.escape(BEGIN)}.*?^{re.escape(END)}$", re.S | re.M)
     if not pattern.search(text):
         raise SystemExit(f"{HARDWARE}: the '{BEGIN}' / '{END}' lines are missing")
-    HARDWARE.write_text(pattern.sub(lambda _: "\n".join(lines), text, count=1), encoding="utf-8")
+    write_atomic(HARDWARE, pattern.sub(lambda _: "\n".join(lines), text, count=1))
     print(f"updated {HARDWARE}")
 
 

@@ -11,15 +11,19 @@ switch. Usage: ``python benchmarks/grouped_mm.py [--json PATH] [--repeats N] [--
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from moetrain import _torch_compat
 from moetrain.kernels.grouped_mm import loop_grouped_mm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import nonnegative_int, output_path, positive_int, write_json  # noqa: E402
 
 
 def _timed(fn) -> float:
@@ -69,10 +73,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--json", metavar="PATH", help="write the figures as JSON to PATH")
+    parser.add_argument("--threads", type=positive_int, default=2)
+    parser.add_argument("--repeats", type=positive_int, default=15)
+    parser.add_argument("--warmup", type=nonnegative_int, default=3)
+    parser.add_argument("--json", metavar="PATH", type=output_path, help="write the figures as JSON to PATH")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     results = [
@@ -89,8 +93,7 @@ def main() -> None:
         print(" | ".join(f"{row[c]!s:>17}" for c in columns))
     if args.json:
         machine = {"cpu": platform.processor() or platform.machine(), "threads": args.threads}
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine, "results": results}, f, indent=1)
+        write_json(args.json, {"machine": machine, "results": results}, indent=1)
 
 
 if __name__ == "__main__":

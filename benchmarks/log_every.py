@@ -13,9 +13,9 @@ Usage: python benchmarks/log_every.py [--rounds 5] [--steps 50] [--json PATH]
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +24,9 @@ import torch
 
 from moetrain.config import TrainConfig, config_from_dict
 from moetrain.engine import Trainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import output_path, positive_int, write_json  # noqa: E402
 
 
 def make_trainer(log_every: int, out_dir: Path) -> Trainer:
@@ -41,9 +44,9 @@ def make_trainer(log_every: int, out_dir: Path) -> Trainer:
 def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--rounds", type=positive_int, default=5)
+    parser.add_argument("--steps", type=positive_int, default=50)
+    parser.add_argument("--json", type=output_path, default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
     root = Path(tempfile.mkdtemp(prefix="log-every-"))
@@ -71,7 +74,7 @@ def main() -> None:
         f"{result['step_ms_log_every_50']:.2f} ms, ratio {result['ratio_1_over_50']:.3f}"
     )
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,14 @@ pages: here the libraries' code, since the index is read with ``pread``, not map
 
 - ``new``: open the dataset from its cached index, build the sampler and draw ``--batches``
   micro-batches of 16 (images decoded, 0 workers), for the full manifest and for its first 10k
-  records: the difference between the two is what the corpus size costs a rank. RSS resolves
-  only ~0.3 MiB, so two finer figures follow (see ``HEAP_CHILD``): the Python heap the
-  pipeline's objects hold (tracemalloc, exact) and the RSS per pipeline of ``--opens`` kept open;
+  records (``--records`` is at least 10k): the difference between the two is what the corpus size
+  costs a rank. RSS resolves only ~0.3 MiB, so two finer figures follow (see ``HEAP_CHILD``): the
+  Python heap the pipeline's objects hold (tracemalloc, exact) and the RSS per pipeline of
+  ``--opens`` kept open;
 - ``old``: the in-memory way this replaced (every record parsed into a Python object, its text
   tokenized, the task pools as lists: the code of ``ManifestDataset._read`` and ``TaskSampler``
-  before the index, copied below), on the first 100k and 500k records; its cost per record is
-  extrapolated linearly to ``--records`` (the two counts show it is linear).
+  before the index, copied below), on the first 100k and 500k records (at most ``--records``); its
+  cost per record is extrapolated linearly to ``--records`` (the two counts show it is linear).
 
 ``workers`` mode: the M6 tiny preset trains (AdamW, micro-batch 16, ``seq_len`` 40) on a manifest
 of 2,000 records over 200 JPEGs of 256-512 px (decoded and resized to the model's 32 px), once
@@ -46,7 +47,12 @@ import textwrap
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import existing_directory, int_in, output_path, positive_int, write_json  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
+SMALL_RECORDS = 10_000  # the small manifest: the first records of the full one
+OLD_RECORDS = (100_000, 500_000)  # the in-memory way's manifests, each at most --records
 COLOURS = ["red", "green", "blue", "yellow", "purple", "orange", "white", "black"]
 SHAPES = ["circle", "square", "triangle", "diamond", "star", "cross", "ring", "arrow"]
 
@@ -261,20 +267,20 @@ def run_index(args) -> dict:
         index_bytes = sum(p.stat().st_size for p in directory.iterdir())
         assert ManifestIndex(manifest, directory).records == args.records
         manifest_bytes = manifest.stat().st_size
-        small = head_manifest(manifest, 10_000, base / "small")
+        small = head_manifest(manifest, SMALL_RECORDS, base / "small")
         new_full = run_child(NEW_CHILD, manifest, args.batches)
         new_small = run_child(NEW_CHILD, small, args.batches)
         heap_full = run_child(HEAP_CHILD, manifest, args.batches, args.opens)
         heap_small = run_child(HEAP_CHILD, small, args.batches, args.opens)
-        olds = {
-            n: run_child(OLD_CHILD, head_manifest(manifest, n, base / f"old_{n}")) for n in (100_000, 500_000)
-        }
+        counts = sorted({min(n, args.records) for n in OLD_RECORDS})
+        olds = {n: run_child(OLD_CHILD, head_manifest(manifest, n, base / f"old_{n}")) for n in counts}
     finally:
         import shutil
 
         shutil.rmtree(base, ignore_errors=True)
-    old_per_record = {n: delta(r, "VmRSS") / n for n, r in olds.items()}
-    per_record = old_per_record[500_000]
+    old_per_record = {n: delta(r, "VmRSS") / r["records"] for n, r in olds.items()}
+    largest = max(olds)
+    per_record = old_per_record[largest]
     return {
         "records": args.records,
         "manifest_bytes": manifest_bytes,
@@ -297,7 +303,7 @@ def run_index(args) -> dict:
             for n, r in olds.items()
         },
         "old_extrapolated_rss": per_record * args.records,
-        "old_extrapolated_s": olds[500_000]["seconds"] * args.records / 500_000,
+        "old_extrapolated_s": olds[largest]["seconds"] * args.records / olds[largest]["records"],
     }
 
 
@@ -312,7 +318,7 @@ def print_index(result: dict) -> None:
     )
     print(f"new, per rank after opening + {new['full']['samples']} samples drawn "
           f"(open {new['full']['open_s'] * 1e3:.0f} ms):")  # fmt: skip
-    for name, label in (("full", f"{records:,} records"), ("small", "10,000 records")):
+    for name, label in (("full", f"{records:,} records"), ("small", f"{SMALL_RECORDS:,} records")):
         run = new[name]
         print(
             f"  {label:>18}: RSS +{(run['after']['VmRSS'] - run['before']['VmRSS']) / mib:7.2f} MiB "
@@ -328,14 +334,14 @@ def print_index(result: dict) -> None:
     heap_cost = new["heap_full"]["heap_held"] - new["heap_small"]["heap_held"]
     print(
         f"  finer: Python heap the pipeline holds (tracemalloc, exact): {new['heap_full']['heap_held']:,} "
-        f"bytes at {records:,} records, {new['heap_small']['heap_held']:,} at 10,000: the corpus size costs "
-        f"{heap_cost:+,} bytes = {heap_cost / records:+.1e} bytes/record"
+        f"bytes at {records:,} records, {new['heap_small']['heap_held']:,} at {SMALL_RECORDS:,}: "
+        f"the corpus size costs {heap_cost:+,} bytes = {heap_cost / records:+.1e} bytes/record"
     )
     rss_cost = new["heap_full"]["rss_per_open"] - new["heap_small"]["rss_per_open"]
     print(
         f"  finer: RSS per pipeline, {new['heap_full']['opens']} kept open at once: "
         f"{new['heap_full']['rss_per_open'] / 1024:.1f} KiB at {records:,} records, "
-        f"{new['heap_small']['rss_per_open'] / 1024:.1f} KiB at 10,000: the corpus size costs "
+        f"{new['heap_small']['rss_per_open'] / 1024:.1f} KiB at {SMALL_RECORDS:,}: the corpus size costs "
         f"{rss_cost / 1024:+.1f} KiB = {rss_cost / records:+.4f} bytes/record"
     )
     for n, run in old.items():
@@ -478,18 +484,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
     index = sub.add_parser("index")
-    index.add_argument("--records", type=int, default=10_000_000)
-    index.add_argument("--batches", type=int, default=200)
-    index.add_argument("--opens", type=int, default=50, help="pipelines kept open for the RSS per pipeline")
+    why = f" (the small manifest is the first {SMALL_RECORDS:,})"
+    index.add_argument("--records", type=int_in(SMALL_RECORDS, why=why), default=10_000_000)
+    index.add_argument("--batches", type=positive_int, default=200)
     index.add_argument(
-        "--dir", default=None, help="where the temporary manifest goes (default: the system's)"
+        "--opens", type=positive_int, default=50, help="pipelines kept open for the RSS per pipeline"
     )
-    index.add_argument("--json")
+    index.add_argument(
+        "--dir",
+        type=existing_directory,
+        default=None,
+        help="where the temporary manifest goes (default: the system's)",
+    )
+    index.add_argument("--json", type=output_path)
     loader = sub.add_parser("workers")
-    loader.add_argument("--workers", type=int, default=1)
-    loader.add_argument("--steps", type=int, default=30)
-    loader.add_argument("--rounds", type=int, default=3)
-    loader.add_argument("--json")
+    loader.add_argument(
+        "--workers", type=positive_int, default=1, help="loader workers compared with loading in-process"
+    )
+    loader.add_argument("--steps", type=positive_int, default=30)
+    loader.add_argument("--rounds", type=positive_int, default=3)
+    loader.add_argument("--json", type=output_path)
     args = parser.parse_args()
     from moetrain.logs import configure_console
 
@@ -502,7 +516,7 @@ def main() -> None:
         print_workers(result)
     result = {"mode": args.mode, "machine": machine(), **result}
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -28,10 +28,10 @@ with the GPU (``host_syncs``: each empties the GPU's queue) and the host's time 
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import platform
 import statistics
+import sys
 import time
 import warnings
 
@@ -44,6 +44,9 @@ from moetrain.comm.all_to_all import transpose_chunks
 from moetrain.kernels import grouped_mm
 from moetrain.layers import expert_path
 from moetrain.layers.dispatch import build_dispatch_plan
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _cli import nonnegative_int, output_path, positive_int, write_json  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # (tokens, d_model, d_ff) when not given on the command line.
@@ -393,16 +396,20 @@ def main() -> None:
     parser.add_argument(
         "--dtype", choices=list(DTYPES), help="of layer, floor and inputs; default fp32 on cpu, bf16 on cuda"
     )
-    parser.add_argument("--tokens", type=int, help="default 2048 on cpu, 16384 on cuda")
-    parser.add_argument("--d-model", type=int, help="default 512 on cpu, 4096 on cuda")
-    parser.add_argument("--d-ff", type=int, help="default 2048 on cpu, 14336 on cuda")
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--warmup", type=int, default=10, help="calls of every candidate before any is timed")
-    parser.add_argument("--json", metavar="PATH", help="write the figures as JSON to PATH")
+    parser.add_argument("--tokens", type=positive_int, help="default 2048 on cpu, 16384 on cuda")
+    parser.add_argument("--d-model", type=positive_int, help="default 512 on cpu, 4096 on cuda")
+    parser.add_argument("--d-ff", type=positive_int, help="default 2048 on cpu, 14336 on cuda")
+    parser.add_argument("--experts", type=positive_int, default=8)
+    parser.add_argument("--top-k", type=positive_int, default=2)
+    parser.add_argument("--threads", type=positive_int, default=2)
+    parser.add_argument("--repeats", type=positive_int, default=15)
+    parser.add_argument(
+        "--warmup", type=nonnegative_int, default=10, help="calls of every candidate before any is timed"
+    )
+    parser.add_argument("--json", metavar="PATH", type=output_path, help="write the figures as JSON to PATH")
     args = parser.parse_args()
+    if args.top_k > args.experts:
+        parser.error(f"argument --top-k: must be <= --experts ({args.experts}), got {args.top_k}")
     for name, default in zip(("tokens", "d_model", "d_ff"), DEFAULT_SHAPES[args.device], strict=True):
         if getattr(args, name) is None:
             setattr(args, name, default)
@@ -487,8 +494,7 @@ def main() -> None:
             report["kernels"] = kernels
             report["expert_paths"] = paths
             report["empty_groups_zero"] = empty_zero
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

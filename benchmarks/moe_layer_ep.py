@@ -35,6 +35,7 @@ from moetrain.launch import free_port
 from moetrain.parallel import ParallelContext
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import int_in, nonnegative_int, output_path, positive_float, positive_int, write_json  # noqa: E402
 from emulated_cluster import can_emulate, run_on_emulated_cluster  # noqa: E402
 
 
@@ -113,16 +114,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--d-ff", type=int, default=1024)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--emulated-mbit", type=float, nargs="*")
-    parser.add_argument("--ranks-per-node", type=int, default=1)
-    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--tokens", type=positive_int, default=1024)
+    parser.add_argument("--d-model", type=positive_int, default=256)
+    parser.add_argument("--d-ff", type=positive_int, default=1024)
+    parser.add_argument("--experts", type=int_in(2, why=" (top-2 routing)"), default=8)
+    parser.add_argument("--chunks", type=positive_int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--repeats", type=positive_int, default=9)
+    parser.add_argument("--warmup", type=nonnegative_int, default=3)
+    parser.add_argument("--emulated-mbit", type=positive_float, nargs="*")
+    parser.add_argument("--ranks-per-node", type=positive_int, default=1)
+    parser.add_argument("--json", metavar="PATH", type=output_path)
     parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if 1 not in args.chunks:
@@ -168,9 +169,7 @@ def main() -> None:
             print(" | ".join(f"{v!s:>22}" for v in values))
         print()
     if args.json:
-        Path(args.json).write_text(
-            json.dumps({"benchmark": "moe_layer_ep", "config": vars(args), "runs": runs}, indent=2)
-        )
+        write_json(args.json, {"benchmark": "moe_layer_ep", "config": vars(args), "runs": runs})
 
 
 if __name__ == "__main__":

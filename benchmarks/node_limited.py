@@ -10,8 +10,11 @@ sends to ranks on other nodes. Compared with the planner's expectation
 (:mod:`moetrain.planner.node_limit`): the per-slot algorithms send ``K (N - 1) / N`` rows per token
 across whatever the limit; node_dedup sends one copy per other node a token reaches,
 ``remote_nodes_per_token``. Then the layer's forward + backward is timed for each algorithm
-(orthonormal router only). On loopback every hop costs the same, so the time ratio shows the extra
-work and messages of the dedup path, not the inter-node bandwidth it saves.
+(orthonormal router only), the three interleaved: each of ``--repeats`` rounds (after ``--warmup``)
+runs flat, hierarchical and node_dedup once, in turn, so drift of the machine hits them alike; the
+times are medians over the rounds and the ratios medians of the per-round ratios. On loopback every
+hop costs the same, so the time ratio shows the extra work and messages of the dedup path, not the
+inter-node bandwidth it saves.
 
 Usage: ``python benchmarks/node_limited.py [--json PATH] [--repeats N] [--warmup N]``.
 """
@@ -22,9 +25,11 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,6 +39,9 @@ from moetrain import MoEConfig, MoELayer, shard_experts
 from moetrain.launch import free_port
 from moetrain.parallel import ParallelContext
 from moetrain.planner.node_limit import cross_node_row_share, remote_nodes_per_token
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import nonnegative_int, output_path, positive_int, write_json  # noqa: E402
 
 WORLD = 8
 
@@ -87,19 +95,22 @@ def _node_limited_layer(config, ctx, weights: str) -> MoELayer:
     return layer
 
 
-def _layer_ms(layer, x, upstream, args) -> float:
-    """Median over ``args.repeats`` of one forward + backward (the slowest rank's time)."""
-    samples = []
+def _layers_ms(layers: dict[str, MoELayer], x, upstream, args) -> dict[str, list[float]]:
+    """Milliseconds of one forward + backward (the slowest rank's time) of each layer, per round:
+    ``args.warmup`` untimed rounds, then ``args.repeats`` timed ones, every round running each layer
+    once, in turn."""
+    samples = {name: [] for name in layers}
     for i in range(args.warmup + args.repeats):
-        xi = x.clone().requires_grad_(True)
-        dist.barrier()
-        start = time.perf_counter()
-        layer(xi).backward(upstream)
-        elapsed = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if i >= args.warmup:
-            samples.append(float(elapsed))
-    return 1e3 * statistics.median(samples)
+        for name, layer in layers.items():
+            xi = x.clone().requires_grad_(True)
+            dist.barrier()
+            start = time.perf_counter()
+            layer(xi).backward(upstream)
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if i >= args.warmup:
+                samples[name].append(1e3 * float(elapsed))
+    return samples
 
 
 def node_limited_worker(rank: int, args, out_path: str, port: int) -> None:
@@ -130,8 +141,9 @@ def node_limited_worker(rank: int, args, out_path: str, port: int) -> None:
                     "weights": weights,
                     "max_nodes_per_token": limit,
                 }
+                layers = {}
                 for algo, ctx in contexts.items():
-                    layer = _node_limited_layer(config, ctx, weights)
+                    layer = layers[algo] = _node_limited_layer(config, ctx, weights)
                     with CrossNodeCounter(local) as counter:
                         layer(x.clone().requires_grad_(True)).backward(upstream)
                     totals = torch.tensor(
@@ -141,8 +153,14 @@ def node_limited_worker(rank: int, args, out_path: str, port: int) -> None:
                     dist.all_reduce(totals)
                     row[f"{algo}_dispatch_cross_rows_per_token"] = float(totals[0]) / (WORLD * NL_TOKENS)
                     row[f"{algo}_cross_node_bytes_per_rank"] = float(totals[1]) / WORLD
-                    if weights == "orthonormal":
-                        row[f"{algo}_layer_ms"] = _layer_ms(layer, x, upstream, args)
+                if weights == "orthonormal":
+                    samples = _layers_ms(layers, x, upstream, args)
+                    for algo, times in samples.items():
+                        row[f"{algo}_layer_ms"] = statistics.median(times)
+                    for name, base in (("flat", "flat"), ("hier", "hierarchical")):
+                        row[f"dedup_over_{name}"] = statistics.median(
+                            d / b for d, b in zip(samples["node_dedup"], samples[base], strict=True)
+                        )
                 with torch.no_grad():
                     expert_ids = layer.router(x).expert_ids_TK
                 node_TK = expert_ids // (NL_EXPERTS // nodes)
@@ -209,7 +227,10 @@ def print_node_limited(rows) -> None:
             r["max_nodes_reached"],
         ]
         print(" | ".join(f"{v!s:>12}" for v in line))
-    print("\ntime per layer (forward + backward, median, slowest rank), orthonormal router, gloo on loopback")
+    print(
+        "\ntime per layer (forward + backward, median, slowest rank), orthonormal router, gloo on loopback; "
+        "the three interleaved round by round, ratios: median of the per-round ratios"
+    )
     header = ["grid", "limit", "flat ms", "hier ms", "dedup ms", "dedup/flat", "dedup/hier"]
     print(" | ".join(f"{h:>12}" for h in header))
     for r in rows:
@@ -217,7 +238,7 @@ def print_node_limited(rows) -> None:
             continue
         flat, hier, dedup = r["flat_layer_ms"], r["hierarchical_layer_ms"], r["node_dedup_layer_ms"]
         line = [f"{r['nodes']} x {r['ranks_per_node']}", _limit_label(r), f"{flat:.1f}", f"{hier:.1f}",
-                f"{dedup:.1f}", f"{dedup / flat:.2f}", f"{dedup / hier:.2f}"]  # fmt: skip
+                f"{dedup:.1f}", f"{r['dedup_over_flat']:.2f}", f"{r['dedup_over_hier']:.2f}"]  # fmt: skip
         print(" | ".join(f"{v!s:>12}" for v in line))
 
 
@@ -225,9 +246,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--repeats", type=positive_int, default=7)
+    parser.add_argument("--warmup", type=nonnegative_int, default=2)
+    parser.add_argument("--json", metavar="PATH", type=output_path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "rows.json")
@@ -236,8 +257,7 @@ def main() -> None:
             rows = json.load(f)
     print_node_limited(rows)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "all_to_all_node_limited", "rows": rows}, f, indent=2)
+        write_json(args.json, {"benchmark": "all_to_all_node_limited", "rows": rows})
 
 
 if __name__ == "__main__":

@@ -28,11 +28,16 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from moetrain.offload import OffloadOptimizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import number_at_least, output_path, positive_float, positive_int, write_atomic  # noqa: E402
 
 SHARDS = 8  # parameters: equal slices of the total, as a model's layers would be
 
@@ -126,15 +131,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--params", type=float, default=2e7)
-    parser.add_argument("--steps", type=int, default=6, help="steps per round")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of none then delayed")
+    parser.add_argument(
+        "--params",
+        type=number_at_least(SHARDS, f" ({SHARDS} parameters of at least one element)"),
+        default=2e7,
+    )
+    parser.add_argument("--steps", type=positive_int, default=6, help="steps per round")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="rounds of none then delayed")
     parser.add_argument("--device-work", choices=("sleep", "model"), default="sleep")
     parser.add_argument(
-        "--device-s", type=float, help="device work per step, seconds (default: the host step)"
+        "--device-s", type=positive_float, help="device work per step, seconds (default: the host step)"
     )
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    parser.add_argument("--json", help="also write the result to this file")
+    parser.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")
+    parser.add_argument("--json", type=output_path, help="also write the result to this file")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -184,8 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            handle.write(text + "\n")
+        write_atomic(args.json, text + "\n")
     return result
 
 

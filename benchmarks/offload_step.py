@@ -17,7 +17,9 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -25,6 +27,9 @@ from moetrain.offload import OffloadOptimizer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SHARDS = 8  # parameters: equal slices of the total, as a model's layers would be
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import nonnegative_int, number_at_least, output_path, positive_int, write_json  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -61,15 +66,23 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--device", choices=["cpu", "cuda"])
-    parser.add_argument("--params", type=float, help="parameters stepped (default 1.2e9 on cuda, 2e7 on cpu)")
+    parser.add_argument(
+        "--params",
+        type=number_at_least(SHARDS, f" ({SHARDS} parameters of at least one element)"),
+        help="parameters stepped (default 1.2e9 on cuda, 2e7 on cpu)",
+    )
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    parser.add_argument("--threads", type=int, help="torch / OpenMP threads on the host (default: all)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument(
+        "--threads", type=positive_int, help="torch / OpenMP threads on the host (default: all)"
+    )
+    parser.add_argument("--warmup", type=nonnegative_int, default=2)
+    parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--json", metavar="PATH", type=output_path)
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a GPU, but torch.cuda.is_available() is False")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     total = int(args.params or (1.2e9 if device.type == "cuda" else 2e7))
     dtype = DTYPES[args.dtype]
@@ -110,8 +123,7 @@ def main() -> None:
     }
     print(json.dumps(result, indent=2))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
 
 
 if __name__ == "__main__":

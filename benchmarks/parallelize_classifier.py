@@ -31,15 +31,20 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import nonnegative_int, output_path, positive_int, write_json  # noqa: E402
 
 WORLD = 4
 GLOBAL_BATCH = 32
@@ -171,9 +176,9 @@ def predict(nodes: int = 8, gpus_per_node: int = 8) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", type=output_path, help="write the results here")
+    parser.add_argument("--steps", type=positive_int, default=8)
+    parser.add_argument("--warmup", type=nonnegative_int, default=3)
     args = parser.parse_args()
     from moetrain.launch import free_port
 
@@ -211,8 +216,7 @@ def main() -> None:
         print(f"predicted replica / {name}: bytes {ratio:.1f}x (inter-node {inter:.1f}x), "
               f"time {base['step_s'] / split['step_s']:.2f}x")  # fmt: skip
     if args.json:
-        with open(args.json, "w") as stream:
-            json.dump({"measured": measured, "prediction": prediction}, stream, indent=2)
+        write_json(args.json, {"measured": measured, "prediction": prediction})
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ Usage: python benchmarks/pipeline_bubble.py [--forward-ms 20] [--steps 5] [--jso
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -27,6 +26,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _cli import output_path, positive_float, positive_int, write_json  # noqa: E402
 
 from moetrain.pipeline import bubble_fraction  # noqa: E402
 from tests.helpers.dist_utils import run_distributed  # noqa: E402
@@ -81,9 +83,9 @@ def worker(rank, world, schedule, microbatches, seconds, steps):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--forward-ms", type=float, default=20.0)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--forward-ms", type=positive_float, default=20.0)
+    parser.add_argument("--steps", type=positive_int, default=5)
+    parser.add_argument("--json", type=output_path, default=None)
     args = parser.parse_args()
     seconds = args.forward_ms / 1000
     rows = []
@@ -112,7 +114,7 @@ def main() -> None:
     worst = max(abs(r["bubble"] - r["formula"]) for r in rows)
     print(f"largest |bubble - formula| = {worst:.3f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": platform.platform(), "rows": rows}, indent=1))
+        write_json(args.json, {"machine": platform.platform(), "rows": rows}, indent=1)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moe_layer  # noqa: E402  (the benchmark's cases and candidates)
+from _cli import positive_int  # noqa: E402
 
 CASES = {"capacity_1.0": (1.0, False), "dropless_balanced": (None, False), "dropless_skewed": (None, True)}
 
@@ -25,15 +26,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--d-model", type=int, default=4096)
-    parser.add_argument("--d-ff", type=int, default=14336)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--tokens", type=positive_int, default=16384)
+    parser.add_argument("--d-model", type=positive_int, default=4096)
+    parser.add_argument("--d-ff", type=positive_int, default=14336)
+    parser.add_argument("--experts", type=positive_int, default=8)
+    parser.add_argument("--top-k", type=positive_int, default=2)
     parser.add_argument("--case", choices=sorted(CASES), default="dropless_balanced")
-    parser.add_argument("--calls", type=int, default=3, help="profiled calls of each candidate")
-    parser.add_argument("--rows", type=int, default=18, help="kernels listed per candidate")
+    parser.add_argument("--calls", type=positive_int, default=3, help="profiled calls of each candidate")
+    parser.add_argument("--rows", type=positive_int, default=18, help="kernels listed per candidate")
     args = parser.parse_args()
+    if args.top_k > args.experts:
+        parser.error(f"argument --top-k: must be <= --experts ({args.experts}), got {args.top_k}")
     if not torch.cuda.is_available():
         parser.error("needs a GPU: torch.cuda.is_available() is False")
     args.device, args.dtype = "cuda", "bf16"
