@@ -406,7 +406,9 @@ class M6Model(nn.Module):
         """Feeds one target token per row (bos first, then each chosen token) and returns the
         logits ``[B, V]`` for the token after it: the new position attends to every cached one
         (context and earlier targets) and is appended to ``cache``; MoE layers route these ``B``
-        tokens only."""
+        tokens only. Eval mode only, as :meth:`start_decoding`."""
+        if self.training:
+            raise ValueError("decoding with a key/value cache needs eval mode: call model.eval() first")
         if tuple(tokens_B.shape) != (cache.batch,):
             raise ValueError(f"tokens_B must be [B={cache.batch}], got {tuple(tokens_B.shape)}")
         position = cache.length

@@ -77,4 +77,7 @@ def describe_m6(config: M6Config, name: str = "m6") -> ModelDescription:
         outside=m6_outside,
     )
     # data.seq_len bounds the prefix and the target each (build_m6 checks that both fit max_text_len)
-    return ModelDescription(name, arch, config, lambda: M6Model(config), seq_len_from_data=lambda n: 2 * n)
+    return ModelDescription(
+        name, arch, config, lambda: M6Model(config),
+        seq_len_from_data=lambda n: 2 * n, target_len_from_data=lambda n: n,
+    )  # fmt: skip

@@ -138,7 +138,7 @@ class TaskSampler:
     ``epoch_size``: the records one epoch visits."""
 
     def __init__(self, dataset: ManifestDataset, tokenizer, tasks: M6TaskConfig, seq_len: int, seed: int = 0):
-        require_int("seq_len", seq_len, 2, note="(bos/eos + one token)")
+        require_int("data.seq_len", seq_len, 3, note="(a one-token denoise target: bos, <s0> and the token)")
         self.dataset, self.tokenizer, self.tasks, self.seq_len = dataset, tokenizer, tasks, seq_len
         self.seed = seed
         self.weights = tasks.weights

@@ -31,18 +31,46 @@ class NonFiniteGradientsError(RuntimeError):
 class TrainingStep:
     """The step part of :class:`moetrain.engine.Trainer`: :meth:`train_step` and its stages."""
 
-    def _loss_share(self, targets) -> float:
-        """This rank's loss weight ``w_r`` for one micro-step: ``W * n_r / N`` in sequences, or, when
-        balancing a loss that averages over a varying number of units (``loss_fn.loss_units``,
-        e.g. M6's target tokens), ``W * u_r / U`` with the units counted over all ranks (one
-        scalar all-reduce), so the gradient is that of the mean over every unit of the global batch."""
-        count_units = getattr(self.loss_fn, "loss_units", None)
-        if self.balance is None or count_units is None or self.parallel.world_size == 1:
-            return self.loss_weight
-        mine = float(count_units(targets))
-        total = torch.tensor([mine], dtype=torch.float64, device=self.device)
-        dist.all_reduce(total)
-        return self.parallel.world_size * mine / max(float(total.item()), 1.0)
+    @property
+    def _count_units(self):
+        """``loss_fn.loss_units`` (the units a loss averages over, e.g. M6's target tokens), or None."""
+        return getattr(self.loss_fn, "loss_units", None)
+
+    def _share_per_unit(self, units: float) -> float:
+        """``D * m / U``: ``U`` the units of the step's ``m = grad_accum`` micro-batches on all
+        ``D = data_count`` data streams, from this stream's ``units`` (one scalar all-reduce over
+        the dense group, whose ranks read the ``D`` streams)."""
+        total = units
+        if self.parallel.data_count > 1:
+            summed = torch.tensor([units], dtype=torch.float64, device=self.device)
+            dist.all_reduce(summed, group=self.parallel.dense_group)
+            total = float(summed.item())
+        return self.parallel.data_count * self.config.grad_accum / max(total, 1.0)
+
+    def _micro_batches(self):
+        """This step's ``grad_accum`` micro-batches (on the device), each with its loss share ``s``:
+        its micro-step's backward scales its loss by ``s / grad_accum``, and the logged loss is the
+        mean of ``loss * s`` over the micro-steps and the data streams.
+
+        A loss that is a plain mean (no ``loss_fn.loss_units``): ``s = loss_weight`` (1, or
+        ``W * n_r / N`` in sequences under ``balance.*``), each micro-batch drawn as its micro-step
+        starts. A loss averaging over a varying number of units ``u_i`` per micro-batch: all are
+        drawn first and ``s_i = D * m * u_i / U`` (:meth:`_share_per_unit`), so that the gradient
+        the ranks average over the ``D`` streams, ``(1 / D) * sum_i (s_i / m) * grad(loss_i) =
+        sum_i u_i * grad(loss_i) / U``, is that of the mean over every unit of the step, whatever
+        its split into micro-batches and ranks (balanced or not)."""
+        accum = self.config.grad_accum
+        if self._count_units is None:
+            for _ in range(accum):
+                self.position.phase = "data loading"
+                yield to_device(self.batches.next(), self.device), self.loss_weight
+            return
+        self.position.phase = "data loading"
+        batches = [self.batches.next() for _ in range(accum)]
+        units = [float(self._count_units(targets)) for _, targets in batches]  # on the host: no device sync
+        per_unit = self._share_per_unit(sum(units))
+        for batch, u in zip(batches, units, strict=True):
+            yield to_device(batch, self.device), u * per_unit
 
     def _aux_loss_now(self) -> torch.Tensor:
         """The sum of the MoE layers' aux losses of the last forward, on the device (no sync)."""
@@ -53,13 +81,13 @@ class TrainingStep:
     def _moe_layers(self) -> list[MoELayer]:
         return [m for m in self.model.modules() if isinstance(m, MoELayer)]
 
-    def _micro_step(self, last: bool, loss_scale: float) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """Forward and backward of one micro-batch: (loss, aux loss) as detached device scalars,
-        and this rank's loss weight."""
-        self.position.phase = "data loading"
-        inputs, targets = to_device(self.batches.next(), self.device)
+    def _micro_step(
+        self, batch, share: float, last: bool, loss_scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of one micro-batch ``(inputs, targets)``, its loss scaled by
+        ``share / grad_accum`` (:meth:`_micro_batches`): (loss, aux loss) as detached device scalars."""
+        inputs, targets = batch
         accum = self.config.grad_accum
-        share = self._loss_share(targets)
         weight = share / accum
         set_aux_loss_scale(self.model, loss_scale * self.loss_weight / accum)
         context = contextlib.nullcontext() if last else self.trained.no_sync()
@@ -75,22 +103,32 @@ class TrainingStep:
                 self.position.phase = "backward"
                 with self.phases.phase("backward"):
                     (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-        return local_tensor(loss.detach()).float(), self._aux_loss_now(), share
+        return local_tensor(loss.detach()).float(), self._aux_loss_now()
 
     def _pipeline_step(self, loss_scale: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Forward and backward of the ``grad_accum`` micro-batches through the pipeline schedule
         (:mod:`moetrain.pipeline`): each micro-batch's loss and aux losses scaled by
-        ``loss_scale / grad_accum`` as in :meth:`_micro_step`. Returns the losses (the last stage's;
-        a zero elsewhere) and this rank's stages' aux loss per micro-batch (mean)."""
+        ``loss_scale / grad_accum`` as in :meth:`_micro_step`, a loss with ``loss_fn.loss_units``
+        also by its share ``s_i = u_i * D * m / U`` (:meth:`_micro_batches`). Returns the losses
+        times their shares (the last stage's; a zero elsewhere) and this rank's stages' aux loss per
+        micro-batch (mean)."""
         accum = self.config.grad_accum
         self.position.phase = "data loading"
-        batches = [to_device(self.batches.next(), self.device) for _ in range(accum)]
+        batches = [self.batches.next() for _ in range(accum)]
+        loss_fn, count_units = self.loss_fn, self._count_units
+        if count_units is not None:
+            per_unit = self._share_per_unit(sum(float(count_units(targets)) for _, targets in batches))
+
+            def loss_fn(output, targets):  # the schedule's micro-batch: its share from its own targets
+                return self.loss_fn(output, targets) * (float(count_units(targets)) * per_unit)
+
+        batches = [to_device(batch, self.device) for batch in batches]
         set_aux_loss_scale(self.model, loss_scale / accum)
         if self.scaler is not None:  # the schedule scales the losses by get_scale() itself; this
             self.scaler.scale(torch.ones((), device=self.device))  # creates the scaler's state for step()
         self.position.phase = "pipeline forward and backward"
         with self.phases.phase("pipeline"), self._autocast():
-            losses, aux = self.trained.pipeline.step(batches, self.loss_fn, loss_scale / accum)
+            losses, aux = self.trained.pipeline.step(batches, loss_fn, loss_scale / accum)
         self._count_stage_routing()
         zero = torch.zeros((), device=self.device)
         return losses or [zero], [aux / accum]
@@ -118,8 +156,8 @@ class TrainingStep:
             if self.trained.pipeline is not None:
                 losses, auxes = self._pipeline_step(loss_scale)
             else:
-                for micro in range(config.grad_accum):
-                    loss, aux, share = self._micro_step(micro == config.grad_accum - 1, loss_scale)
+                for micro, (batch, share) in enumerate(self._micro_batches()):
+                    loss, aux = self._micro_step(batch, share, micro == config.grad_accum - 1, loss_scale)
                     losses.append(loss * share)
                     auxes.append(aux)
         self.position.phase = "gradient sync"

@@ -211,6 +211,8 @@ def settings_from_args(args, defaults: dict) -> PlanSettings:
     values = dict(defaults)
     if args.recompute is not None:  # the flag replaces the run's recompute (--calibrate)
         values.pop("recompute_budget_bytes", None)
+    if args.seq_len is not None:  # the config's target length belongs to its own sequence length
+        values.pop("target_len", None)
     options = {
         "ep_size": args.ep_size,
         "pp_size": args.pp_size,

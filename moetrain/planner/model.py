@@ -151,13 +151,15 @@ class ModelDescription:
     """A model for the planner: its name, architecture, config and how to build it (any device).
     ``seq_len_from_data``: the text tokens per sequence a training config's ``data.seq_len`` means
     for this model, when it is not ``data.seq_len`` itself (a model whose prefix and target may each
-    be that long plans twice as many)."""
+    be that long plans twice as many); ``target_len_from_data``: the most of them that get logits
+    and a loss (a ``targets_only`` model's target; None: all of them)."""
 
     name: str
     arch: ModelArch
     config: object
     build: Callable[[], nn.Module] = field(repr=False, compare=False)
     seq_len_from_data: Callable[[int], int] | None = field(default=None, repr=False, compare=False)
+    target_len_from_data: Callable[[int], int] | None = field(default=None, repr=False, compare=False)
 
     @cached_property
     def _counts(self) -> tuple[ParameterCount, tuple[ParameterCount, ...], int]:
@@ -287,14 +289,18 @@ def train_seq_len(model: ModelDescription, data_seq_len: int) -> int:
 
 def run_batch_settings(train, model: ModelDescription) -> dict:
     """The :class:`~moetrain.planner.settings.PlanSettings` a training config's batch and precision
-    give: ``micro_batch``, ``seq_len`` (:func:`train_seq_len`), ``precision`` and ``autocast``."""
-    return {
+    give: ``micro_batch``, ``seq_len`` (:func:`train_seq_len`), ``precision`` and ``autocast``, and
+    ``target_len`` (the description's ``target_len_from_data(data.seq_len)``) when it has one."""
+    settings = {
         "micro_batch": train.data.micro_batch_size,
         "seq_len": train_seq_len(model, train.data.seq_len),
         "precision": train.precision,
         # the engine: fp32 weights with autocast compute, unless param_dtype stores them low
         "autocast": train.precision != "fp32" and train.param_dtype == "fp32",
     }
+    if model.target_len_from_data is not None and not model.arch.generic:
+        settings["target_len"] = model.target_len_from_data(train.data.seq_len)
+    return settings
 
 
 def run_recompute_settings(recompute_budget_mb: float | None) -> dict:
