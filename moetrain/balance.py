@@ -28,8 +28,8 @@ Use::
     plan = balance_batch(global_batch=256, speeds=[s.samples_per_s for s in speeds],
                          memory_limits=[16, 16, 8, 8], overheads=[s.overhead_s for s in speeds])
     n, w = plan.micro_batches[rank], plan.loss_weights[rank]
+    set_aux_loss_scale(model, w)                      # aux losses weighted alike, before the forward
     (loss_fn(model(batch[:n])) * w).backward()        # DDP averages as usual
-    set_aux_loss_scale(model, w)                      # MoE aux losses weighted the same way
 
 :func:`moetrain.planner.mixed.plan_mixed_cluster` predicts the speed-up for a mixed cluster.
 """
@@ -95,20 +95,23 @@ def balance_batch(
     times); ``memory_limits[r]``: the most sequences rank r fits (None: no limit);
     ``overheads[r]``: fixed seconds per step of rank r (None: 0). Every rank gets at least one
     sequence. ValueError when ``global_batch < W`` or above the sum of the limits."""
+    speeds = _listed("speeds", speeds, "numbers > 0, one per data-parallel rank")
     world = len(speeds)
     if world == 0:
         raise ValueError("speeds must hold one speed per data-parallel rank, got an empty list")
     require_int("global_batch", global_batch, world, note="(the ranks: each takes at least one sequence)")
-    speeds = list(require_numbers("speeds", list(speeds), low=0, low_open=True))
+    speeds = list(require_numbers("speeds", speeds, low=0, low_open=True))
     overheads = (
-        [0.0] * world if overheads is None else list(require_numbers("overheads", list(overheads), low=0))
+        [0.0] * world
+        if overheads is None
+        else list(require_numbers("overheads", _listed("overheads", overheads, "numbers >= 0"), low=0))
     )
     if len(overheads) != world:
         raise ValueError(f"overheads must have one entry per rank ({world}), got {len(overheads)}")
     if memory_limits is None:
         limits = [global_batch] * world
     else:
-        limits = list(memory_limits)
+        limits = _listed("memory_limits", memory_limits, "integers >= 1 (sequences)")
         if len(limits) != world:
             raise ValueError(f"memory_limits must have one entry per rank ({world}), got {len(limits)}")
         for i, limit in enumerate(limits):
@@ -119,15 +122,11 @@ def balance_batch(
                 f"(sequences the ranks can hold together)"
             )
 
-    sizes = [1] * world
-    heap = [(overheads[r] + 2 / speeds[r], r) for r in range(world) if limits[r] > 1]
-    heapq.heapify(heap)
-    for _ in range(global_batch - world):
-        _, r = heapq.heappop(heap)
-        sizes[r] += 1
-        if sizes[r] < limits[r]:
-            heapq.heappush(heap, (overheads[r] + (sizes[r] + 1) / speeds[r], r))
-
+    sizes = _fill(
+        _start_below(global_batch, speeds, limits, overheads), global_batch, speeds, limits, overheads
+    )
+    if not _greedy_prefix(sizes, speeds, limits, overheads):  # the start overshot (rounding): from ones
+        sizes = _fill([1] * world, global_batch, speeds, limits, overheads)
     step = max(overheads[r] + sizes[r] / speeds[r] for r in range(world))
     uniform = math.inf
     if global_batch % world == 0 and all(limit >= global_batch // world for limit in limits):
@@ -135,6 +134,73 @@ def balance_batch(
         uniform = max(overheads[r] + share / speeds[r] for r in range(world))
     weights = tuple(world * n / global_batch for n in sizes)
     return BatchAssignment(global_batch, tuple(sizes), weights, tuple(speeds), step, uniform)
+
+
+def _listed(name: str, values, allowed: str) -> list:
+    """``values`` as a list; a ValueError naming ``name`` when it is not a sequence (None, a number)."""
+    try:
+        return list(values)
+    except TypeError:
+        raise ValueError(f"{name} must be a list of {allowed}, got {values!r}") from None
+
+
+def _key(r: int, k: int, speeds, overheads) -> tuple[float, int, int]:
+    """Where rank r's k-th sequence comes in the greedy's order: its time after taking it, then the
+    rank (ties: lowest first), then k."""
+    return overheads[r] + k / speeds[r], r, k
+
+
+def _fill(start: list[int], total: int, speeds, limits, overheads) -> list[int]:
+    """The greedy of the module docstring from ``start`` (``1 <= start[r] <= limits[r]``, summing to
+    at most ``total``): each further sequence to the rank whose time after taking it is least."""
+    sizes = list(start)
+    heap = [_key(r, sizes[r] + 1, speeds, overheads)[:2] for r in range(len(sizes)) if sizes[r] < limits[r]]
+    heapq.heapify(heap)
+    for _ in range(total - sum(sizes)):
+        _, r = heapq.heappop(heap)
+        sizes[r] += 1
+        if sizes[r] < limits[r]:
+            heapq.heappush(heap, _key(r, sizes[r] + 1, speeds, overheads)[:2])
+    return sizes
+
+
+def _start_below(total: int, speeds, limits, overheads) -> list[int]:
+    """Sizes at most the greedy's for every rank, about ``2 * W`` short of ``total`` in all, so that
+    :func:`_fill` has O(W) sequences left to place (not ``total - W``). From the water level ``L``
+    whose sizes ``clamp(floor((L - o_r) * s_r), 1, m_r)`` sum to at most ``total`` (bisection): the
+    sequences taking a rank to a time below ``L`` are at most ``total - W``, so the greedy gives
+    them all; one fewer per rank leaves room for rounding (:func:`_greedy_prefix` checks)."""
+    world = len(speeds)
+
+    def level_sizes(level: float) -> list[int]:
+        sizes = []
+        for speed, limit, overhead in zip(speeds, limits, overheads, strict=True):
+            fill = (level - overhead) * speed
+            sizes.append(limit if fill >= limit else max(1, math.floor(fill)))
+        return sizes
+
+    low = min(overheads)  # every rank at 1
+    high = max(o + m / s for s, m, o in zip(speeds, limits, overheads, strict=True))  # every rank full
+    best = [1] * world
+    for _ in range(64):
+        middle = (low + high) / 2
+        if sum(best) >= total - world or not low < middle < high:
+            break
+        sizes = level_sizes(middle)
+        if sum(sizes) <= total:
+            low, best = middle, sizes
+        else:
+            high = middle
+    return [max(1, size - 1) for size in best]
+
+
+def _greedy_prefix(sizes: list[int], speeds, limits, overheads) -> bool:
+    """Whether every sequence given beyond each rank's first comes before every one not given, in
+    the greedy's order (:func:`_key`): then ``sizes`` are what the greedy from ones gives."""
+    world = len(sizes)
+    given = [_key(r, sizes[r], speeds, overheads) for r in range(world) if sizes[r] > 1]
+    left = [_key(r, sizes[r] + 1, speeds, overheads) for r in range(world) if sizes[r] < limits[r]]
+    return not given or not left or max(given) < min(left)
 
 
 def loss_weight(micro_batch: int, global_batch: int, world_size: int) -> float:
@@ -165,11 +231,12 @@ def calibrate(
     optimizer step needed) on this rank for each n in ``sizes`` and fits ``t = o + n / s``.
     ``step_fn`` must synchronise its device (e.g. ``torch.cuda.synchronize()``) before returning.
     With a single size, the overhead is taken as 0."""
-    sizes = sorted(set(sizes))
-    if not sizes:
-        raise ValueError("sizes must be a non-empty list of integers >= 1 (sequences), got []")
-    for i, n in enumerate(sizes):
+    given = _listed("sizes", sizes, "integers >= 1 (sequences)")
+    if not given:
+        raise ValueError(f"sizes must be a non-empty list of integers >= 1 (sequences), got {sizes!r}")
+    for i, n in enumerate(given):  # in the caller's order: the index names their entry
         require_int(f"sizes[{i}]", n, 1, note="(sequences)")
+    sizes = sorted(set(given))
     require_int("repeats", repeats, 1)
     require_int("warmup", warmup, 0)
     timings = {}

@@ -30,15 +30,16 @@ DDP_COMM_HOOKS = (None, "bf16", "fp16")
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The experts' parameters of every expert-parallel MoELayer (:func:`shard_experts` applied:
-    its gradients sum its EP group's tokens); a MoELayer left whole is a replicated module."""
+    its gradients sum its EP group's tokens), each once; a MoELayer left whole is a replicated
+    module."""
     from moetrain.layers.moe_layer import MoELayer
 
-    return [
-        p
-        for m in model.modules()
-        if isinstance(m, MoELayer) and m.parallel is not None
-        for p in m.experts.parameters()
-    ]
+    params = {}  # each once: layers may share one experts module (weights tied across layers)
+    for m in model.modules():
+        if isinstance(m, MoELayer) and m.parallel is not None:
+            for p in m.experts.parameters():
+                params.setdefault(id(p), p)
+    return list(params.values())
 
 
 def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -47,6 +48,8 @@ def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def is_dtensor(tensor) -> bool:
+    if type(tensor) in (torch.Tensor, nn.Parameter):  # the common case, without the import
+        return False
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
@@ -57,10 +60,13 @@ def wrap_data_parallel(
 ) -> nn.Module:
     """DDP over the dense group for the plain replicated parameters only: experts are left to
     :class:`ExpertGradReducer`, DTensor parameters (split layers) and the parameters in ``ignore``
-    to their own reduction. ``comm_hook``: None, "bf16" or "fp16" gradient compression. Returns
-    ``model`` itself when the dense group has one rank. The routers' ``load_E`` counts are each
-    rank's own (summed over ranks when the score biases are updated): DDP does not broadcast them
-    from rank 0 before each forward as it does the other buffers."""
+    to their own reduction. ``comm_hook``: None, "bf16" or "fp16" gradient compression;
+    ``ddp_options``: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters=True``
+    when a forward may leave a parameter unused on some ranks). Returns ``model`` itself when the
+    dense group has one rank, or when no parameter left to DDP requires a gradient (the experts
+    fine-tuned alone: nothing to average, and DDP refuses such a module). The routers' ``load_E``
+    counts are each rank's own (summed over ranks when the score biases are updated): DDP does not
+    broadcast them from rank 0 before each forward as it does the other buffers."""
     if comm_hook not in DDP_COMM_HOOKS:
         raise ValueError(f"comm_hook must be one of {DDP_COMM_HOOKS}, got {comm_hook!r}")
     if parallel.data_count == 1:
@@ -72,8 +78,13 @@ def wrap_data_parallel(
             f"uses {dist.get_backend(group)!r}: use comm_hook='fp16' or None"
         )
     skipped = {id(p) for p in expert_parameters(model)} | {id(p) for p in ignore}
-    ignored = [name for name, p in model.named_parameters() if id(p) in skipped or is_dtensor(p)]
-    if len(ignored) == len(list(model.parameters())):
+    ignored, trained = [], False
+    for name, p in model.named_parameters():
+        if id(p) in skipped or is_dtensor(p):
+            ignored.append(name)
+        else:
+            trained = trained or p.requires_grad
+    if not trained:
         return model  # nothing left for DDP to synchronise
     ddp_ignore_parameters(model, ignored + _per_rank_buffers(model))
     ddp = DistributedDataParallel(model, process_group=group, **ddp_options)
@@ -98,50 +109,66 @@ def _per_rank_buffers(model: nn.Module) -> list[str]:
 
 class GradReducer:
     """Sums gradients over ``group`` and divides by ``divisor``, in flat buckets of about
-    ``bucket_bytes`` (one all-reduce per bucket, not per tensor). DTensor gradients are reduced
-    through their local shards (the same storage). An fp16 bucket is divided before the sum
-    (``sum_r g_r / divisor``): its largest value is 65504, and the sum of 480 ranks' gradients
-    overflows long before their mean does; wider dtypes divide after the sum."""
+    ``bucket_bytes`` (one all-reduce per bucket, not per tensor). The buckets are laid out once,
+    here, over the parameters of ``params`` that require a gradient (each once, in order; a new
+    bucket where the dtype or device changes), so every rank runs the same all-reduces whatever
+    gradients it holds: with ``group_size > 1``, a parameter whose gradient is None on this rank
+    (its forward did not use it) contributes zeros and is given the reduced gradient (zeros when no
+    rank had one); with ``group_size`` 1 nothing is communicated and a None gradient stays None.
+    DTensor gradients are reduced through their local shards (the same storage). An fp16 bucket
+    is divided before the sum (``sum_r g_r / divisor``): its largest value is 65504, and the sum of
+    480 ranks' gradients overflows long before their mean does; wider dtypes divide after the
+    sum."""
 
     def __init__(self, params: list[nn.Parameter], group, group_size: int, divisor: int,
                  bucket_bytes: int = 32 * 2**20):  # fmt: skip
-        self.params = params
+        self.params = list({id(p): p for p in params if p.requires_grad}.values())
         self.group, self.group_size, self.divisor = group, group_size, divisor
         self.bucket_bytes = bucket_bytes
+        self.buckets = self._buckets(self.params)
+        self.dtensors = [any(is_dtensor(p) for p in bucket) for bucket in self.buckets]
 
-    def _buckets(self, grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        buckets, current, size = [], [], 0
-        for grad in grads:
-            if current and (
-                size + grad.numel() * grad.element_size() > self.bucket_bytes
-                or grad.dtype != current[0].dtype
-                or grad.device != current[0].device
-            ):
+    def _buckets(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+        buckets, current, size, kind = [], [], 0, None
+        for param in params:
+            local = local_tensor(param)
+            nbytes = local.numel() * local.element_size()
+            if current and (size + nbytes > self.bucket_bytes or (local.dtype, local.device) != kind):
                 buckets.append(current)
                 current, size = [], 0
-            current.append(grad)
-            size += grad.numel() * grad.element_size()
+            current.append(param)
+            size, kind = size + nbytes, (local.dtype, local.device)
         return buckets + ([current] if current else [])
 
     @torch.no_grad()
     def reduce(self) -> None:
-        grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
         scale = 1.0 / self.divisor
         if self.group_size == 1:
-            for grad in grads:
-                grad.mul_(scale)
+            for param in self.params:
+                if param.grad is not None:
+                    local_tensor(param.grad).mul_(scale)
             return
-        for bucket in self._buckets(grads):
-            flat = torch.cat([grad.reshape(-1) for grad in bucket])
+        for bucket, dtensors in zip(self.buckets, self.dtensors, strict=True):
+            grads = [param.grad for param in bucket]
+            if dtensors or any(grad is None for grad in grads):
+                grads = [_grad_or_zeros(param) for param in bucket]
+            flat = torch.cat([grad.reshape(-1) for grad in grads])
             divide_first = flat.dtype == torch.float16
             if divide_first:
                 flat.mul_(scale)
             dist.all_reduce(flat, group=self.group)
             if not divide_first:
                 flat.mul_(scale)
-            pieces = flat.split([grad.numel() for grad in bucket])
-            for grad, reduced in zip(bucket, pieces, strict=True):
+            for grad, reduced in zip(grads, flat.split([grad.numel() for grad in grads]), strict=True):
                 grad.copy_(reduced.view_as(grad))
+
+
+def _grad_or_zeros(param: nn.Parameter) -> torch.Tensor:
+    """The local part of ``param``'s gradient; a zero gradient first when it has none (unused by
+    this rank's forward: it adds nothing to the sum)."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    return local_tensor(param.grad)
 
 
 class ExpertGradReducer(GradReducer):
@@ -186,40 +213,76 @@ def global_grad_norm(model: nn.Module, parallel=None) -> torch.Tensor:
     world, where ``replication(p) = world / pieces(p)`` (``world``: the ranks of one pipeline stage,
     each stage's parameters being its own) and ``pieces`` is the number of distinct
     slices ``p`` is cut into (expert slices over the EP group times DTensor shards; 1 for a plain
-    replicated tensor). Squares are summed in fp64 straight from each gradient's dtype (an fp64
-    gradient is never rounded to fp32 first); the norm is an fp64 scalar. Call after the
-    gradients are synchronised (equal on every rank holding the same piece)."""
+    replicated tensor). The gradients are grouped by (device, dtype, pieces) and each group's
+    squares summed at once (:func:`_sum_of_squares`: fp64 and fp32 gradients in their own dtype,
+    so an fp64 gradient is never rounded to fp32; 16-bit ones per tensor in fp32), the groups'
+    sums added in fp64; the norm is an fp64 scalar. Call after the gradients are synchronised
+    (equal on every rank holding the same piece)."""
+    return _global_norm(model, parallel, _gradients(model)[0])
+
+
+def _gradients(
+    model: nn.Module,
+) -> tuple[dict[tuple, list[torch.Tensor]], list[nn.Parameter], list[torch.Tensor]]:
+    """One pass over ``model``'s gradients: ``{(device, dtype, pieces): [local gradients]}`` (see
+    :func:`global_grad_norm`), the parameters whose gradient is a plain tensor, and the local
+    shards of the DTensor gradients."""
+    shares = expert_shares(model)
+    groups, plain, split = {}, [], []
+    for param in model.parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        pieces = shares.get(id(param), 1)
+        if is_dtensor(grad):
+            pieces *= shard_count(grad)
+            grad = local_tensor(grad)
+            split.append(grad)
+        else:
+            plain.append(param)
+        groups.setdefault((grad.device, grad.dtype, pieces), []).append(grad)
+    return groups, plain, split
+
+
+def _global_norm(model: nn.Module, parallel, groups: dict[tuple, list[torch.Tensor]]) -> torch.Tensor:
     device = local_tensor(next(model.parameters())).device  # NCCL reduces device tensors only
     ranks = 1 if parallel is None else parallel.world_size
     world = ranks // getattr(parallel, "pp_size", 1)  # the ranks of one pipeline stage hold its parameters
-    shares = expert_shares(model)
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for param in model.parameters():
-        if param.grad is None:
-            continue
-        grad = local_tensor(param.grad.detach())
-        squares = torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2
-        pieces = shares.get(id(param), 1) * shard_count(param.grad)
-        total += squares.to(device) * (pieces / world) if pieces != world else squares.to(device)
+    for (_, _, pieces), grads in groups.items():
+        squares = _sum_of_squares(grads).to(device)
+        total += squares * (pieces / world) if pieces != world else squares
     if ranks > 1:
         dist.all_reduce(total)
     return torch.sqrt(total)
 
 
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """``sum_g ||g||^2`` of tensors of one device and dtype, an fp64 scalar. fp64 / fp32: torch's
+    foreach norm in their own dtype (a few kernels for the whole list), squared in fp64; 16-bit:
+    each tensor's norm in fp32 (an fp16 norm overflows past 65504, and a bf16 one keeps 3
+    digits), squared and summed in fp64."""
+    if grads[0].dtype in (torch.float64, torch.float32):
+        return torch.nn.utils.get_total_norm(grads, 2.0).double().square()
+    norms = torch.stack([torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in grads])
+    return norms.double().square().sum()
+
+
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float, parallel=None) -> torch.Tensor:
-    """Scales every gradient by ``min(1, max_norm / (norm + 1e-6))`` with the true global norm;
-    returns the norm before clipping."""
+    """Scales every gradient by ``min(1, max_norm / (norm + 1e-6))`` with the true global norm
+    (:func:`global_grad_norm`; plain gradients by ``torch.nn.utils.clip_grads_with_norm_``, a
+    foreach multiply per device and dtype, DTensor gradients through their local shards); returns
+    the norm before clipping."""
     require_positive_float("max_norm", max_norm)
-    norm = global_grad_norm(model, parallel)
-    scale_grads_(model, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    groups, plain, split = _gradients(model)
+    norm = _global_norm(model, parallel, groups)
+    torch.nn.utils.clip_grads_with_norm_(plain, max_norm, norm)
+    factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    factors = {}
+    for grad in split:
+        key = (grad.device, grad.dtype)
+        if key not in factors:
+            factors[key] = factor.to(grad.device, grad.dtype)
+        grad.mul_(factors[key])
     return norm
-
-
-@torch.no_grad()
-def scale_grads_(model: nn.Module, factor: torch.Tensor) -> None:
-    """Multiplies every gradient (each DTensor's local shard) by the scalar tensor ``factor``."""
-    for param in model.parameters():
-        if param.grad is not None:
-            grad = local_tensor(param.grad)
-            grad.mul_(factor.to(grad.device, grad.dtype))

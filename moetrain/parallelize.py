@@ -67,6 +67,7 @@ from moetrain.tensor_split import (
     split_styles,
     tied_parameters,
 )
+from moetrain.validation import require_bool
 
 log = logging.getLogger(__name__)
 
@@ -264,8 +265,8 @@ def _apply_fsdp(model, parallel, assignments, experts, cpu_offload: bool) -> lis
     sum_only = dist.get_backend(parallel.dense_group) == "gloo"  # gloo has no PREMUL_SUM
     units = []  # (unit, its mesh's size)
     divided_later = []
-    for layer in experts:
-        unit = fully_shard(layer.experts, mesh=parallel.submesh("dp"), **options)
+    for module in {id(layer.experts): layer.experts for layer in experts}.values():  # shared ones once
+        unit = fully_shard(module, mesh=parallel.submesh("dp"), **options)
         register_fsdp_forward_method(unit, "forward_rows")  # the chunked exchange's expert pass
         if parallel.dp_size > 1:
             unit.set_gradient_divide_factor(float(parallel.data_count))
@@ -316,6 +317,7 @@ def parallelize(
     replica: str | None = None,
     cpu_offload: bool | None = None,
     comm_hook: str | None = None,
+    find_unused_parameters: bool = False,
     auto=None,
 ) -> Parallelized:
     """Applies ``strategy`` (see the module docstring) to ``model`` in place over ``target``: a
@@ -326,6 +328,10 @@ def parallelize(
     ``replica``: ``"ddp"`` or ``"fsdp"`` (default: the context's ``config.replica``);
     ``cpu_offload``: FSDP2's CPU offload policy (default: ``config.fsdp_cpu_offload``);
     ``comm_hook``: DDP's gradient compression (None, ``"bf16"``, ``"fp16"``);
+    ``find_unused_parameters``: DDP's option of that name (``replica: ddp``, no pipeline): True
+    when a forward may leave a replicated parameter unused on some ranks (a branch one rank's batch
+    skips), which DDP would otherwise wait for (expert, split and pipeline gradients need nothing:
+    a rank's missing gradient joins their reduction as zeros);
     ``auto``: the decision for ``scope.auto()`` modules when ``tp_size > 1``
     (``moetrain.planner.auto.AutoSplit(cluster, description)``: the planner's replica-or-split choice
     per unit, logged).
@@ -335,6 +341,7 @@ def parallelize(
     DTensors and DDP / FSDP state collectively)."""
     parallel = target if isinstance(target, ParallelContext) else ParallelContext.from_mesh(target)
     replica, cpu_offload = _replica_options(parallel, replica, cpu_offload, comm_hook)
+    _check_find_unused(find_unused_parameters, replica, parallel)
     strategy = _chosen_strategy(model, parallel, strategy, auto)
     assignments = resolve_strategy(model, strategy)
     stages = None
@@ -355,6 +362,7 @@ def parallelize(
             cpu_offload,
             comm_hook,
             pipelined=stages is not None,
+            find_unused_parameters=find_unused_parameters,
         )
     pipeline = None
     if stages is not None:
@@ -394,6 +402,20 @@ def _replica_options(
             "averages the replicas without DDP; use comm_hook=None"
         )
     return replica, cpu_offload
+
+
+def _check_find_unused(find_unused_parameters, replica: str, parallel: ParallelContext) -> None:
+    """``find_unused_parameters`` of :func:`parallelize`: a bool, True only where DDP runs."""
+    require_bool("find_unused_parameters", find_unused_parameters)
+    if find_unused_parameters and (replica == "fsdp" or parallel.pp_size > 1):
+        where = (
+            "replica = 'fsdp' has no DDP"
+            if replica == "fsdp"
+            else f"pp_size = {parallel.pp_size} runs no DDP"
+        )
+        raise ValueError(
+            f"find_unused_parameters = True is DDP's option: {where}; use find_unused_parameters=False"
+        )
 
 
 def _chosen_strategy(model: nn.Module, parallel: ParallelContext, strategy: dict[str, str] | None, auto):
@@ -447,8 +469,15 @@ def _shard_experts_and_splits(model: nn.Module, assignments, parallel: ParallelC
     check_split(assignments, model, tp)
 
     experts = [a.module for a in assignments if a.kind == "expert"]
+    slices = {}  # layers sharing one experts module share its slice
     for layer in experts:
-        shard_experts(layer, parallel)
+        shard_experts(layer, parallel, slices=slices)
+    for name, module in model.named_modules():
+        if isinstance(module, MoELayer) and module.parallel is None and id(module.experts) in slices:
+            raise ValueError(
+                f"MoELayer {name!r} shares its experts with an 'expert' layer but is not one itself: "
+                "its copy would train apart from the slices; mark every layer sharing them 'expert'"
+            )
     if tp > 1:
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -464,13 +493,15 @@ def _shard_experts_and_splits(model: nn.Module, assignments, parallel: ParallelC
     return experts
 
 
-def _replicate(model, parallel, assignments, experts, replica, cpu_offload, comm_hook, *, pipelined: bool):
+def _replicate(
+    model, parallel, assignments, experts, replica, cpu_offload, comm_hook, *, pipelined: bool, **ddp_options
+):
     """Data parallelism over the mesh: FSDP2 in place, or gradient reducers (experts, split params,
     and the replicated params of a pipeline) plus DDP, wrapped now or, for a model on ``meta`` or a
-    pipeline, left to later. Returns ``(module, reducers, wrap)``."""
+    pipeline, left to later (``ddp_options``: DDP's). Returns ``(module, reducers, wrap)``."""
     reducers, wrap = [], None
     module = model
-    expert_params = [p for layer in experts for p in layer.experts.parameters()]
+    expert_params = list({id(p): p for layer in experts for p in layer.experts.parameters()}.values())
     if replica == "fsdp":
         return module, _apply_fsdp(model, parallel, assignments, experts, cpu_offload), wrap
     if expert_params:
@@ -490,7 +521,7 @@ def _replicate(model, parallel, assignments, experts, replica, cpu_offload, comm
         )
 
     def wrap():
-        return wrap_data_parallel(model, parallel, comm_hook, ignore=expert_params)
+        return wrap_data_parallel(model, parallel, comm_hook, ignore=expert_params, **ddp_options)
 
     on_meta = any(p.device.type == "meta" for p in model.parameters())
     if pipelined:

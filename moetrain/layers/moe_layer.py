@@ -278,7 +278,7 @@ def check_sequence_lengths(lengths_B, tokens: int) -> None:
     raise ValueError(f"sequence_lengths must be 1-D integers >= 0 summing to T = {tokens}, got {got}")
 
 
-def shard_experts(layer: MoELayer, parallel) -> MoELayer:
+def shard_experts(layer: MoELayer, parallel, *, slices: dict | None = None) -> MoELayer:
     """Expert parallelism of one layer, in place: the layer keeps the global experts
     ``parallel.local_experts(E)`` (``[ep_rank * E / ep_size, (ep_rank + 1) * E / ep_size)``) and
     exchanges tokens with its EP group (``AllToAllTokenDispatcher``, flat or hierarchical, or
@@ -286,13 +286,22 @@ def shard_experts(layer: MoELayer, parallel) -> MoELayer:
     routing learns the nodes the experts are spread over (``parallel.ep_nodes``). On a real device
     the weights are copies of the full layer's slices (the full ones are freed); on ``meta`` the
     slice is a ``meta`` module initialised, once materialised, with the same per-global-expert
-    seeds. Returns the layer."""
+    seeds. ``slices``: one dict passed to the calls for all the layers of a model,
+    ``{id(full experts module): its slice}``: layers sharing one experts module (weights tied
+    across layers) then share one slice, cut once, as they shared the full module (None: this
+    layer's experts are its own). Returns the layer."""
     if layer.parallel is not None or layer.experts.num_experts != layer.config.num_experts:
         raise ValueError("shard_experts: the layer's experts are already sharded")
     local = parallel.local_experts(layer.config.num_experts)
     # node-limited routing needs the node grid of the experts: the one place routing reads the layout
     layer.router.set_expert_nodes(parallel.ep_nodes)
-    layer.experts = layer.experts.slice_experts(local.start, local.stop)
+    full = layer.experts
+    sliced = None if slices is None else slices.get(id(full))
+    if sliced is None:
+        sliced = full.slice_experts(local.start, local.stop)
+        if slices is not None:
+            slices[id(full)] = sliced
+    layer.experts = sliced
     layer.parallel = parallel
     if parallel.ep_size > 1:
         kind = NodeDedupTokenDispatcher if parallel.all_to_all == "node_dedup" else AllToAllTokenDispatcher
