@@ -33,9 +33,9 @@ def m6():
 
 def test_m6_1t_step_with_the_delayed_update(m6):
     _, delayed, exact = m6
-    assert exact.time["step_s"] == pytest.approx(17.39, abs=0.01)
+    assert exact.time["step_s"] == pytest.approx(17.38, abs=0.01)
     assert exact.time["optimizer_exposed_s"] == exact.time["optimizer_s"]
-    assert delayed.time["step_s"] == pytest.approx(12.22, abs=0.01)
+    assert delayed.time["step_s"] == pytest.approx(12.21, abs=0.01)
     t = delayed.time
     device = t["step_s"] - t["optimizer_exposed_s"]
     assert device == pytest.approx(exact.time["step_s"] - exact.time["optimizer_s"])
@@ -47,7 +47,7 @@ def test_m6_1t_step_with_the_delayed_update(m6):
     assert t["optimizer_s"] == pytest.approx(pcie / groups + max(pcie * (groups - 1) / groups, cpu))
     assert t["optimizer_s"] < device
     assert t["optimizer_exposed_s"] == pytest.approx(pcie)
-    assert t["tokens_per_s"] / exact.time["tokens_per_s"] == pytest.approx(17.39 / 12.22, rel=1e-3)
+    assert t["tokens_per_s"] / exact.time["tokens_per_s"] == pytest.approx(17.38 / 12.21, rel=1e-3)
     # host memory: every gradient and weight copy once per GPU, pinned, instead of two apply groups
     assert delayed.host_memory["pinned_staging"] == 8 * per_rank * 2 * weight_b
     assert exact.host_memory["pinned_staging"] < delayed.host_memory["pinned_staging"]
