@@ -6,13 +6,13 @@ leaves the previous file, never part of a new one). Not a benchmark."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import uuid
 from collections.abc import Callable
 from pathlib import Path
+
+from moetrain.metrics import replace_text
 
 
 def int_in(minimum: int, maximum: int | None = None, why: str = "") -> Callable[[str], int]:
@@ -86,27 +86,14 @@ def output_path(text: str) -> str:
 
 def write_atomic(path: str | os.PathLike, text: str) -> None:
     """Writes ``text`` (UTF-8) to ``path`` through a temporary file in the same directory, fsynced,
-    then ``os.replace``: ``path`` holds its old content or all of the new, never a part. The file
-    keeps its permission bits (a new one gets the umask's)."""
+    then ``os.replace`` (:func:`moetrain.metrics.replace_text`): ``path`` holds its old content or
+    all of the new, never a part. The file keeps its permission bits (a new one gets the umask's)."""
     path = Path(path)
     try:
         mode = path.stat().st_mode & 0o7777
     except FileNotFoundError:
-        mode = None  # the kernel applies the umask to 0o666 (reading the umask means setting it)
-    temporary = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        if mode is not None:
-            os.chmod(temporary, mode)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-        raise
+        mode = None
+    replace_text(path, text, mode)
     directory = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(directory)  # the rename itself survives a crash

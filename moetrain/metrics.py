@@ -41,6 +41,7 @@ import json
 import logging
 import math
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -275,12 +276,26 @@ class MetricsLog:
                 log.error("metrics sink %s could not finish: %s", type(sink).__name__, error)
 
 
-def replace_text(path: Path, text: str) -> None:
-    """``text`` (UTF-8) into ``path`` through ``path.tmp`` renamed over it: a reader sees the old
-    file or the new one, never half of one."""
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, path)
+def replace_text(path: Path, text: str, mode: int | None = None) -> None:
+    """``text`` (UTF-8) into ``path`` through a temporary file of its own in the same directory,
+    written, synced to disk and renamed over ``path``: a reader sees the old file or the new one,
+    never half of one, and the temporary file is removed when writing fails. The file gets
+    ``mode`` when given, else ``0o666`` less the umask, as ``open`` gives (the kernel applies the
+    umask: reading it would mean setting it, a race with other threads)."""
+    path = Path(path)
+    temporary = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        if mode is not None:
+            os.chmod(temporary, mode)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def drop_records_after(path: Path, step: int) -> None:

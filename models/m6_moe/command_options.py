@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import uuid
 from pathlib import Path
 
 from moetrain.logs import LEVELS
+from moetrain.metrics import replace_text
 
 PACKAGE_LOGGER = "m6_moe"
 DEFAULT_BEAMS = 4
@@ -112,18 +112,7 @@ def write_output(option: str, path: Path, text: str) -> None:
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """``text`` into ``path`` through a temporary file in the same directory, written, synced to
-    disk and renamed over ``path``; the file gets mode ``0o666 & ~umask``, as ``open`` gives (the
-    kernel applies the umask: reading it would mean setting it, a race with other threads)."""
+    """``text`` into ``path`` (its missing directories created) through a temporary file synced and
+    renamed over it, mode ``0o666 & ~umask`` as ``open`` gives (:func:`moetrain.metrics.replace_text`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    replace_text(path, text)
