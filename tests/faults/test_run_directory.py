@@ -26,13 +26,17 @@ from moetrain.run_dir import LOCK_NAME, STALE_S, RunLock
 from tests.faults.launch import error_lines, tiny_config, write_config
 
 
-def train(tmp_path: Path, out_dir: Path, *args: str, **overrides) -> int:
-    name = f"config-{len(list(tmp_path.glob('config-*')))}.json"
-    config = write_config(tmp_path, tiny_config(out_dir, **overrides), name)
+def train_file(config: Path, *args: str) -> int:
+    """``moetrain train --config config *args`` in this process; its exit code."""
     try:
         return main(["train", "--config", str(config), *args])
     finally:
         detach_handlers()
+
+
+def train(tmp_path: Path, out_dir: Path, *args: str, **overrides) -> int:
+    name = f"config-{len(list(tmp_path.glob('config-*')))}.json"
+    return train_file(write_config(tmp_path, tiny_config(out_dir, **overrides), name), *args)
 
 
 def one_error(capsys) -> str:

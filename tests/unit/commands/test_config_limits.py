@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetrain.cli import main
 from moetrain.config.files import MAX_CONFIG_VALUES, build_train_config
 from moetrain.config.train import SEED_MAX
 from moetrain.failures import EXIT_BAD_INPUT
-from moetrain.logs import detach_handlers
 from moetrain.offload import GroupwiseApply
 from moetrain.offload.apply_groups import plan_apply_groups
-from tests.faults.launch import error_lines, tiny_config
+from tests.faults.launch import tiny_config
+from tests.faults.test_run_directory import one_error as the_error_line
+from tests.faults.test_run_directory import train_file as train
 from tests.helpers.paths import ROOT
 
 TOO_DEEP = "nested too deeply or refers to itself (an alias inside its own anchor)"
@@ -32,19 +32,9 @@ def _no_launcher_error_file(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
 
 
-def train(config: Path, *args: str) -> int:
-    try:
-        return main(["train", "--config", str(config), *args])
-    finally:
-        detach_handlers()
-
-
 def one_error(capsys) -> str:
     """The one error line on stderr, without its ``moetrain: error: `` prefix."""
-    err = capsys.readouterr().err
-    lines = error_lines(err)
-    assert len(lines) == 1, err
-    return lines[0].removeprefix("moetrain: error: ")
+    return the_error_line(capsys).removeprefix("moetrain: error: ")
 
 
 def json_config(tmp_path: Path, **overrides) -> tuple[Path, Path]:
