@@ -9,7 +9,6 @@ are compiled for every GPU the planner's presets name that this nvcc can target 
 """
 
 import importlib.util
-import os
 import shutil
 import subprocess
 import sys
@@ -89,9 +88,7 @@ def _find_nvcc(cpp_extension) -> str | None:
 def _nvcc_arch_flags(nvcc: str) -> list[str]:
     """The presets' GPUs this nvcc can target (one line names those it cannot); none when the
     user chose with ``TORCH_CUDA_ARCH_LIST``, which torch's build then applies."""
-    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        return []
-    flags, skipped = BUILD_SPEC.cuda_arch_flags(BUILD_SPEC.nvcc_archs(nvcc))
+    flags, skipped = BUILD_SPEC.nvcc_arch_flags(nvcc)
     if skipped:
         version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.split()[-1]
         print(BUILD_SPEC.skipped_archs_message(skipped, version), file=sys.stderr)

@@ -13,6 +13,7 @@ This module must not import torch or the rest of the package: ``setup.py`` loads
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -89,6 +90,15 @@ def cuda_arch_flags(supported: list[str]) -> tuple[list[str], list[str]]:
     newest = kept[-1].replace(".", "")
     flags += ["-gencode", f"arch=compute_{newest},code=compute_{newest}"]
     return flags, skipped
+
+
+def nvcc_arch_flags(nvcc: str) -> tuple[list[str], list[str]]:
+    """:func:`cuda_arch_flags` for what ``nvcc`` can target (flags, archs left out); none of either
+    when ``TORCH_CUDA_ARCH_LIST`` is set: the user chose, and torch's build applies that list. The
+    rule of ``setup.py`` and of the just-in-time build alike."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return [], []
+    return cuda_arch_flags(nvcc_archs(nvcc))
 
 
 def skipped_archs_message(skipped: list[str], nvcc_version: str) -> str:

@@ -47,8 +47,7 @@ from moetrain._build_spec import (
     LINK_FLAGS,
     NVCC_FLAGS,
     build_info_header,
-    cuda_arch_flags,
-    nvcc_archs,
+    nvcc_arch_flags,
     sources,
     torch_range_problem,
 )
@@ -159,9 +158,7 @@ def _nvcc_arch_flags(nvcc: str) -> list[str]:
     """As ``setup.py``'s: ``-gencode`` flags for the presets' GPUs this nvcc can target (one
     warning names those it cannot); none when ``TORCH_CUDA_ARCH_LIST`` is set, which torch's build
     then applies."""
-    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        return []
-    flags, skipped = cuda_arch_flags(nvcc_archs(nvcc))
+    flags, skipped = nvcc_arch_flags(nvcc)
     if skipped:
         gpus = ", ".join(CUDA_ARCHS[arch] for arch in skipped)
         logger.warning("moetrain: this nvcc cannot compile for %s", gpus)

@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch.utils import cpp_extension
 
-from moetrain import _ext
+from moetrain import _build_spec, _ext
 from tests.gpu.test_build import NO_COMPILER, import_in_copy, make_copy
 from tests.helpers.paths import ROOT
 
@@ -228,7 +228,7 @@ def test_torch_cuda_arch_list_replaces_the_preset_gpus_and_keys_the_build(tmp_pa
     """As in setup.py: TORCH_CUDA_ARCH_LIST set, no -gencode flags of moetrain's (torch's build then
     applies the list); each list builds into a directory of its own."""
     monkeypatch.setattr(_ext, "_cuda_compiler", lambda: "/fake/nvcc")
-    monkeypatch.setattr(_ext, "nvcc_archs", lambda nvcc: ["7.5", "8.0", "9.0", "12.0"])
+    monkeypatch.setattr(_build_spec, "nvcc_archs", lambda nvcc: ["7.5", "8.0", "9.0", "12.0"])
     csrc = tiny_csrc(tmp_path)
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
     _ext.build_just_in_time(csrc, "test")
