@@ -204,12 +204,11 @@ def test_the_run_id_file_is_written_atomically_and_an_empty_one_is_replaced(tmp_
     assert _run_id(path, lambda: "fresh") == "fresh" and path.read_text() == "fresh\n"
     assert _run_id(path, lambda: "other") == "fresh"
 
-    def out_of_space(self, *args, **kwargs):
-        self.open("w").close()  # created, then the disk is full
+    def out_of_space(fd):  # the temporary file is created and written, then the disk is full
         raise OSError(errno.ENOSPC, "No space left on device")
 
     second = tmp_path / "mlflow_run_id"
-    monkeypatch.setattr(Path, "write_text", out_of_space)
+    monkeypatch.setattr(os, "fsync", out_of_space)
     with pytest.raises(OSError, match="No space left"):
         _run_id(second, lambda: "lost")
     monkeypatch.undo()
