@@ -131,7 +131,8 @@ smoke train_m6_offload models/m6_moe/tiny.yaml precision=bf16 param_dtype=bf16 o
 run_step tests "$python" -m pytest -v -p no:cacheprovider -rfE --durations=15 -o "timeout=${TEST_TIMEOUT_S:-90}" \
     ${workers[@]+"${workers[@]}"} tests/gpu/test_cuda_kernels.py tests/unit/layers/test_compile.py \
     tests/unit/machinery/test_offload_optimizer.py::test_cuda_bf16_model_matches_the_cpu_model \
-    tests/unit/machinery/test_offload_optimizer.py::test_cuda_staging_of_large_groups_with_different_layouts_matches_the_cpu
+    tests/unit/machinery/test_offload_optimizer.py::test_cuda_staging_of_large_groups_with_different_layouts_matches_the_cpu \
+    tests/unit/machinery/test_offload_optimizer.py::test_cuda_delayed_update_reads_its_gradients_before_an_in_place_zero_grad
 finish_steps
 run_step bench_layer_e8 "$python" benchmarks/moe_layer.py --device cuda --dtype bf16 --json "$out/moe_layer_e8.json"
 run_step bench_layer_e64 "$python" benchmarks/moe_layer.py --device cuda --dtype bf16 --tokens 16384 \

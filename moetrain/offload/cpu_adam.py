@@ -175,14 +175,22 @@ class CPUAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Adds a group after checking that its params are contiguous fp32 CPU tensors."""
+        """Adds a group after checking that its params are contiguous fp32 CPU tensors; a group
+        refused (ValueError) is not kept."""
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
+        try:
+            self._check_group(len(self.param_groups) - 1)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def _check_group(self, index: int) -> None:
+        group = self.param_groups[index]
         _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        for index, param in enumerate(group["params"]):
+        for position, param in enumerate(group["params"]):
             if param.dtype != torch.float32 or param.device.type != "cpu" or not param.is_contiguous():
                 raise ValueError(
-                    f"CPUAdam: param {index} of param group {len(self.param_groups) - 1} must be a "
+                    f"CPUAdam: param {position} of param group {index} must be a "
                     f"contiguous float32 CPU tensor (the fp32 master weight), got dtype {param.dtype}, "
                     f"device {param.device}, contiguous={param.is_contiguous()}"
                 )

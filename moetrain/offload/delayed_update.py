@@ -2,8 +2,8 @@
 (``overlap="delayed"``, ZeRO-Offload's delayed parameter update, Ren et al. 2021): the host
 gradient snapshot, the worker thread that runs the C++ Adam of step t while the device runs step
 t + 1, and the writing of its weights into the parameters (``wait_pending``, ``apply_pending``,
-``has_pending``, ``close``). The timeline and the memory it costs: the docstring of
-:mod:`moetrain.offload.optimizer`.
+``has_pending``, ``close``, and ``zero_grad``'s wait for the snapshot). The timeline and the
+memory it costs: the docstring of :mod:`moetrain.offload.optimizer`.
 
 A mixin: it uses the optimizer's ``state``, ``param_groups``, ``device``, ``_segments`` and
 ``_adam``.
@@ -113,6 +113,14 @@ class DelayedUpdateMixin:
                 param.detach().copy_(source, non_blocking=cuda and weights is not None)
         if cuda:  # the next update may overwrite the weight buffers once these copies are done
             self._weights_written = torch.cuda.current_stream(self.device).record_event()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``. On CUDA, zeroing in place (``set_to_none=False``) first orders the
+        compute stream after the gradient snapshot's copies, which read the gradients themselves on
+        their side stream (``set_to_none=True`` drops the references; the snapshot keeps its own)."""
+        if not set_to_none and self._d2h_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._d2h_stream)
+        super().zero_grad(set_to_none=set_to_none)
 
     @property
     def has_pending(self) -> bool:

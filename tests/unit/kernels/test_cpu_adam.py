@@ -514,3 +514,20 @@ def test_cpu_adam_rejects_bad_params_and_hyperparameters():
     optimizer = CPUAdam([torch.nn.Parameter(torch.zeros(4))])
     with pytest.raises(ValueError, match="param 0 of param group 1"):
         optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))]})
+
+
+@pytest.mark.parametrize(
+    "group",
+    [{"params": [torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))]}, {"params": [], "eps": -1.0}],
+)
+def test_a_refused_param_group_is_not_kept_and_the_next_step_runs(group):
+    kept = torch.nn.Parameter(torch.ones(4))
+    optimizer = CPUAdam([kept], lr=0.1)
+    if not group["params"]:
+        group["params"] = [torch.nn.Parameter(torch.zeros(4))]
+    with pytest.raises(ValueError):
+        optimizer.add_param_group(group)
+    assert len(optimizer.param_groups) == 1
+    kept.grad = torch.ones(4)
+    optimizer.step()
+    assert torch.all(kept < 1)

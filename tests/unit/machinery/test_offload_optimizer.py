@@ -554,3 +554,27 @@ def test_cuda_staging_of_large_groups_with_different_layouts_matches_the_cpu():
         cuda_opt.step()
     for param, cuda_param in zip(cpu_params, cuda_params, strict=True):
         assert torch.equal(param, cuda_param.cpu())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_delayed_update_reads_its_gradients_before_an_in_place_zero_grad():
+    """The gradient snapshot of ``overlap="delayed"`` copies the gradients on a side stream while
+    ``step()`` returns; ``zero_grad(set_to_none=False)`` right after must not zero them first. The
+    copies are large (256 MiB) so that, unordered, the zeroing would overtake them."""
+    generator = torch.Generator().manual_seed(0)
+    cpu_params = [torch.nn.Parameter(torch.randn(8192, 8192, generator=generator)) for _ in range(1)]
+    cuda_params = [torch.nn.Parameter(p.detach().cuda()) for p in cpu_params]
+    options = {"lr": 1e-2, "overlap": "delayed", "overlap_after_steps": 0}
+    cpu_opt, cuda_opt = OffloadOptimizer(cpu_params, **options), OffloadOptimizer(cuda_params, **options)
+    for _ in range(3):
+        for param, cuda_param in zip(cpu_params, cuda_params, strict=True):
+            param.grad = torch.randn(param.shape, generator=generator)
+            cuda_param.grad = param.grad.cuda()
+        cpu_opt.step()
+        cuda_opt.step()
+        cpu_opt.zero_grad(set_to_none=False)
+        cuda_opt.zero_grad(set_to_none=False)
+    cpu_opt.apply_pending()
+    cuda_opt.apply_pending()
+    for param, cuda_param in zip(cpu_params, cuda_params, strict=True):
+        assert torch.equal(param, cuda_param.cpu())
