@@ -259,21 +259,30 @@ MESH_DIMS = ("dp", "ep", "tp")
 PIPELINE_MESH_DIMS = ("pp", *MESH_DIMS)
 
 
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def check_sizes(world_size: int, ep_size: int, tp_size: int = 1, pp_size: int = 1) -> None:
-    """ValueError naming the numbers when ``pp_size * ep_size * tp_size`` does not divide the world
-    size."""
+    """ValueError naming the numbers and the possible values when ``pp_size`` does not divide the
+    world size, or ``ep_size * tp_size`` the ranks of one pipeline stage (``world / pp_size``)."""
     if pp_size > 1 and world_size % pp_size:
-        raise ValueError(f"pp_size = {pp_size} must divide the world size = {world_size}")
-    world_size //= pp_size
-    if world_size % (ep_size * tp_size):
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        if tp_size == 1:
-            raise ValueError(
-                f"ep_size = {ep_size} must divide the world size = {world_size} (possible: {divisors})"
-            )
+        possible = _divisors(world_size)
         raise ValueError(
-            f"ep_size x tp_size = {ep_size} x {tp_size} = {ep_size * tp_size} must divide the world size = "
-            f"{world_size} (divisors: {divisors})"
+            f"pp_size = {pp_size} must divide the world size = {world_size} (possible: {possible})"
+        )
+    stage = world_size // pp_size
+    if stage % (ep_size * tp_size):
+        ranks = (
+            f"the world size = {world_size}"
+            if pp_size == 1
+            else f"the ranks of one pipeline stage = {stage} (world size {world_size} / pp_size {pp_size})"
+        )
+        if tp_size == 1:
+            raise ValueError(f"ep_size = {ep_size} must divide {ranks} (possible: {_divisors(stage)})")
+        raise ValueError(
+            f"ep_size x tp_size = {ep_size} x {tp_size} = {ep_size * tp_size} must divide {ranks} "
+            f"(divisors: {_divisors(stage)})"
         )
 
 
@@ -499,9 +508,10 @@ class ParallelContext:
 
     @property
     def data_leader(self) -> int:
-        """The global rank of tp index 0 in this rank's tensor-parallel group (whose data position
-        the whole group resumes from)."""
-        return self.tp_ranks[0]
+        """The global rank whose data position this rank resumes from: tp index 0 of this rank's
+        tensor-parallel group on its pipeline's first stage (``pipeline_grid[0, dp, ep, 0]``), so
+        that the tensor-parallel group and every stage of the pipeline read one stream."""
+        return int(self.pipeline_grid[0, self.dp_rank, self.ep_rank, 0])
 
     def local_experts(self, num_experts: int) -> range:
         """Global indices of the experts this rank holds."""

@@ -33,10 +33,12 @@ import logging
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moetrain.layers.moe_layer import MoELayer
 from moetrain.scope import stage_boundaries
+from moetrain.tensor_split import tied_parameters
 
 log = logging.getLogger(__name__)
 
@@ -71,15 +73,20 @@ def active_parameters(layer: nn.Module) -> float:
     return total + sum(p.numel() for p in layer.parameters())
 
 
+def _check_stage_count(stages: int, num_layers: int) -> None:
+    if stages > num_layers:
+        raise ValueError(
+            f"parallel.pp_size * parallel.pp_virtual = {stages} stages must be <= model.num_layers = "
+            f"{num_layers} (the layers of the pipelined stack, at least one per stage)"
+        )
+
+
 def balance_layers(costs: Sequence[float], stages: int) -> list[int]:
     """The first layer of each stage but the first, cutting ``costs`` (one per layer) into
     ``stages`` contiguous non-empty runs whose largest sum is smallest (dynamic programme, ties to
     the earlier cut)."""
     n = len(costs)
-    if stages > n:
-        raise ValueError(
-            f"pp_size * pp_virtual = {stages} stages need at least as many layers, the stack has {n}"
-        )
+    _check_stage_count(stages, n)
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
@@ -102,10 +109,13 @@ def balance_layers(costs: Sequence[float], stages: int) -> list[int]:
 
 def stage_layers(num_layers: int, stages: int, boundaries: Sequence[int]) -> list[range]:
     """Each stage's layer range from the first layer of every stage but the first."""
+    _check_stage_count(stages, num_layers)
     edges = [0, *boundaries, num_layers]
     if len(edges) != stages + 1 or any(a >= b for a, b in zip(edges, edges[1:], strict=False)):
         raise ValueError(
-            f"pp_layers = {list(boundaries)} does not cut {num_layers} layers into {stages} non-empty stages"
+            f"parallel.pp_layers = {list(boundaries)} must be {stages - 1} increasing layer indices in "
+            f"1..{num_layers - 1} (the first layer of each of the parallel.pp_size * parallel.pp_virtual = "
+            f"{stages} stages but the first; model.num_layers = {num_layers})"
         )
     return [range(a, b) for a, b in zip(edges, edges[1:], strict=False)]
 
@@ -128,13 +138,34 @@ def _chunk(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Modul
     return chunk
 
 
+def _check_tied(model: nn.Module, tied: list[list[str]], parallel) -> None:
+    """After the cut: ValueError on every rank of the pipeline (one all-gather over ``pp_group``)
+    when a parameter that several modules share (``tied``: the names of each, found before the
+    cut) is now held under its names by more than one pipeline rank: each would train its own
+    copy, with only its share of the gradient."""
+    held = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    mine = [[name for name in group if name in held] for group in tied]
+    every: list = [None] * parallel.pp_size
+    dist.all_gather_object(every, mine, group=parallel.pp_group)
+    for i, group in enumerate(tied):
+        ranks = [rank for rank, names in enumerate(every) if names[i]]
+        if len(ranks) > 1:
+            raise ValueError(
+                f"parameters {', '.join(group)} are one tied tensor, which the stage cut puts on pipeline "
+                f"ranks {ranks} (parallel.pp_size = {parallel.pp_size}), each training its own copy: untie "
+                "them, or cut the stack so that one rank holds them (parallel.pp_layers), or set "
+                "parallel.pp_size = 1"
+            )
+
+
 def split_stages(
     model: nn.Module, stack_name: str, parallel
 ) -> tuple[list[nn.Module], list[int], list[range]]:
     """Cuts ``model`` in place to this rank's stages: it keeps the union of their layers (and the
     input / output modules if it holds the first / last stage). Returns one module per stage this
     rank holds (``model`` itself when it holds one, else views sharing its parameters), their
-    stage indices, and every stage's layer range."""
+    stage indices, and every stage's layer range. A tied parameter (e.g. a head sharing its
+    embedding's matrix) whose names fall on different pipeline ranks is a ValueError."""
     _check_hook(model)
     config = parallel.config
     stages = parallel.pp_size * config.pp_virtual
@@ -164,7 +195,10 @@ def split_stages(
     ranges = stage_layers(len(layers), stages, boundaries)
     mine = list(range(parallel.pp_rank, stages, parallel.pp_size))
     union = [i for s in mine for i in ranges[s]]
+    tied = tied_parameters(model)
     model.pipeline_stage(union, mine[0] == 0, mine[-1] == stages - 1)
+    if tied:
+        _check_tied(model, tied, parallel)
     if len(mine) == 1:
         return [model], mine, ranges
     chunks = [_chunk(model, ranges[s], s == 0, s == stages - 1) for s in mine]
@@ -200,8 +234,19 @@ class Pipeline:
         self._microbatches = None
         self._aux: list[torch.Tensor] = []
         self._probing: set[int] = set()
+        self._input_keys: tuple[str, ...] | None = None  # during a step with dict inputs: their keys
         for chunk in chunks:
             chunk.register_forward_hook(self._record_aux)
+        if self.holds_first:
+            chunks[0].register_forward_pre_hook(self._keyword_inputs, with_kwargs=True)
+
+    def _keyword_inputs(self, chunk, args, kwargs):
+        """Before the first stage's forward: dict inputs, given to the schedule positionally in
+        the order ``_input_keys`` (torch's schedules pass the step's keyword arguments to every
+        stage of the rank, an interleaved rank's later stages too), back to keywords."""
+        if self._input_keys is None:
+            return None
+        return (), {**dict(zip(self._input_keys, args, strict=True)), **kwargs}
 
     def _record_aux(self, chunk, args, output) -> None:
         """After each forward of a stage: its MoE aux losses. The first forward of a stage under a
@@ -249,16 +294,19 @@ class Pipeline:
             self._probing = {id(chunk) for chunk in self.chunks}
         self._loss.loss_fn, self._loss.scale = loss_fn, scale
         self._aux, losses = [], []
-        args, kwargs, target = (), {}, None
+        args, target = (), None
         if self.holds_first:
             inputs = _concat([b[0] for b in batches])
             if isinstance(inputs, dict):
-                kwargs = inputs
+                self._input_keys, args = tuple(inputs), tuple(inputs.values())
             else:
                 args = (inputs,)
         if self.holds_last:
             target = _concat([b[1] for b in batches])
-        self._schedule.step(*args, target=target, losses=losses if self.holds_last else None, **kwargs)
+        try:
+            self._schedule.step(*args, target=target, losses=losses if self.holds_last else None)
+        finally:
+            self._input_keys = None
         aux = torch.stack(self._aux).sum() if self._aux else torch.zeros((), device=self.device)
         return [loss.detach().float() / scale for loss in losses], aux
 

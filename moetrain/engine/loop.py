@@ -219,7 +219,7 @@ class TrainingLoop:
                 scheduler=self.scheduler,
                 parallel=self.parallel,
                 step=step,
-                extra_state_rank=self.parallel.data_leader,  # a tensor-parallel group reads one stream
+                extra_state_rank=self.parallel.data_leader,  # one stream per tp group and pipeline
             )
         except CheckpointError as error:
             raise CheckpointError(f"{error}{self._intact_hint(step, steps)}") from None
@@ -230,8 +230,8 @@ class TrainingLoop:
         saved_stream = extra.get("data_index", stream)  # older checkpoints did not record it
         if loaded["extra_state_rank"] == self.parallel.data_leader and saved_stream == stream:
             self.batches.load_state_dict(extra["data"])
-        else:  # a rank the saved run did not have, or whose saved rank read another stream (tp_size
-            # changed): a fresh stream, distinct from the others
+        else:  # a leader the saved run did not have, or whose saved rank read another stream (tp_size
+            # or pp_size changed): a fresh stream, distinct from the others, the same on every stage
             self.batches.reseed(self.config.seed, stream, self.step)
         if self.scaler is not None and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])

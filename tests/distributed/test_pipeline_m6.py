@@ -1,9 +1,10 @@
 """M6 cut into pipeline stages (:meth:`m6_moe.model.M6Model.pipeline_stage`) on real gloo ranks
-against one process: world 4 as pp2 x ep2 (GPipe) and pp2 x dp2 (1F1B). Between the stages travel
-the hidden states, the real positions (bool) and the target mask; the losses, every gradient (MoE
-aux losses included), the global norm over both stages and the aux losses summed over the stages
-equal one process accumulating the same micro-batches. Also: batches padded to one shape change
-no loss, and ``tie_embeddings`` is refused under pp."""
+against one process: world 4 as pp2 x ep2 (GPipe) and pp2 x dp2 (1F1B, and interleaved 1F1B with
+two stages per rank). Between the stages travel the hidden states, the real positions (bool) and
+the target mask; the losses, every gradient (MoE aux losses included), the global norm over both
+stages and the aux losses summed over the stages equal one process accumulating the same
+micro-batches. Also: batches padded to one shape change no loss, and ``tie_embeddings`` is refused
+under pp."""
 
 from __future__ import annotations
 
@@ -51,13 +52,14 @@ def _batch(index: int, batch: int = 2):
 
 def m6_pipeline_worker(rank, world, layouts):
     reports = []
-    for ep, schedule in layouts:
-        parallel = ParallelContext(ParallelConfig(ep_size=ep, pp_size=2, pp_schedule=schedule))
+    for ep, schedule, virtual in layouts:
+        config = ParallelConfig(ep_size=ep, pp_size=2, pp_schedule=schedule, pp_virtual=virtual)
+        parallel = ParallelContext(config)
         torch.manual_seed(0)
         model = M6Model(CONFIG, seed=3)
         strategy = default_m6_strategy(CONFIG, 1, parallel.pp_size)
         report = pipeline_step_report(model, parallel, strategy, MICRO, _batch, m6_loss, _m6_loss_of)
-        reports.append({"layout": (ep, schedule), **report})
+        reports.append({"layout": (ep, schedule, virtual), **report})
     return reports
 
 
@@ -67,8 +69,10 @@ def _m6_loss_of(net, inputs, labels):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_m6_pp2_ep2_gpipe_and_pp2_dp2_1f1b_equal_one_process():
-    results = run_distributed(m6_pipeline_worker, 4, [(2, "gpipe"), (1, "1f1b")])
+def test_m6_pp2_ep2_gpipe_and_pp2_dp2_1f1b_and_interleaved_equal_one_process():
+    """Interleaved 1F1B too: rank 0's second stage is not given the keyword inputs (M6's are a dict)."""
+    layouts = [(2, "gpipe", 1), (1, "1f1b", 1), (1, "interleaved_1f1b", 2)]
+    results = run_distributed(m6_pipeline_worker, 4, layouts)
     world_params = {name for name, _ in M6Model(CONFIG).named_parameters()}
     _check(results, world_params)
     first = {name for r in results for name in r[0]["params"] if r[0]["stage"] == 0}

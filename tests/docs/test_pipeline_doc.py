@@ -1,10 +1,14 @@
 """docs/pipeline.md run as written: a pp2 run on two ranks, then its checkpoint resumed in one
-process (pp 1), from a fresh working directory."""
+process (pp 1), from a fresh working directory; the planner's figures its prose quotes are the two
+documented ``moetrain plan`` commands' output."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from moetrain.cli import main
 from tests.helpers.doc_commands import ROOT, bash_commands, run_moetrain
 
 DOC = ROOT / "docs" / "pipeline.md"
@@ -36,3 +40,40 @@ def test_documented_commands_run(tmp_path):
     assert "resumed from step 3" in outputs[1]
     assert (tmp_path / "runs" / "m6pp2" / "checkpoints" / "step_00000002").is_dir()
     assert "pipeline: 2 ranks x 1 stage(s), 1f1b, 16 micro-batches" in outputs[3]
+
+
+def _plan_output(words: list[str], capsys) -> str:
+    """A documented ``moetrain plan`` command run in this process: what it prints."""
+    capsys.readouterr()
+    assert main([str(ROOT / w) if w.startswith("models/") else w for w in words[1:]]) == 0
+    captured = capsys.readouterr()
+    return captured.out + captured.err
+
+
+def _number(pattern: str, text: str) -> str:
+    match = re.search(pattern, text)
+    assert match, pattern
+    return match.group(1)
+
+
+def test_the_quoted_plan_figures_are_the_commands_output(capsys):
+    """GiB per GPU (both layouts), bubble, stage transfers and tokens/s of each layout, as the
+    prose quotes them (whitespace and line breaks aside)."""
+    staged, replicas = (_plan_output(words, capsys) for words in documented_commands()[3:5])
+    total = r"total / usable\s+([\d.]+) /"
+    gib = _number(total, staged)
+    assert _number(total, replicas) == gib
+    bubble = _number(r"bubble \(p - 1\) / \(v m \+ p - 1\) = ([\d.]+)%", staged)
+    transfers = _number(r"stage transfers ([\d.]+) ms", staged)
+    staged_tokens, replica_tokens = (
+        int(_number(r"([\d,]+) tokens/s", text).replace(",", "")) / 1e6 for text in (staged, replicas)
+    )
+    expected = [
+        f"the same {gib} GiB per GPU both ways",
+        f"a {bubble} % bubble with 16 micro-batches",
+        f"{transfers} ms of stage transfers per step",
+        f"{staged_tokens:.2f} M tokens/s with pp 2 x ep 4",
+        f"against {replica_tokens:.2f} M tokens/s with ep 4",
+    ]
+    prose = " ".join(DOC.read_text(encoding="utf-8").split())
+    assert [phrase for phrase in expected if phrase not in prose] == []
