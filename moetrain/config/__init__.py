@@ -24,6 +24,7 @@ from __future__ import annotations
 from moetrain.config.balance import BalanceConfig
 from moetrain.config.data import DataConfig
 from moetrain.config.loading import (
+    config_as_dict,
     config_from_dict,
     import_model_modules,
     model_config_classes,
@@ -88,6 +89,7 @@ __all__ = [
     "TrainConfig",
     "check_pipeline_microbatches",
     "check_pipeline_virtual",
+    "config_as_dict",
     "config_from_dict",
     "import_model_modules",
     "is_int",

@@ -5,8 +5,9 @@ the ``imports`` a config names imported first. Errors name the key path."""
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, asdict, fields
 
 from moetrain.config.moe import MoEConfig
 from moetrain.config.options import short_repr
@@ -39,6 +40,18 @@ def model_config_classes() -> dict[str, type]:
     from moetrain.registry import registered_models
 
     return {name: spec.config_class for name, spec in registered_models().items()}
+
+
+def config_as_dict(config: TrainConfig) -> dict:
+    """``config`` as a training config file holds it: every key, JSON values only, and the model
+    section led by its ``name`` (which the dataclass does not carry), so that ``moetrain train
+    --config`` and ``moetrain plan --model`` read the run's ``config.json`` back as the same run."""
+    data = json.loads(json.dumps(asdict(config), default=str))
+    names = [name for name, cls in model_config_classes().items() if type(config.model) is cls]
+    names = names or [name for name, cls in model_config_classes().items() if isinstance(config.model, cls)]
+    if names:
+        data["model"] = {"name": names[0], **data["model"]}
+    return data
 
 
 def config_from_dict(cls: type, data, path: str = ""):

@@ -27,6 +27,7 @@ from moetrain.checkpoint import (
     set_aside_newer,
     verify_checkpoint,
 )
+from moetrain.config import config_as_dict
 from moetrain.engine.setup import lr_at
 from moetrain.metrics import MetricsLog, RunInfo
 from moetrain.progress import ProgressBar
@@ -58,7 +59,7 @@ class TrainingLoop:
                     self.step,
                     bound,
                 )
-            record_config(self.out_dir, json.loads(json.dumps(asdict(config))), self.step, changes)
+            record_config(self.out_dir, config_as_dict(config), self.step, changes)
         self._report_skipped_records("start")
         run = RunInfo(
             self.out_dir, self.step, json.loads(json.dumps(asdict(config))), self.rank,
