@@ -10,16 +10,23 @@ size). The plan is made for that model and those settings on the cluster given o
   step, every rank's tokens). The median over the records, the first left out when there are
   several (its window holds the start-up).
 - **compute_efficiency** that makes the compute terms agree. With ``time/forward_s`` and
-  ``time/backward_s`` (seconds per step, every micro-step): ``e = e0 * C / (forward + backward -
-  all_to_all)``, where ``C = compute_s + recompute_s`` is the plan's at ``e0`` (compute scales as
-  ``1 / e``) and ``all_to_all`` is ``time/all_to_all_s`` (0 when not logged). Without phases, from
-  the step time: ``e = e0 * C / (step - R)``, ``R = step_s - C`` the plan's other terms (None when
-  the measured step is not longer than R: the other terms are then too pessimistic).
+  ``time/backward_s`` (seconds per step, every micro-step): ``e = e0 * C / M``, where ``C =
+  compute_s + recompute_s`` is the plan's at ``e0`` (compute scales as ``1 / e``) and ``M`` the
+  measured compute: the median over the records of each record's ``forward + backward -
+  all_to_all`` (``time/all_to_all_s``, 0 when not logged), less the planned time (with the link
+  constants found) of the other collectives the engine runs inside forward and backward
+  (:func:`engine_collectives`: DDP's dense all-reduce, in the last micro-step's backward; FSDP's
+  reductions; the tensor-parallel all-reduces). Without phases, from the step time: ``e = e0 * C /
+  (step - R)``, ``R = step_s - C`` the plan's other terms (None when the measured step is not
+  longer than R: the other terms are then too pessimistic).
 - **Link constants** (several ranks, with ``time/all_to_all_s`` and / or ``time/grad_sync_s``): one
-  factor ``f`` on both bandwidths that makes the plan's time of those collectives equal the
-  measured one, ``f = bytes_time / (measured - latency_time)``, the plan's alpha-beta split of the
-  same collectives (``latency_time = messages x latency``); reported as the calibrated
-  ``intra_node_gbs`` and ``inter_node_gbps``.
+  factor ``f`` on both bandwidths that makes the plan's time of the collectives timed in those
+  phases equal the measured one: the all-to-all's exposed time (less what a chunked exchange,
+  ``a2a_chunks > 1``, hides behind the experts) and the reductions ``time/grad_sync_s`` holds
+  (:func:`engine_collectives`). Each collective takes ``latency_time + bytes_time / f`` (the plan's
+  alpha-beta split); unchunked, ``f = bytes_time / (measured - latency_time)``; chunked, the hidden
+  time depends on ``f`` and on the experts' time (``e``), and ``f`` is found by bisection.
+  Reported as the calibrated ``intra_node_gbs`` and ``inter_node_gbps``.
 - **Memory**: ``memory/peak_allocated_bytes`` (the largest over the records used: the first, whose
   window holds the start-up's one-time work, is left out as for the times) against the plan's GPU
   total less its reserve (what ``torch.cuda.max_memory_allocated`` counts); with
@@ -27,8 +34,9 @@ size). The plan is made for that model and those settings on the cluster given o
   all-to-all buffers)`` the allocator showed, against the plan's assumed share
   (:data:`~moetrain.planner.reserve.FRAGMENTATION`).
 
-The calibrated plan (the efficiency and link constants found, capped at 1 and left as they were
-where nothing was measured) is planned again; its step time is reported beside the measured one.
+The calibrated plan (the efficiency and link constants found, the efficiency capped at 1, each left
+as it was where nothing was measured; ``a2a_chunks="auto"`` fixed at the plan's count, the one
+fitted) is planned again; its step time is reported beside the measured one.
 The records' phase keys are the engine's per-step phase times (mean seconds per step over the
 logging window): ``time/step_s``, ``time/forward_s``, ``time/backward_s``, ``time/all_to_all_s``
 (inside forward and backward), ``time/grad_sync_s``, ``time/optimizer_s`` (the ``step()`` call:
@@ -51,9 +59,18 @@ import tempfile
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from moetrain.comm.chunking import ExchangeCost, hidden_seconds
+from moetrain.planner.comm import (
+    DDP_BUCKET_BYTES,
+    EXPERT_BUCKET_BYTES,
+    Traffic,
+    all_reduce_traffic,
+    group_layout,
+)
 from moetrain.planner.hardware import ClusterSpec
 from moetrain.planner.model import ModelDescription, resolve_model
 from moetrain.planner.plan import Plan, make_plan
+from moetrain.planner.plan_layout import PlanLayout, layout_stage
 from moetrain.planner.reserve import FRAGMENTATION
 from moetrain.planner.settings import PlanSettings
 from moetrain.validation import is_number, require_number, require_numbers
@@ -78,13 +95,17 @@ NONNEGATIVE_KEYS = (
     PEAK_RESERVED,
     *PHASE_PEAKS.values(),
 )
+# and at most these (no run logs more): a step of 10^6 s (11.6 days), 10^12 tokens/s, 2^60 bytes
+MAX_SECONDS, MAX_TOKENS_PER_S, MAX_BYTES = 1e6, 1e12, 2**60
 
 
 @dataclass
 class RunRecords:
     """What a run directory says: its config file, world size (None when it has no rank logs),
     ``records`` used (metrics.jsonl, the first left out when there are several), per-record
-    ``tokens_per_s`` and phase seconds (median over the records), peak memory (max)."""
+    ``tokens_per_s`` and phase seconds (median over the records), peak memory (max), and
+    ``compute``: the median of each record's own ``forward + backward - all_to_all`` (never more
+    than its step: the medians of the three phases, taken apart, can add up to more)."""
 
     run_dir: Path
     config: dict
@@ -95,6 +116,8 @@ class RunRecords:
     peak_allocated: int | None = None
     peak_reserved: int | None = None
     phase_peaks: dict[str, int] = field(default_factory=dict)  # the allocated peak in each phase
+    # forward + backward - all_to_all of each record that has the first two, median (seconds)
+    compute: float | None = None
     # routed slots dropped at the capacity, mean over MoE layers and records
     dropped_fraction: float | None = None
 
@@ -123,13 +146,36 @@ def _read_config(run_dir: Path, path: Path) -> dict:
 
 def _check_record(record: dict, where: str) -> None:
     """ValueError naming ``where`` (file:line) and the key of a number the calibration reads that is
-    not a finite number (a bool is not one) in its range: see ``POSITIVE_KEYS`` and
-    ``NONNEGATIVE_KEYS``; ``dropped_fraction`` a list of numbers in [0, 1]."""
+    not a finite number (a bool is not one) in its range: > 0 for ``POSITIVE_KEYS``, >= 0 for
+    ``NONNEGATIVE_KEYS``, at most ``MAX_SECONDS`` (times), ``MAX_TOKENS_PER_S`` or ``MAX_BYTES``
+    (peaks); ``dropped_fraction`` a list of numbers in [0, 1]. Between keys: the reserved peak at
+    least the allocated one, and the all-to-all (timed inside forward and backward) at most their
+    sum."""
     for key in (*POSITIVE_KEYS, *NONNEGATIVE_KEYS):
         if key in record:
-            require_number(f"{where}: {key}", record[key], low=0, low_open=key in POSITIVE_KEYS)
+            high = MAX_BYTES if key.startswith("memory/") else MAX_SECONDS
+            high = MAX_TOKENS_PER_S if key == "tokens_per_s" else high
+            require_number(f"{where}: {key}", record[key], low=0, high=high, low_open=key in POSITIVE_KEYS)
     if "dropped_fraction" in record:
         require_numbers(f"{where}: dropped_fraction", record["dropped_fraction"], low=0, high=1)
+    if (
+        PEAK_RESERVED in record
+        and PEAK_ALLOCATED in record
+        and record[PEAK_RESERVED] < record[PEAK_ALLOCATED]
+    ):
+        raise ValueError(
+            f"{where}: {PEAK_RESERVED} must be >= {PEAK_ALLOCATED} = {record[PEAK_ALLOCATED]!r} (the "
+            f"allocator reserves what it allocates), got {record[PEAK_RESERVED]!r}"
+        )
+    forward, backward, a2a = (PHASE_KEYS[name] for name in ("forward", "backward", "all_to_all"))
+    if (
+        all(key in record for key in (forward, backward, a2a))
+        and record[a2a] > record[forward] + record[backward]
+    ):
+        raise ValueError(
+            f"{where}: {a2a} must be <= {forward} + {backward} = {record[forward] + record[backward]!r} "
+            f"(the exchanges are timed inside them), got {record[a2a]!r}"
+        )
 
 
 def read_run(run_dir: str | Path) -> RunRecords:
@@ -166,6 +212,8 @@ def read_run(run_dir: str | Path) -> RunRecords:
         return int(max(values)) if values else None
 
     phases = {name: median(key) for name, key in PHASE_KEYS.items()}
+    forward, backward, a2a = (PHASE_KEYS[name] for name in ("forward", "backward", "all_to_all"))
+    computes = [r[forward] + r[backward] - r.get(a2a, 0.0) for r in used if forward in r and backward in r]
     dropped = []  # each record's mean over its MoE layers
     for r in used:
         if r.get("dropped_fraction"):
@@ -180,6 +228,7 @@ def read_run(run_dir: str | Path) -> RunRecords:
         peak_allocated=largest(PEAK_ALLOCATED),
         peak_reserved=largest(PEAK_RESERVED),
         phase_peaks={name: value for name, key in PHASE_PEAKS.items() if (value := largest(key)) is not None},
+        compute=statistics.median(computes) if computes else None,
         dropped_fraction=statistics.fmean(dropped) if dropped else None,
     )
 
@@ -252,7 +301,7 @@ class Calibration:
         rows = [
             ("step time", m["step_s"], p["step_s"], "s"),
             ("tokens/s", m["tokens_per_s"], p["tokens_per_s"], ""),
-            ("compute (forward + backward - all-to-all)", m.get("compute_s"), p["compute_s"], "s"),
+            ("compute (forward + backward - communication)", m.get("compute_s"), p["compute_s"], "s"),
             ("all-to-all", m.get("all_to_all_s"), p["all_to_all_s"], "s"),
             ("gradient sync", m.get("grad_sync_s"), p["grad_sync_s"], "s"),
             ("optimizer (in the step)", m.get("optimizer_s"), p["optimizer_exposed_s"], "s"),
@@ -303,14 +352,15 @@ def calibrate(
     plan = make_plan(model, cluster, settings, kernels)
     notes: list[str] = []
     measured = _measured(run, plan.time)
-    efficiency = _fitted_efficiency(measured, run.phases, plan.time, settings.compute_efficiency, notes)
-    link = _link_factor(plan, cluster, run.phases)
+    phases = PhaseModel.of(model, cluster, settings, kernels, plan, _replica(run.config))
+    link = phases.link_factor(run.phases, run.compute) if cluster.world_size > 1 else None
     if link is None and cluster.world_size > 1:
         notes.append(
-            "no time/all_to_all_s or time/grad_sync_s in the records (or not longer than the latencies): "
-            "the link constants stay as given"
+            "no time/all_to_all_s or time/grad_sync_s in the records, no planned collective in those phases, "
+            "or the measured time not longer than the latencies: the link constants stay as given"
         )
-    predicted = _predicted(plan)
+    efficiency = _fitted_efficiency(measured, run.compute, phases, link, plan.time, notes)
+    predicted = _predicted(plan, phases)
     constants = {"compute_efficiency": efficiency}
     calibrated_cluster = cluster
     if link is not None:
@@ -330,8 +380,10 @@ def calibrate(
             "upper bound on the expert activations that this run's routing did not reach"
         )
     calibrated_settings = settings
+    if settings.a2a_chunks == "auto":  # the count fitted, not one chosen again with the new constants
+        calibrated_settings = settings.replace(a2a_chunks=plan.time["a2a_chunks"])
     if efficiency is not None:
-        calibrated_settings = settings.replace(compute_efficiency=min(efficiency, 1.0))
+        calibrated_settings = calibrated_settings.replace(compute_efficiency=min(efficiency, 1.0))
         if efficiency > 1:
             notes.append(
                 f"compute_efficiency {efficiency:.3g} > 1: the run computed faster than the cluster's peak "
@@ -341,6 +393,173 @@ def calibrate(
     result = Calibration(plan, calibrated_plan, run, kernels, measured, predicted, constants, notes)
     _check_finite(result)
     return result
+
+
+def _replica(config: dict) -> str:
+    """The run's ``parallel.replica`` (``"ddp"``, the default, when the config does not say)."""
+    parallel = config.get("parallel")
+    return parallel.get("replica", "ddp") if isinstance(parallel, dict) else "ddp"
+
+
+def engine_collectives(
+    plan: Plan, cluster: ClusterSpec, replica: str, layout: PlanLayout | None = None
+) -> dict[str, list[Traffic]]:
+    """The plan's collectives by the engine phase that times them (``moetrain/engine/step.py``,
+    ``moetrain/parallelize.py``'s reducers), ``replica`` the run's ``parallel.replica``:
+
+    - ``"all_to_all"``: the expert exchanges and their counts (``time/all_to_all_s``);
+    - ``"grad_sync"``: what ``reduce_gradients`` runs after the last backward
+      (``time/grad_sync_s``): under DDP the expert-DP all-reduce and, with ``tp_size > 1``, the
+      split parameters' share of the dense one; with pipeline stages (no DDP) both all-reduces;
+      under FSDP none;
+    - ``"inside"``: the others, inside ``time/forward_s + time/backward_s``: DDP's dense
+      all-reduce (in the last micro-step's backward), FSDP's reductions (in the backward), the
+      tensor-parallel all-reduces.
+
+    ``layout``: the plan's :class:`PlanLayout`, needed with ``tp_size > 1`` under DDP (the dense
+    all-reduce is then split into DDP's part and the split parameters' part, each in its buckets)."""
+    phases: dict[str, list[Traffic]] = {"all_to_all": [], "grad_sync": [], "inside": []}
+    for t in plan.traffic:
+        if t.name.startswith("all_to_all"):
+            phases["all_to_all"].append(t)
+        elif t.name == "tp_all_reduce" or replica == "fsdp":
+            phases["inside"].append(t)
+        elif t.name == "expert_dp_all_reduce" or plan.settings.pp_size > 1:
+            phases["grad_sync"].append(t)
+        elif plan.settings.tp_size > 1:  # dp_all_reduce: DDP's replicated part, the reducer's split part
+            if layout is None:
+                raise ValueError("engine_collectives: tp_size > 1 needs the plan's layout")
+            split = layout.split["elements"] // layout.tp * layout.weight_b
+            dense = group_layout(list(range(0, layout.stage_world, layout.tp)), cluster.gpus_per_node)
+            replicated = layout.dense * layout.weight_b - split
+            phases["inside"].append(all_reduce_traffic(cluster, t.name, dense, replicated, DDP_BUCKET_BYTES))
+            phases["grad_sync"].append(
+                all_reduce_traffic(cluster, "split_dp_all_reduce", dense, split, EXPERT_BUCKET_BYTES)
+            )
+        else:
+            phases["inside"].append(t)
+    return phases
+
+
+def _bytes_time(t: Traffic, cluster: ClusterSpec) -> float:
+    """The bandwidth part of a collective's alpha-beta time (the rest is its latencies)."""
+    return (
+        t.intra_bytes / cluster.intra_node_bandwidth
+        + cluster.gpus_per_node * t.inter_bytes / cluster.inter_node_bandwidth
+    )
+
+
+@dataclass(frozen=True)
+class PhaseModel:
+    """The plan's communication as the engine's phases time it, at a factor ``f`` on both link
+    bandwidths and a compute efficiency ``e``: ``collectives`` (:func:`engine_collectives`) on
+    ``cluster``; ``efficiency`` the plan's, at which ``compute`` (its ``compute_s + recompute_s``)
+    holds; ``overlap``: ``(one exchange's cost, the experts' seconds, chunks, layers x micro-steps)``
+    of a chunked all-to-all (:mod:`moetrain.planner.overlap`), None when unchunked."""
+
+    collectives: dict[str, list[Traffic]]
+    cluster: ClusterSpec
+    efficiency: float
+    compute: float
+    overlap: tuple[ExchangeCost, float, int, int] | None
+
+    @classmethod
+    def of(
+        cls,
+        model: ModelDescription,
+        cluster: ClusterSpec,
+        settings: PlanSettings,
+        kernels: str,
+        plan: Plan,
+        replica: str,
+    ) -> PhaseModel:
+        """``plan``'s (made of ``model``, ``cluster``, ``settings``, ``kernels``), for a run with
+        ``replica``."""
+        chunks = plan.time["a2a_chunks"]
+        layout = None
+        if plan.settings.tp_size > 1 or chunks > 1:
+            layout = layout_stage(model, cluster, settings.replace(a2a_chunks=chunks), kernels)
+        overlap = None
+        if chunks > 1 and layout.overlap is not None:
+            cost, expert_s = layout.overlap
+            overlap = (cost, expert_s, chunks, layout.layers_here * plan.settings.grad_accum)
+        compute = plan.time["compute_s"] + plan.time["recompute_s"]
+        collectives = engine_collectives(plan, cluster, replica, layout)
+        return cls(collectives, cluster, plan.settings.compute_efficiency, compute, overlap)
+
+    def seconds(self, phase: str, f: float = 1.0) -> float:
+        """The ``phase``'s collectives (a key of ``collectives``) at ``f``: ``latency_time +
+        bytes_time / f`` each."""
+        total = 0.0
+        for t in self.collectives[phase]:
+            bytes_time = _bytes_time(t, self.cluster)
+            total += t.seconds - bytes_time + bytes_time / f
+        return total
+
+    def hidden(self, f: float, e: float) -> float:
+        """Seconds per step the chunked all-to-all hides behind the experts at ``f`` and ``e`` (capped
+        at 1, as the calibrated plan): the experts take ``e0 / e`` times the plan's."""
+        if self.overlap is None:
+            return 0.0
+        cost, expert_s, chunks, rounds = self.overlap
+        experts = expert_s * self.efficiency / min(e, 1.0)
+        exchange = ExchangeCost(cost.latency, cost.transfer / f)
+        return rounds * hidden_seconds(exchange, experts, experts, experts, chunks)
+
+    def efficiency_at(self, f: float, compute: float) -> float:
+        """``e`` that makes the plan's compute take ``compute`` (a run's forward + backward -
+        all-to-all) less the ``"inside"`` collectives at ``f``: ``e0 * C / (compute - inside)``;
+        inf when nothing is left."""
+        left = compute - self.seconds("inside", f)
+        return self.efficiency * self.compute / left if left > 0 else math.inf
+
+    def link_factor(self, phases: dict[str, float], compute: float | None) -> float | None:
+        """``f`` that makes the planned ``all_to_all`` (exposed: less the hidden part) and
+        ``grad_sync`` collectives take the measured ``phases`` (those logged); ``compute``: the run's
+        forward + backward - all-to-all (the experts' time in the hidden part), None: the plan's.
+        A phase whose collectives move no planned bytes is left out; None when no phase is left or
+        the measured time is not above the latencies."""
+        chosen = [  # a phase without planned bytes (its time is the norm's, the reducers' work) stays out
+            phase
+            for phase in ("all_to_all", "grad_sync")
+            if phase in phases and any(_bytes_time(t, self.cluster) > 0 for t in self.collectives[phase])
+        ]
+        if not chosen:
+            return None
+        measured = sum(phases[phase] for phase in chosen)
+        bytes_time = sum(_bytes_time(t, self.cluster) for phase in chosen for t in self.collectives[phase])
+        if self.overlap is None or "all_to_all" not in chosen:
+            latency = sum(self.seconds(phase) for phase in chosen) - bytes_time
+            return bytes_time / (measured - latency) if measured > latency else None
+
+        def excess(f: float) -> float:  # planned - measured: non-increasing in f (and in e)
+            e = self.efficiency if compute is None else self.efficiency_at(f, compute)
+            return sum(self.seconds(phase, f) for phase in chosen) - self.hidden(f, e) - measured
+
+        return _decreasing_root(excess)
+
+
+def _decreasing_root(excess, steps: int = 200) -> float | None:
+    """The ``f > 0`` where the non-increasing ``excess(f)`` crosses 0, by bisection over ``log f``
+    (to a relative 1e-12) from a bracket doubled out of 1; None when none is found within
+    ``2^-steps .. 2^steps``."""
+    lo = hi = 1.0
+    for _ in range(steps):
+        if excess(hi) <= 0:
+            break
+        lo, hi = hi, 2 * hi
+    else:
+        return None
+    for _ in range(steps):
+        if excess(lo) > 0:
+            break
+        lo, hi = lo / 2, lo
+    else:
+        return None
+    while hi / lo > 1 + 1e-12:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if excess(mid) > 0 else (lo, mid)
+    return math.sqrt(lo * hi)
 
 
 def _check_finite(result: Calibration) -> None:
@@ -358,7 +577,8 @@ def _check_finite(result: Calibration) -> None:
 
 
 def _measured(run: RunRecords, t: dict) -> dict:
-    """The run's step time, throughput, phases and peak memory (``compute_s`` filled in by
+    """The run's step time, throughput, phases and peak memory (``compute_s`` and
+    ``inside_collectives_s``, the planned collectives left out of it, filled in by
     :func:`_fitted_efficiency`); ValueError when the records have no step time."""
     phases = run.phases
     if "step" in phases:
@@ -371,6 +591,7 @@ def _measured(run: RunRecords, t: dict) -> dict:
         "step_s": step,
         "tokens_per_s": t["tokens_per_step"] / step,
         "compute_s": None,
+        "inside_collectives_s": None,
         "all_to_all_s": phases.get("all_to_all"),
         "grad_sync_s": phases.get("grad_sync"),
         "optimizer_s": phases.get("optimizer"),
@@ -383,18 +604,37 @@ def _measured(run: RunRecords, t: dict) -> dict:
 
 
 def _fitted_efficiency(
-    measured: dict, phases: dict[str, float], t: dict, e0: float, notes: list[str]
+    measured: dict, compute: float | None, phases: PhaseModel, link: float | None, t: dict, notes: list[str]
 ) -> float | None:
-    """The compute efficiency that makes the plan's compute take the measured time: from the
-    forward and backward phases when logged (sets ``measured["compute_s"]``), else from the whole
-    step with the plan's other terms as they are; None when it cannot be fitted."""
-    compute = t["compute_s"] + t["recompute_s"]
-    step = measured["step_s"]
-    if "forward" in phases and "backward" in phases:
-        measured["compute_s"] = phases["forward"] + phases["backward"] - phases.get("all_to_all", 0.0)
-        return e0 * compute / measured["compute_s"] if measured["compute_s"] > 0 else None
-    rest = t["step_s"] - compute
-    efficiency = e0 * compute / (step - rest) if step > rest else None
+    """The compute efficiency that makes the plan's compute take the measured time: from the run's
+    ``compute`` (forward + backward - all-to-all, per record, median) less the planned collectives
+    inside them at the ``link`` factor found (None: as given) when logged (sets
+    ``measured["compute_s"]``), else from the whole step with the plan's other terms as they are;
+    None when it cannot be fitted."""
+    e0, planned, step = phases.efficiency, phases.compute, measured["step_s"]
+    if compute is not None:
+        inside = phases.seconds("inside", link or 1.0)
+        measured["inside_collectives_s"] = inside
+        measured["compute_s"] = compute - inside
+        if inside > 0:
+            names = ", ".join(sorted({x.name for x in phases.collectives["inside"] if x.seconds > 0}))
+            notes.append(
+                f"{names} run inside time/forward_s + time/backward_s (DDP all-reduces the dense gradients "
+                "in the last micro-step's backward, FSDP reduces in the backward, tensor parallelism in "
+                f"both): their planned time with the {'given' if link is None else 'calibrated'} links, "
+                f"{inside:.4g} s, is left out of the measured compute"
+            )
+        if measured["compute_s"] <= 0:
+            measured["compute_s"] = None  # no compute left to show
+            notes.append(
+                f"forward + backward - all-to-all ({compute:.4g} s) is not longer than the planned "
+                f"collectives inside them ({inside:.4g} s): compute_efficiency not fitted"
+                + ("" if link is None else " (the link factor fitted to the exchanges does not carry over)")
+            )
+            return None
+        return e0 * planned / measured["compute_s"]
+    rest = t["step_s"] - planned
+    efficiency = e0 * planned / (step - rest) if step > rest else None
     notes.append(
         "no time/forward_s and time/backward_s in the records: compute_efficiency is fitted to the whole "
         "step, with the plan's other terms taken as they are"
@@ -407,15 +647,16 @@ def _fitted_efficiency(
     return efficiency
 
 
-def _predicted(plan: Plan) -> dict:
-    """The plan's figures that the run measures."""
+def _predicted(plan: Plan, phases: PhaseModel) -> dict:
+    """The plan's figures that the run measures (the gradient sync: the collectives the engine
+    times in ``time/grad_sync_s``, :func:`engine_collectives`)."""
     t = plan.time
     return {
         "step_s": t["step_s"],
         "tokens_per_s": t["tokens_per_s"],
         "compute_s": t["compute_s"] + t["recompute_s"],
         "all_to_all_s": t["all_to_all_s"] - t["all_to_all_hidden_s"],
-        "grad_sync_s": t["grad_sync_s"],
+        "grad_sync_s": phases.seconds("grad_sync"),
         "optimizer_exposed_s": t["optimizer_exposed_s"],
         "allocated_bytes": plan.gpu_total - plan.gpu_memory["reserved"],
         **_phase_allocated(plan),
@@ -450,25 +691,3 @@ def _memory_constants(run: RunRecords, plan: Plan, allocated: float, notes: list
         constants["fragmentation"] = fragmentation
         notes.append(f"the plan assumes fragmentation {FRAGMENTATION:g} of the step's dynamic memory")
     return constants
-
-
-def _link_factor(plan: Plan, cluster: ClusterSpec, phases: dict[str, float]) -> float | None:
-    """The factor on both link bandwidths that makes the plan's measured collectives take the
-    measured time: ``bytes_time / (measured - latency_time)``; None when nothing was measured, the
-    world is one rank, or the measured time is not longer than the latencies."""
-    if cluster.world_size == 1:
-        return None
-    chosen = []
-    if "all_to_all" in phases:
-        chosen += [t for t in plan.traffic if t.name.startswith("all_to_all")]
-    if "grad_sync" in phases:
-        chosen += [t for t in plan.traffic if t.name in ("dp_all_reduce", "expert_dp_all_reduce")]
-    measured = phases.get("all_to_all", 0.0) + phases.get("grad_sync", 0.0)
-    latency = sum(
-        t.intra_messages * cluster.intra_node_latency + t.inter_messages * cluster.inter_node_latency
-        for t in chosen
-    )
-    bytes_time = sum(t.seconds for t in chosen) - latency
-    if not chosen or measured <= latency or bytes_time <= 0:
-        return None
-    return bytes_time / (measured - latency)

@@ -4,8 +4,9 @@ The search is exhaustive over (ep_size, offload and its overlap, micro_batch), e
 given (default ``"auto"``: the cheapest recompute plan that fits the memory left on the GPU,
 which is the best recompute budget for that configuration). "Fits" is against the usable memory,
 the GPU's capacity less ``PlanSettings.memory_headroom`` (default 10%). With ``global_batch`` (sequences per
-optimizer step) fixed, ``grad_accum = global_batch / (world_size * micro_batch)`` follows from the
-micro-batch, so every candidate trains on the same batch and tokens/s compares like with like.
+optimizer step) fixed, ``grad_accum = global_batch / (streams * micro_batch)`` follows from the
+micro-batch, ``streams = world_size / (tp_size * pp_size)`` the data streams (a tensor-parallel group,
+a pipeline, reads one), so every candidate trains on the same batch and tokens/s compares like with like.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def recommend(
     base = resolve_seq_len(model, base)
     ep_sizes = valid_ep_sizes(model, cluster) if ep_sizes is None else list(ep_sizes)
     micro_batches = [2**i for i in range(7)] if micro_batches is None else list(micro_batches)
-    world = cluster.world_size
+    streams = cluster.world_size // (base.tp_size * base.pp_size)  # data streams, as the plan counts them
     candidates: list[Candidate] = []
     layouts = [(off, overlap) for off in offload for overlap in (optim_overlaps if off else ("none",))]
     for ep in ep_sizes:
@@ -131,15 +132,15 @@ def recommend(
                     if mode != "budget":
                         changes["recompute_budget_bytes"] = None
                     if global_batch is not None:
-                        if global_batch % (world * micro):
+                        if global_batch % (streams * micro):
                             settings = base.replace(**changes)
                             reason = (
-                                f"global_batch {global_batch} is not a multiple of world_size x micro_batch "
-                                f"= {world * micro}"
+                                f"global_batch {global_batch} is not a multiple of the data streams "
+                                f"(world_size / (tp_size x pp_size)) x micro_batch = {streams * micro}"
                             )
                             candidates.append(Candidate(settings, None, "invalid", reason))
                             continue
-                        changes["grad_accum"] = global_batch // (world * micro)
+                        changes["grad_accum"] = global_batch // (streams * micro)
                     try:
                         settings = base.replace(**changes)
                     except ValueError as error:

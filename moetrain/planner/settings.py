@@ -36,8 +36,8 @@ class PlanSettings:
       ``max_text_len``, filled in by :func:`~moetrain.planner.plan.make_plan`); ``target_len``:
       text tokens per sequence that get logits (M6's prefix-LM; None: all ``seq_len``, the
       captioning worst case; language models predict all);
-      ``grad_accum`` micro-steps per optimizer step. Tokens per step =
-      ``world_size * micro_batch * seq_len * grad_accum``.
+      ``grad_accum`` micro-steps per optimizer step. Tokens per step = ``streams * micro_batch *
+      seq_len * grad_accum``, ``streams = world_size / (tp_size * pp_size)`` data streams.
     - ``precision``: ``"fp32"``, ``"bf16"`` or ``"fp16"``. With ``autocast=False`` (default) the
       model's weights and gradients are stored in that precision and the optimizer keeps fp32
       master weights and two fp32 moments (12 bytes/parameter; 8 for fp32, whose weights are

@@ -1,8 +1,10 @@
 """``moetrain plan --calibrate RUN_DIR``: the plan of a run's config against what the run measured.
 
-- A synthetic run directory whose records are made from the plan with known factors (compute 4x
-  slower, links 2x slower, 1.2x the allocated memory, 27% fragmentation): calibration recovers
-  each factor and the plan made with the constants found takes the measured step time.
+- A synthetic run directory whose records are made, as the engine times its phases, by the plan
+  with known factors (compute 4x slower, links 2x slower, 1.2x the allocated memory, 27%
+  fragmentation; DDP's dense all-reduce inside the backward, a chunked all-to-all's hidden part
+  left out of it): calibration recovers each factor and the plan made with the constants found
+  takes the measured step time.
 - Real CPU runs of ``moetrain train`` (1 rank, and 2 ranks with ep_size 2 through ``moetrain
   launch``) with today's records (tokens/s, no phases): the efficiency found makes the step agree.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -38,11 +40,13 @@ TINY = {
 }
 
 
-def write_run(run_dir: Path, ranks: int, records: list[dict], ep_size: int = 1, **top: object) -> None:
+def write_run(
+    run_dir: Path, ranks: int, records: list[dict], ep_size: int = 1, a2a_chunks: int = 1, **top: object
+) -> None:
     """A run directory as the engine writes it: config.json (its config's fields, no model name;
     ``top``: top-level fields set), metrics.jsonl and one log per rank."""
     data = yaml.safe_load((ROOT / "configs" / "tiny_lm.yaml").read_text())
-    data["parallel"]["ep_size"] = ep_size
+    data["parallel"].update(ep_size=ep_size, a2a_chunks=a2a_chunks)
     data.update(top)
     run_dir.mkdir(parents=True)
     (run_dir / "config.json").write_text(json.dumps(asdict(config_from_dict(TrainConfig, data))))
@@ -52,37 +56,45 @@ def write_run(run_dir: Path, ranks: int, records: list[dict], ep_size: int = 1, 
         (run_dir / "logs" / f"rank_{rank}.log").write_text("")
 
 
-def test_calibration_recovers_known_factors(tmp_path):
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_calibration_recovers_known_factors(chunks, tmp_path):
+    """4 ranks, ep_size 2 (expert-DP groups of 2): the records hold what the engine times in each
+    phase, made by the plan with the links 2x slower and the compute 4x slower: DDP's dense
+    all-reduce in the backward, the expert-DP all-reduce in the gradient sync, and the all-to-all's
+    exposed part (``a2a_chunks`` 2 hides some of it behind the experts)."""
     run_dir = tmp_path / "run"
-    write_run(run_dir, 2, [{"step": 1, "tokens_per_s": 1.0}], ep_size=2)
+    write_run(run_dir, 4, [{"step": 1, "tokens_per_s": 1.0}], ep_size=2, a2a_chunks=chunks)
     model, defaults = run_model(read_run(run_dir))
-    assert model.name == "run" and defaults["ep_size"] == 2
-    cluster = cluster_preset("a100-80gb", 1, gpus_per_node=2)
+    assert model.name == "run" and defaults["ep_size"] == 2 and defaults["a2a_chunks"] == chunks
+    cluster = cluster_preset("a100-80gb", 1, gpus_per_node=4)
     settings = PlanSettings(**defaults)
     plan = make_plan(model, cluster, settings, "cpu")
-    t = plan.time
-    assert t["all_to_all_s"] > 0 and t["grad_sync_s"] > 0 and t["all_to_all_hidden_s"] == 0
-
-    def split(names):  # latency and bytes time of the plan's collectives
-        chosen = [x for x in plan.traffic if x.name.startswith(names)]
-        latency = sum(
-            x.intra_messages * cluster.intra_node_latency + x.inter_messages * cluster.inter_node_latency
-            for x in chosen
-        )
-        return latency, sum(x.seconds for x in chosen) - latency
-
-    a2a = sum(part * factor for part, factor in zip(split("all_to_all"), (1, 2), strict=True))
-    sync = sum(part * factor for part, factor in zip(split(("dp_all", "expert_dp")), (1, 2), strict=True))
-    compute = 4 * (t["compute_s"] + t["recompute_s"])
-    step = compute + a2a + sync + t["optimizer_exposed_s"]
+    slow = replace(
+        cluster,
+        intra_node_bandwidth=cluster.intra_node_bandwidth / 2,
+        inter_node_bandwidth=cluster.inter_node_bandwidth / 2,
+    )
+    truth = make_plan(
+        model, slow, settings.replace(compute_efficiency=settings.compute_efficiency / 4), "cpu"
+    )
+    t = truth.time
+    seconds = {x.name: x.seconds for x in truth.traffic}
+    assert seconds["dp_all_reduce"] > 0 and seconds["expert_dp_all_reduce"] > 0
+    assert (t["all_to_all_hidden_s"] > 0) == (chunks > 1)
+    compute = t["compute_s"] + t["recompute_s"]
+    a2a = t["all_to_all_s"] - t["all_to_all_hidden_s"]  # the exposed wait: what time/all_to_all_s holds
+    step = (
+        compute + a2a + seconds["dp_all_reduce"] + seconds["expert_dp_all_reduce"] + t["optimizer_exposed_s"]
+    )
+    assert step == pytest.approx(t["step_s"], rel=1e-12)
     allocated = plan.gpu_total - plan.gpu_memory["reserved"]
     dynamic = plan.gpu_memory["step_peak"] + plan.gpu_memory["all_to_all_buffers"]
     record = {
         "time/step_s": step,
         "time/forward_s": 0.4 * compute + a2a / 2,
-        "time/backward_s": 0.6 * compute + a2a / 2,
+        "time/backward_s": 0.6 * compute + a2a / 2 + seconds["dp_all_reduce"],  # DDP: in the last backward
         "time/all_to_all_s": a2a,
-        "time/grad_sync_s": sync,
+        "time/grad_sync_s": seconds["expert_dp_all_reduce"],  # reduce_gradients: the expert reducer
         "time/optimizer_s": t["optimizer_exposed_s"],
         "memory/peak_allocated_bytes": round(1.2 * allocated),
         "memory/peak_reserved_bytes": round(1.2 * allocated + 0.27 * dynamic),
@@ -90,7 +102,7 @@ def test_calibration_recovers_known_factors(tmp_path):
     run_dir = tmp_path / "run2"
     records = [{"step": 1, "tokens_per_s": 1.0, "time/step_s": 99.0}]  # start-up: left out
     records += [{"step": s, "tokens_per_s": t["tokens_per_step"] / step, **record} for s in (2, 3)]
-    write_run(run_dir, 2, records, ep_size=2)
+    write_run(run_dir, 4, records, ep_size=2, a2a_chunks=chunks)
     result = calibrate(model, cluster, settings, read_run(run_dir), kernels="cpu")
     c = result.constants
     assert c["compute_efficiency"] == pytest.approx(settings.compute_efficiency / 4)
@@ -99,10 +111,17 @@ def test_calibration_recovers_known_factors(tmp_path):
     assert c["allocated_memory_ratio"] == pytest.approx(1.2, rel=1e-6)
     assert c["fragmentation"] == pytest.approx(0.27, rel=1e-4)
     assert result.measured["step_s"] == pytest.approx(step)
-    assert result.calibrated_plan.time["step_s"] == pytest.approx(step, rel=1e-9)
+    assert result.measured["compute_s"] == pytest.approx(compute)
+    assert result.predicted["grad_sync_s"] == pytest.approx(
+        next(x.seconds for x in plan.traffic if x.name == "expert_dp_all_reduce")
+    )
+    calibrated = result.calibrated_plan.time
+    assert calibrated["all_to_all_s"] - calibrated["all_to_all_hidden_s"] == pytest.approx(a2a)
+    assert calibrated["step_s"] == pytest.approx(step, rel=1e-9)
     assert result.run.records == 2
     table = result.format_table()
     assert "compute_efficiency" in table and "peak allocated memory per GPU" in table
+    assert "note: dp_all_reduce run inside time/forward_s + time/backward_s" in table
     json.dumps(result.to_dict())
 
 
@@ -175,23 +194,37 @@ def test_calibrating_on_a_cpu_run(ranks, tmp_path, capsys):
         tokens_per_step / statistics.median(r["tokens_per_s"] for r in used), rel=0.05
     )
     assert result["measured"]["step_s"] == pytest.approx(step)
-    forward, backward = (statistics.median(r[f"time/{p}_s"] for r in used) for p in ("forward", "backward"))
-    if ranks == 1:  # no exchange, no all-to-all phase
+    measured = result["measured"]
+    if ranks == 1:  # no exchange, no all-to-all phase, no collective inside forward and backward
         assert not any("time/all_to_all_s" in r for r in records)
-        assert result["measured"]["compute_s"] == pytest.approx(forward + backward)
-    else:  # the exchanges inside forward and backward, logged apart
+        compute = statistics.median(r["time/forward_s"] + r["time/backward_s"] for r in used)
+        assert measured["inside_collectives_s"] == 0 and measured["compute_s"] == pytest.approx(compute)
+        efficiency = result["calibrated"]["compute_efficiency"]
+        assert 0 < efficiency < 1
+    else:  # the exchanges inside forward and backward, logged apart; DDP's all-reduce in the backward
         a2a = statistics.median(r["time/all_to_all_s"] for r in used)
-        assert 0 < a2a < forward + backward
-        assert result["measured"]["all_to_all_s"] == pytest.approx(a2a)
-        assert result["measured"]["compute_s"] == pytest.approx(forward + backward - a2a)
+        compute = statistics.median(
+            r["time/forward_s"] + r["time/backward_s"] - r["time/all_to_all_s"] for r in used
+        )  # each record's own, then the median
+        assert a2a > 0 and compute > 0
+        assert measured["all_to_all_s"] == pytest.approx(a2a)
+        inside = measured["inside_collectives_s"]
+        assert inside > 0 and any(note.startswith("dp_all_reduce run inside") for note in result["notes"])
+        # ep_size = world: no expert-DP reduction, so time/grad_sync_s holds no planned collective
+        assert result["predicted"]["grad_sync_s"] == 0
+        if compute > inside:
+            assert measured["compute_s"] == pytest.approx(compute - inside)
+            efficiency = result["calibrated"]["compute_efficiency"]
+            assert efficiency > 0  # above 1 when little compute is left: planned again at 1, with a note
+            assert (efficiency > 1) == any("> 1: the run computed faster" in n for n in result["notes"])
+        else:  # the link factor fitted to the (CPU, gloo) exchanges makes the all-reduce that long
+            assert measured["compute_s"] is None and result["calibrated"]["compute_efficiency"] is None
     assert not any("fitted to the whole step" in note for note in result["notes"])
-    efficiency = result["calibrated"]["compute_efficiency"]
-    assert 0 < efficiency < 1
     assert result["measured"]["peak_allocated_bytes"] is None
     assert result["measured"]["grad_sync_s"] == pytest.approx(
         statistics.median(r["time/grad_sync_s"] for r in used)
     )
-    if ranks == 2:  # the link constants are fitted to the logged gradient sync, or kept with a note why not
+    if ranks == 2:  # the link constants are fitted to the logged all-to-all, or kept with a note why not
         fitted = "link_bandwidth_factor" in result["calibrated"]
         assert fitted != any("link constants stay as given" in note for note in result["notes"])
         with pytest.raises(ValueError, match="the run had 2 ranks"):
