@@ -6,6 +6,8 @@
       step_00000100/            complete: DCP files + manifest.json
       step_00000200.tmp/        a save in progress, or debris of a crashed one: never loaded
       step_00000050.deleting/   a checkpoint being pruned (renamed first): never loaded
+      step_00000200.tmp.deleting/
+                                debris being removed (renamed first): never loaded
       step_00000300.rejected-20261126T101500Z/
                                 newer than the step a run rolled back to: set aside, kept, never
                                 loaded, pruned or counted
@@ -32,7 +34,7 @@ TMP_SUFFIX = ".tmp"
 DELETING_SUFFIX = ".deleting"
 REJECTED_SUFFIX = ".rejected-"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
-_DEBRIS_DIR = re.compile(r"^step_(\d{8,})(\.tmp|\.deleting)$")
+_DEBRIS_DIR = re.compile(r"^step_(\d{8,})(\.tmp|\.deleting|\.tmp\.deleting)$")
 
 
 def checkpoint_path(directory: str | os.PathLike, step: int) -> Path:
@@ -101,8 +103,8 @@ def prune(directory: Path, keep_last: int | None, just_saved: Path) -> list[Path
 
 
 def debris(directory: str | os.PathLike) -> list[Path]:
-    """What crashed saves and interrupted prunes left: ``.tmp`` and ``.deleting`` directories, and
-    step directories without a manifest."""
+    """What crashed saves and interrupted prunes left: ``.tmp``, ``.deleting`` and ``.tmp.deleting``
+    directories, and step directories without a manifest."""
     root = Path(directory)
     if not root.is_dir():
         return []
@@ -119,7 +121,8 @@ def remove_debris(directory: str | os.PathLike) -> list[Path]:
     """Removes :func:`debris`; call it only when no save of this run is in progress."""
     found = debris(directory)
     for path in found:
-        _remove(path)
+        if path.exists():  # else removed with the one before it (step_X.tmp took step_X.tmp.deleting)
+            _remove(path)
     return found
 
 

@@ -104,13 +104,41 @@ def read_manifest(path: Path) -> dict[str, Any]:
             )
         )
     files = manifest.get("files")
-    if not isinstance(files, dict) or any(
-        not isinstance(name, str) or "/" in name or name.startswith(".") and name != ".metadata"
-        for name in files
-    ):
-        raise CheckpointError(f"{file}: corrupt manifest (bad file list)")
+    if not isinstance(files, dict):
+        raise CheckpointError(
+            f"{file}: corrupt manifest: 'files' must be {{name: {{...}}}}, got {files!r:.80}"
+        )
+    name_max = _name_max(path)
+    for name in files:
+        if not _is_file_name(name, name_max):
+            shown = repr(name) if len(repr(name)) <= 60 else repr(name)[:57] + "..."
+            raise CheckpointError(
+                f"{file}: corrupt manifest: file name {shown} must be a name in the checkpoint's "
+                f"directory (no '/' or NUL, no leading '.' but '.metadata', 1 to {name_max} bytes)"
+            )
     _check_schema(file, manifest)
     return manifest
+
+
+def _name_max(path: Path) -> int:
+    """The longest file name (bytes) the filesystem of ``path`` allows (255 when it cannot say)."""
+    try:
+        limit = os.pathconf(path, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+    return limit if limit > 0 else 255
+
+
+def _is_file_name(name: Any, name_max: int) -> bool:
+    """Whether ``name`` is a name a save writes: one path component of 1 to ``name_max`` bytes."""
+    if not isinstance(name, str) or "/" in name or "\0" in name:
+        return False
+    if name.startswith(".") and name != ".metadata":
+        return False
+    try:
+        return 0 < len(os.fsencode(name)) <= name_max
+    except UnicodeEncodeError:
+        return False
 
 
 def _is_int(value: Any, low: int) -> bool:
@@ -155,10 +183,12 @@ def checksum_share(directory: Path, names: list[str], layout: RankLayout) -> dic
 
 
 def verify_share(path: Path, files: dict[str, dict[str, Any]], layout: RankLayout) -> CheckpointError | None:
-    """Checks this rank's share of the files (size first, then sha256); the first problem found."""
+    """Checks this rank's share of the files (size first, then sha256); the first problem found
+    (a file that cannot be read is one: returned, so that every rank raises it)."""
     share = sorted(files)[layout.rank :: layout.world_size]
-    progress = HashProgress([path / name for name in share], "verifying", layout)
+    progress = None
     try:
+        progress = HashProgress([path / name for name in share], "verifying", layout)
         for name in share:
             expected = files[name]
             file = path / name
@@ -172,5 +202,8 @@ def verify_share(path: Path, files: dict[str, dict[str, Any]], layout: RankLayou
             if sha256_file(file, progress) != expected["sha256"]:
                 return CheckpointError(f"{file}: corrupt: its sha256 does not match the manifest")
         return None
+    except OSError as error:
+        return CheckpointError(f"{error.filename or path}: cannot be read ({error.strerror or error})")
     finally:
-        progress.close()
+        if progress is not None:
+            progress.close()

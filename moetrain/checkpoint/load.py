@@ -29,7 +29,13 @@ from moetrain.checkpoint.directory import MANIFEST, checkpoint_path, latest_chec
 from moetrain.checkpoint.entries import expert_params, parameter_names, restore_rng, unwrap
 from moetrain.checkpoint.integrity import read_manifest, verify_share
 from moetrain.checkpoint.ranks import CheckpointError, RankLayout, agree, barrier, broadcast, rank_layout
-from moetrain.checkpoint.restore import Request, optimizer_state_dict, request_model, request_optimizer
+from moetrain.checkpoint.restore import (
+    Request,
+    optimizer_state_dict,
+    request_model,
+    request_optimizer,
+    take_offload_masters,
+)
 from moetrain.checkpoint.safe_dcp import SafeFileSystemReader, TensorOnlyLoadPlanner, read_metadata
 from moetrain.checkpoint.save import NO_DIST_WARNING, format_bytes
 from moetrain.validation import require_int
@@ -87,14 +93,20 @@ def verify_checkpoint(path: str | os.PathLike, *, parallel=None, model: nn.Modul
     manifest = _verified_manifest(path, layout)
     error = None
     try:
-        read_metadata(path, set(manifest["files"]))
+        read_metadata(path, _file_bytes(manifest))
     except CheckpointError as caught:
         error = caught
     agree(error, layout)
     return manifest
 
 
-def _dcp_load(request: Request, path: Path, files: set[str], layout: RankLayout) -> None:
+def _file_bytes(manifest: dict[str, Any]) -> dict[str, int]:
+    """``{file name: bytes}`` of the files ``manifest`` lists (what :func:`read_metadata` bounds
+    each record by)."""
+    return {name: info["bytes"] for name, info in manifest["files"].items()}
+
+
+def _dcp_load(request: Request, path: Path, files: dict[str, int], layout: RankLayout) -> None:
     """Reads the requested tensors in place; a damaged or crafted data file is a CheckpointError."""
     try:
         with warnings.catch_warnings():
@@ -157,7 +169,7 @@ def load_checkpoint(
             manifest["step"], path, manifest["world_size"], manifest["ep_size"],
             layout.world_size, layout.ep_size,
         )  # fmt: skip
-    files = set(manifest["files"])
+    files = _file_bytes(manifest)
 
     experts = expert_params(model)
     own = layout.rank < manifest["world_size"]  # this rank existed at save time
@@ -240,11 +252,14 @@ def _request_entries(
 
 def _assembled_values(request, plans, optimizer, scheduler, path, layout, extra_rank, own, one_stage):
     """The read entries other than the model's: ``(optimizer state dict or None, {"scheduler",
-    "extra_state", "rng": values})``; a bad entry raises on every rank."""
-    error, optimizer_state, values = None, None, {}
+    "extra_state", "rng", "masters": values})``; ``masters``: the ``(param, master)`` pairs of
+    :func:`take_offload_masters` (an offload checkpoint loaded into another optimizer). A bad
+    entry raises on every rank."""
+    error, optimizer_state, values = None, None, {"masters": []}
     try:
         if optimizer is not None:
             optimizer_state = optimizer_state_dict(request, plans, optimizer, path, stage=one_stage)
+            values["masters"] = take_offload_masters(optimizer_state, plans, optimizer, path)
         if scheduler is not None:
             values["scheduler"] = request.value("scheduler")
         values["extra_state"] = request.value(f"extra_state/rank_{extra_rank}")
@@ -257,12 +272,16 @@ def _assembled_values(request, plans, optimizer, scheduler, path, layout, extra_
 
 
 def _set_loaded_state(request, model, experts, optimizer, optimizer_state, scheduler, values, own) -> list:
-    """Loads the read state into the model, the optimizer and the scheduler and restores this
-    rank's RNG (``own``: it existed at save time); returns what of the RNG was restored."""
+    """Loads the read state into the model (then the pending offload masters, cast, into their params),
+    the optimizer and the scheduler and restores this rank's RNG (``own``: it existed at save
+    time); returns what of the RNG was restored."""
     model_state = {}
     for name in model.state_dict():
         model_state[name] = request.assembled[name] if name in experts else request.value("model/" + name)
     model.load_state_dict(model_state, strict=True)
+    with torch.no_grad():
+        for param, master in values["masters"]:
+            param.copy_(master)
     if optimizer is not None:
         optimizer.load_state_dict(optimizer_state)
     if scheduler is not None:

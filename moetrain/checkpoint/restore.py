@@ -368,3 +368,50 @@ def optimizer_state_dict(
         groups.append({**options, "params": list(range(index, index + count))})
         index += count
     return {"state": state, "param_groups": groups}
+
+
+def take_offload_masters(
+    state_dict: dict[str, Any], plans: list[StatePlan], optimizer, path: Path
+) -> list[tuple[Any, torch.Tensor]]:
+    """Removes ``OffloadOptimizer``'s own state keys, ``master`` (fp32, the param's shape) and
+    ``pending``, from ``state_dict`` (made by :func:`optimizer_state_dict` from ``plans``) when
+    ``optimizer`` is another kind (a ``GroupwiseApply`` counts as the one it wraps) whose own state
+    of that param has no such key. Returns ``[(param, master)]`` of the params whose ``pending`` is
+    not 0 (``overlap="delayed"``: the saved weight lacks the last update, which ``master`` holds):
+    each master is to be written, cast to the param's dtype, into its param. Elsewhere the saved
+    weight already is the cast master. ValueError naming the param when such a master's shape is
+    not its param's.
+    """
+    from moetrain.offload.groupwise import GroupwiseApply
+    from moetrain.offload.optimizer import OffloadOptimizer
+    from moetrain.offload.optimizer_state import PENDING_KEY
+
+    inner = optimizer.optimizer if isinstance(optimizer, GroupwiseApply) else optimizer
+    if isinstance(inner, OffloadOptimizer):
+        return []
+    offload_keys = {"master", PENDING_KEY}
+    params = [(g, param) for g, group in enumerate(optimizer.param_groups) for param in group["params"]]
+    own: dict[tuple[int, int], set[str]] = {}  # (group, ndim) -> this optimizer's state keys
+    masters = []
+    for index, values in state_dict["state"].items():
+        if not offload_keys & set(values):
+            continue
+        g, param = params[index]
+        if (g, param.dim()) not in own:
+            own[g, param.dim()] = _optimizer_state_keys(optimizer, g, param.dim())[0] or set()
+        if offload_keys & own[g, param.dim()]:
+            continue  # keys of this optimizer's own
+        master = values.pop("master", None)
+        pending = values.pop(PENDING_KEY, None)
+        where = f"parameter {plans[index].name!r} in checkpoint {path}"
+        if pending is not None and not (isinstance(pending, torch.Tensor) and pending.numel() == 1):
+            raise ValueError(f"optimizer state {PENDING_KEY!r} of {where}: must be a 1-element tensor")
+        if master is None or pending is None or float(pending) == 0.0:
+            continue
+        if not isinstance(master, torch.Tensor) or tuple(master.shape) != tuple(param.shape):
+            shape = tuple(master.shape) if isinstance(master, torch.Tensor) else type(master).__name__
+            raise ValueError(
+                f"optimizer state 'master' of {where}: shape {shape}, the parameter's is {tuple(param.shape)}"
+            )
+        masters.append((param, master))
+    return masters

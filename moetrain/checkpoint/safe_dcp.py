@@ -7,7 +7,9 @@
   metadata is made of (an allow-list: DCP's metadata dataclasses, ``torch.Size``, dtypes,
   layouts, memory formats, ``pathlib`` paths) and refuses every other global with a
   :class:`CheckpointError` naming it;
-- every storage location in the metadata must be one of the files the manifest lists;
+- every storage location in the metadata must be one of the files the manifest lists, and lie
+  within the bytes the manifest records for that file (so a crafted entry size, bounded by its
+  records' lengths, never allocates more than the checkpoint holds);
 - tensors are read by DCP with ``torch.load(weights_only=True)``;
 - object (bytes) entries are refused: moetrain writes objects as JSON tensors
   (:mod:`moetrain.checkpoint.objects`), so a bytes entry is not one of ours.
@@ -26,6 +28,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from moetrain.checkpoint.ranks import CheckpointError
+from moetrain.validation import is_int
 
 # (module, name) of every global DCP's metadata pickle refers to (torch 2.13); resolved by name so
 # that a renamed class fails the test that loads a real checkpoint's metadata, loudly.
@@ -62,9 +65,11 @@ class MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def read_metadata(path: Path, allowed_files: set[str] | None = None) -> Metadata:
+def read_metadata(path: Path, allowed_files: set[str] | dict[str, int] | None = None) -> Metadata:
     """The DCP metadata of checkpoint ``path``, read with :class:`MetadataUnpickler`; when
-    ``allowed_files`` is given every storage location must be one of them."""
+    ``allowed_files`` is given every storage location must be one of them, and when it is a dict
+    (``{file name: bytes}``, the manifest's sizes) every record's ``offset + length`` must be at
+    most its file's bytes (offset and length ints >= 0)."""
     file = path / ".metadata"
     try:
         with open(file, "rb") as stream:
@@ -82,7 +87,20 @@ def read_metadata(path: Path, allowed_files: set[str] | None = None) -> Metadata
             relative = getattr(info, "relative_path", None)
             if relative not in allowed_files:
                 raise CheckpointError(f"{file}: refers to a file the manifest does not list: {relative!r}")
+            if isinstance(allowed_files, dict):
+                _check_record(file, info, allowed_files[relative])
     return metadata
+
+
+def _check_record(file: Path, info: Any, file_bytes: int) -> None:
+    """CheckpointError unless the storage record ``info`` (offset, length) lies within
+    ``file_bytes``, the bytes of its file."""
+    offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+    if not is_int(offset) or not is_int(length) or offset < 0 or length < 0 or offset + length > file_bytes:
+        raise CheckpointError(
+            f"{file}: a record of {info.relative_path!r} at offset {offset!r} of length {length!r} "
+            f"must lie within the file's {file_bytes} bytes"
+        )
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -90,7 +108,12 @@ class SafeFileSystemReader(FileSystemReader):
     ``metadata``: that of ``path`` as :func:`read_metadata` returned it (with ``allowed_files``)
     before, used instead of reading it again (unpickling it costs seconds at scale)."""
 
-    def __init__(self, path: Path, allowed_files: set[str] | None = None, metadata: Metadata | None = None):
+    def __init__(
+        self,
+        path: Path,
+        allowed_files: set[str] | dict[str, int] | None = None,
+        metadata: Metadata | None = None,
+    ):
         super().__init__(path)
         self._checkpoint_dir = Path(path)
         self._allowed_files = allowed_files

@@ -164,6 +164,22 @@ def _edit_size(size):
     return edit
 
 
+def _edit_size_and_length(size, length):
+    """The entry's size and its record's length both enlarged (the length past its file's end)."""
+
+    def edit(checkpoint: Path) -> None:
+        metadata = _load_metadata_unsafely(checkpoint)
+        metadata.state_dict_metadata["extra_state/rank_0/#json"].size = torch.Size(size)
+        for index, info in metadata.storage_data.items():
+            if index.fqn == "extra_state/rank_0/#json":
+                info.length = length
+        (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+        _reseal(checkpoint)
+
+    return edit
+
+
+FILE_INFO = {"bytes": 1, "sha256": "0"}  # of a file a crafted manifest lists
 NOT_OBJECT = "'extra_state/rank_0' is not an encoded object"
 # (name, JSON of the extra_state object or None, edit of the saved checkpoint or None, message)
 RESEALED_EDITS = [
@@ -192,6 +208,10 @@ RESEALED_EDITS = [
     ("object size beyond its data", None, _edit_size((1 << 42,)),
      "'extra_state/rank_0/#json' of size (4398046511104,) (4398046511104 bytes) exceeds the"),
     ("object size negative", None, _edit_size((-5,)), "'extra_state/rank_0/#json' has a negative"),
+    ("object size and record length beyond the file", None, _edit_size_and_length((1 << 42,), 1 << 43),
+     "of length 8796093022208 must lie within the file's"),
+    ("file name with NUL", None, _edit_manifest(lambda m: m["files"].update({"a\0b": FILE_INFO})),
+     "corrupt manifest: file name 'a\\x00b' must be a name in the checkpoint's directory"),
 ]  # fmt: skip
 
 
@@ -232,3 +252,21 @@ def test_a_crafted_resealed_checkpoint_fails_in_one_line_naming_the_field_and_ch
     assert "\n" not in message and expected in message, message
     for p, q in zip(model.parameters(), before, strict=True):
         assert torch.equal(p.detach(), q)
+
+
+def test_a_listed_file_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
+    """An OSError while verifying (a file the account may not read) is a CheckpointError naming
+    the file, which every rank then raises, not an OSError on one rank alone."""
+    import moetrain.checkpoint.integrity as integrity
+
+    checkpoint = save_checkpoint(tmp_path, 1, model=_net())
+
+    def unreadable(path, progress=None):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(integrity, "sha256_file", unreadable)
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(tmp_path, model=_net())
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(str(checkpoint)), message
+    assert message.endswith(": cannot be read (Permission denied)"), message
