@@ -42,9 +42,10 @@ import logging
 import math
 import os
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, BinaryIO, ClassVar, Protocol, TextIO
 
 log = logging.getLogger(__name__)
 
@@ -282,12 +283,17 @@ def replace_text(path: Path, text: str, mode: int | None = None) -> None:
     never half of one, and the temporary file is removed when writing fails. The file gets
     ``mode`` when given, else ``0o666`` less the umask, as ``open`` gives (the kernel applies the
     umask: reading it would mean setting it, a race with other threads)."""
+    _replace_with(path, lambda file: file.write(text), mode)
+
+
+def _replace_with(path: Path, write: Callable[[TextIO], object], mode: int | None = None) -> None:
+    """:func:`replace_text` with the text written by ``write(file)`` (a text file, UTF-8)."""
     path = Path(path)
     temporary = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
     handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(text)
+            write(file)
             file.flush()
             os.fsync(file.fileno())
         if mode is not None:
@@ -299,18 +305,67 @@ def replace_text(path: Path, text: str, mode: int | None = None) -> None:
 
 
 def drop_records_after(path: Path, step: int) -> None:
-    """Rewrites ``path`` (JSON lines with a ``step``) without the records after ``step``, via a
-    temporary file and an atomic rename; a torn last line (a crash mid-write) is dropped too."""
-    if not path.exists():
+    """Removes from ``path`` (JSON lines with a ``step``) the records after ``step`` and every line
+    that is not such a record (a torn last line, from a crash mid-write). Lines are as
+    ``str.splitlines`` splits the file read as UTF-8 (undecodable bytes as U+FFFD). The file is read
+    as a stream, one line at a time: memory is one line, not the file. When the lines kept are the
+    file's first bytes unchanged (steps increase: the usual case), the file is truncated there and
+    synced (the kept bytes are not rewritten); otherwise the kept lines are written through a
+    temporary file and an atomic rename (:func:`replace_text`)."""
+    try:
+        file = open(path, "rb")  # noqa: SIM115 - closed by the with below
+    except FileNotFoundError:
         return
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    kept = [line for line in lines if _record_step(line) <= step]
-    if len(kept) < len(lines):
-        replace_text(path, "".join(line + "\n" for line in kept))
+    with file:
+        cut = _first_dropped(file, step)
+    if cut is None:
+        return
+    if cut >= 0:
+        with open(path, "r+b") as file:
+            file.truncate(cut)
+            os.fsync(file.fileno())
+        return
+    with open(path, "rb") as source:
+        _replace_with(path, lambda out: out.writelines(line + "\n" for line in _kept_lines(source, step)))
+
+
+def _lines(raw: bytes) -> list[str]:
+    """One line of the file (bytes, its newline included) -> its lines as :func:`drop_records_after`
+    reads them (several where it holds other line breaks that ``str.splitlines`` splits at)."""
+    return raw.decode("utf-8", errors="replace").splitlines()
+
+
+def _kept_lines(file: BinaryIO, step: int) -> Iterator[str]:
+    for raw in file:
+        yield from (line for line in _lines(raw) if _record_step(line) <= step)
+
+
+def _first_dropped(file: BinaryIO, step: int) -> int | None:
+    """None when no line of ``file`` is dropped; else the byte offset to truncate at (every line
+    before it kept, written back as it is, and none after it kept), or -1 when the kept lines must
+    be rewritten."""
+    offset, cut = 0, None
+    for raw in file:
+        lines = _lines(raw)
+        kept = [_record_step(line) <= step for line in lines]
+        if cut is None:
+            if not all(kept):
+                cut = offset
+            elif "".join(line + "\n" for line in lines).encode("utf-8") != raw:
+                return -1 if _any_dropped(file, step) else None  # kept, but not byte for byte
+        if cut is not None and any(kept):
+            return -1
+        offset += len(raw)
+    return cut
+
+
+def _any_dropped(file: BinaryIO, step: int) -> bool:
+    return any(_record_step(line) > step for raw in file for line in _lines(raw))
 
 
 def _record_step(line: str) -> float:
     try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
+        step = json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError, RecursionError):
         return math.inf  # unreadable: dropped
+    return step if isinstance(step, (int, float)) else math.inf  # a string would not compare

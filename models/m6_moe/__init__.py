@@ -48,12 +48,13 @@ def prepare_embedded_dataset(out_dir: str | Path, rank: int, world_size: int) ->
 def prepare_manifest_indexes(manifests: list[Path], rank: int, world_size: int, fallback_dir=None) -> None:
     """Builds the missing indexes of ``manifests`` before the ranks open them: rank ``r`` builds
     manifests ``r, r + world, ...`` (so a corpus of many shards is indexed in parallel), then all
-    ranks meet at a barrier. A manifest that cannot be read is left for the dataset to report on
-    every rank (an error here would leave the other ranks waiting at the barrier)."""
+    ranks meet at a barrier. A manifest whose index cannot be built (any error) is left for the
+    dataset to report on every rank (an error here would leave the other ranks waiting at the
+    barrier)."""
     import torch.distributed as dist
 
     for manifest in manifests[rank::world_size]:
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(Exception):
             ensure_index(manifest, fallback_dir)
     if world_size > 1 and dist.is_available() and dist.is_initialized():
         dist.barrier()

@@ -15,9 +15,10 @@ every process of the node shares), not whole:
 
 Building parses every line as :class:`~m6_moe.data.ManifestDataset` requires (UTF-8, at most
 :data:`MAX_LINE_BYTES` bytes, a JSON object, a non-empty ``text`` string that is valid Unicode,
-``image`` a path string or null; blank lines are skipped); a bad line is left out of the arrays and
-recorded, whatever the run's ``skip_bad_records`` (the dataset decides whether it is fatal), so one
-cached index serves every run. A longer line is never held whole: it is read in bounded chunks.
+``image`` a path string without NUL or lone surrogate, or null; blank lines are skipped); a bad line
+is left out of the arrays and recorded, whatever the run's ``skip_bad_records`` (the dataset decides
+whether it is fatal), so one cached index serves every run. A longer line is never held whole: it is
+read in bounded chunks.
 
 Cache: ``<manifest dir>/.<manifest name>.index/<key>/``, where ``key`` is the manifest's size,
 modification time and a hash of its first and last 64 KiB (:func:`manifest_key`): a changed
@@ -47,6 +48,7 @@ import json
 import logging
 import os
 import shutil
+import stat as stat_module
 import tempfile
 import time
 from array import array
@@ -58,7 +60,7 @@ from moetrain.progress import ProgressBar
 
 log = logging.getLogger("moetrain.m6_moe.manifest_index")
 
-INDEX_FORMAT = 2  # 2: line length bound, lone surrogates in text are bad lines
+INDEX_FORMAT = 3  # 2: line length bound, lone surrogates in text are bad lines; 3: so are bad image paths
 HEAD_TAIL_BYTES = 1 << 16
 MAX_STORED_REASONS = 1000
 # Longest manifest line (bytes, without its newline): a longer one is a bad line (a JSON array on
@@ -85,8 +87,10 @@ def parse_manifest_line(raw: bytes) -> tuple[tuple[str, str | None] | None, str 
         return None, None
     try:
         data = json.loads(line)
-    except json.JSONDecodeError as error:
-        return None, f"invalid JSON ({one_line(error)})"
+    except RecursionError:  # arrays or objects nested thousands deep
+        return None, "invalid JSON (nested too deeply)"
+    except ValueError as error:  # JSONDecodeError; an integer of over 4300 digits (without the advice)
+        return None, f"invalid JSON ({one_line(error).split('; use sys.')[0]})"
     if not isinstance(data, dict):
         return None, f"a record must be a JSON object, got {type(data).__name__}"
     text = data.get("text")
@@ -101,15 +105,33 @@ def parse_manifest_line(raw: bytes) -> tuple[tuple[str, str | None] | None, str 
         return (text, None), None
     if not isinstance(image, str) or not image:
         return None, f"'image' must be a path string or null, got {image!r}"
+    if "\x00" in image:
+        return None, f"'image' is not a valid path (NUL at character {image.index(chr(0))})"
+    try:
+        image.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return None, f"'image' is not a valid path (lone surrogate at character {error.start})"
     return (text, image), None
+
+
+def open_manifest(manifest: Path):
+    """``manifest`` opened for binary reading, ``OSError`` when it cannot be, ``ValueError`` (one
+    line) when it is not a regular file: opened without blocking, as a FIFO would block a plain open
+    forever (and a device such as ``/dev/zero`` be read forever)."""
+    fd = os.open(manifest, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat_module.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"manifest {manifest} is not a regular file (a JSON-lines file is needed)")
+    return os.fdopen(fd, "rb")
 
 
 def manifest_key(manifest: Path) -> str:
     """``<size>-<mtime ns>-<sha256 of the first and last 64 KiB, 16 hex digits>``: changes when the
-    manifest is rewritten, appended to or touched. ``OSError`` when it cannot be read."""
-    stat = manifest.stat()
+    manifest is rewritten, appended to or touched. ``OSError`` when it cannot be read, ``ValueError``
+    when it is not a regular file."""
     digest = hashlib.sha256(f"format {INDEX_FORMAT}".encode())
-    with open(manifest, "rb") as file:
+    with open_manifest(manifest) as file:
+        stat = os.fstat(file.fileno())
         digest.update(file.read(HEAD_TAIL_BYTES))
         if stat.st_size > HEAD_TAIL_BYTES:
             file.seek(max(HEAD_TAIL_BYTES, stat.st_size - HEAD_TAIL_BYTES))
@@ -188,16 +210,17 @@ def _skip_rest_of_line(file) -> int:
 def _write_index(manifest: Path, directory: Path, key: str, progress: bool | None) -> dict:
     """Parses ``manifest`` into the arrays and ``meta.json`` of ``directory`` (must exist);
     returns the meta. ``progress``: a progress bar (None: for manifests of 8 MiB or more)."""
+    file = open_manifest(manifest)  # closed by the with below
+    size = os.fstat(file.fileno()).st_size
     arrays = {name: _SpilledArray(directory / name) for name in _ARRAYS}
     reasons: list[tuple[int, str]] = []
     bad = 0
-    size = manifest.stat().st_size
     megabytes = max(1, -(-size // 2**20))
     bar = None
     if progress or (progress is None and size >= PROGRESS_MIN_BYTES):
         bar = ProgressBar(megabytes, f"indexing {manifest.name} (MB)", log_every=max(1, megabytes // 10))
     try:
-        with open(manifest, "rb") as file:
+        with file:
             offset, shown, number = 0, 0, 0
             while raw := file.readline(MAX_LINE_BYTES + 1):
                 number += 1
@@ -434,7 +457,7 @@ class ManifestIndex:
         most its first ``MAX_LINE_BYTES + 4096`` bytes (a longer line was not indexed: the manifest
         changed, and the cut line then fails to parse)."""
         if self._fd is None:
-            self._fd = os.open(self.manifest, os.O_RDONLY)
+            self._fd = os.open(self.manifest, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO put in its place
         position = self.array("offsets")[record]
         chunks, size = [], 0
         while size <= MAX_LINE_BYTES:

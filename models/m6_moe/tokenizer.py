@@ -188,7 +188,8 @@ def encode_prefix(tokenizer, text: str) -> list[int]:
     try:
         for match in _SENTINEL_NAME.finditer(text):
             ids += tokenizer.encode(text[start : match.start()])
-            number = int(match.group(1))
+            digits = match.group(1)  # bounded: int() refuses over 4300 digits, naming no prefix
+            number = int(digits) if len(digits) <= 9 else len(tokenizer.sentinel_ids)
             if number >= len(tokenizer.sentinel_ids):
                 raise ValueError(
                     f"prefix {text!r}: {match.group(0)} is not a sentinel of the tokenizer (it has "

@@ -5,14 +5,16 @@ put in ``sys.modules`` where ``import wandb`` / ``import mlflow`` find them."""
 from __future__ import annotations
 
 import json
+import math
 import sys
+import tracemalloc
 import types
 from types import SimpleNamespace
 from typing import ClassVar
 
 import pytest
 
-from moetrain.metrics import finite_or_null, scalars
+from moetrain.metrics import drop_records_after, finite_or_null, replace_text, scalars
 from tests.faults.test_run_directory import one_error, train
 
 
@@ -178,3 +180,86 @@ def test_scalars_flattens_per_layer_lists_and_json_gets_null_for_non_finite_valu
         "expert_load_cv/layer1": 0.2,
     }
     assert finite_or_null({"a": float("inf"), "b": [1.0, float("nan")]}) == {"a": None, "b": [1.0, None]}
+
+
+def old_drop_records_after(path, step):
+    """drop_records_after as it was (the whole file read into memory): the reference."""
+
+    def record_step(line):
+        try:
+            return json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            return math.inf
+
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    kept = [line for line in lines if record_step(line) <= step]
+    if len(kept) < len(lines):
+        replace_text(path, "".join(line + "\n" for line in kept))
+
+
+def records(*steps):
+    return "".join(json.dumps({"step": s, "loss": 1.5}) + "\n" for s in steps).encode()
+
+
+@pytest.mark.parametrize(
+    "content, step",
+    [
+        (records(1, 2, 3, 4), 2),  # a tail to drop: truncated
+        (records(1, 2, 3) + b'{"step": 4, "lo', 3),  # a torn last line
+        (records(1, 2, 3) + b'{"step": 4, "lo', 9),
+        (records(1, 2, 3), 3),  # nothing to drop
+        (records(1, 2, 3)[:-1], 5),  # no newline at the end, nothing to drop
+        (b"", 0),
+        (records(1) + b"garbage\n" + records(2, 3), 2),  # an unreadable line before kept ones
+        (records(1, 2, 9, 3), 5),  # steps out of order
+        (records(1) + b"\n\n" + records(2), 5),  # blank lines
+        (records(1) + b'[1]\n{"loss": 2}\n"x"\n' + records(2), 5),
+        (records(1).replace(b"\n", b"\r\n") + records(2, 3), 2),  # CRLF, then a tail to drop
+        (records(1)[:-2] + b'\xff"}\n' + records(2, 3), 2),  # a byte that is not UTF-8
+        (records(1)[:-2] + b' \xe2\x80\xa8"}\n' + records(2, 3), 2),  # U+2028 splits the line
+        (records(1) + b'{"step": 2}\r{"step": 7}\n', 5),  # a CR inside a line
+        (records(1, 7) + records(2)[:-1], 5),  # a kept last line without a newline after a dropped one
+    ],
+)
+def test_drop_records_after_leaves_what_the_whole_file_version_left(tmp_path, content, step):
+    streamed, reference = tmp_path / "streamed.jsonl", tmp_path / "reference.jsonl"
+    streamed.write_bytes(content)
+    reference.write_bytes(content)
+    drop_records_after(streamed, step)
+    old_drop_records_after(reference, step)
+    assert streamed.read_bytes() == reference.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reference.jsonl", "streamed.jsonl"]  # no temporary
+
+
+def test_drop_records_after_drops_a_record_whose_step_is_not_a_number(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    deep = b"[" * 100_000 + b"]" * 100_000
+    path.write_bytes(records(1, 2) + b'{"step": "3"}\n{"step": null}\n{"step": ' + deep + b"}\n")
+    drop_records_after(path, 5)  # a string or null step was a TypeError, deep nesting a RecursionError
+    assert path.read_bytes() == records(1, 2)
+    drop_records_after(tmp_path / "missing.jsonl", 5)  # no file: nothing to do
+    assert not (tmp_path / "missing.jsonl").exists()
+
+
+@pytest.mark.parametrize("bad_line_first", [False, True])  # truncated, rewritten
+def test_drop_records_after_reads_the_file_as_a_stream(tmp_path, bad_line_first):
+    line = {"step": 0, "loss": 1.5, "expert_load_cv": [0.25] * 60}
+    steps = 40_000  # ~20 MB
+    path = tmp_path / "metrics.jsonl"
+    with open(path, "w") as file:
+        if bad_line_first:
+            file.write("garbage\n")
+        for s in range(1, steps + 1):
+            file.write(json.dumps({**line, "step": s}) + "\n")
+    size = path.stat().st_size
+    assert size > 15e6
+    tracemalloc.start()
+    try:
+        drop_records_after(path, steps - 10)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < size / 20  # the whole-file version held the file and its lines (> 2x its size)
+    with open(path) as file:
+        kept = [json.loads(x)["step"] for x in file]
+    assert kept == list(range(1, steps - 9))

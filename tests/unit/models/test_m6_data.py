@@ -207,6 +207,8 @@ def images_dir(tmp_path) -> Path:
     big = Image.effect_noise((64, 64), 50).convert("RGB")
     big.save(tmp_path / "big.png")
     (tmp_path / "truncated.png").write_bytes((tmp_path / "big.png").read_bytes()[:200])
+    (tmp_path / "empty.png").write_bytes(b"")  # a copy cut short: under 4 bytes, Pillow's BMP test raised
+    (tmp_path / "short.png").write_bytes(b"\x89PN")
     assert good
     return tmp_path
 
@@ -219,6 +221,19 @@ def images_dir(tmp_path) -> Path:
         ('{"image": "good.png", "text": ', r"manifest\.jsonl:2: invalid JSON"),
         ('["good.png", "x"]', r"manifest\.jsonl:2: a record must be a JSON object"),
         ({"image": 3, "text": "x"}, r"manifest\.jsonl:2: 'image' must be a path string or null"),
+        # json.loads raises RecursionError for deep nesting, a plain ValueError for a huge integer
+        pytest.param(
+            '{"text": "x", "n": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            r"manifest\.jsonl:2: invalid JSON \(nested too deeply\)$",
+            id="deep-nesting",
+        ),
+        pytest.param(
+            '{"text": "x", "n": ' + "1" * 5000 + "}",
+            r"manifest\.jsonl:2: invalid JSON \(Exceeds the limit \(4300 digits\) .* 5000 digits\)$",
+            id="huge-integer",
+        ),
+        ({"image": "a\x00.png", "text": "x"}, r"manifest\.jsonl:2: 'image' is not a valid path \(NUL"),
+        ('{"image": "a\\ud800.png", "text": "x"}', r"manifest\.jsonl:2: 'image' is not a valid path \(lone"),
     ],
 )
 def test_bad_manifest_lines_stop_with_file_and_line(images_dir, bad_line, message):
@@ -237,6 +252,8 @@ def test_bad_manifest_lines_stop_with_file_and_line(images_dir, bad_line, messag
         ("missing.png", r"manifest\.jsonl:2: image .*missing\.png does not exist"),
         ("garbage.png", r"manifest\.jsonl:2: image .*garbage\.png cannot be read"),
         ("truncated.png", r"manifest\.jsonl:2: image .*truncated\.png cannot be decoded"),
+        ("empty.png", r"manifest\.jsonl:2: image .*empty\.png cannot be read"),
+        ("short.png", r"manifest\.jsonl:2: image .*short\.png cannot be read"),
     ],
 )
 def test_bad_image_files_are_found_at_first_load(images_dir, image, message, monkeypatch):
