@@ -46,7 +46,8 @@ class TrainingLoop:
         ``until`` (then checkpoints, as if interrupted); returns the metrics of every logging step
         run here. Checkpoints every ``checkpoint_every`` steps and every ``checkpoint_every_minutes``,
         at the end (at ``config.steps`` only with ``checkpoint_at_end``; always at ``until``), and
-        when SIGTERM arrives (then stops)."""
+        when SIGTERM arrives (then stops). The summary goes to the sinks only when a step was
+        trained here."""
         config = self.config
         last_step = config.steps if until is None else min(until, config.steps)
         changes = self.maybe_resume()
@@ -68,7 +69,7 @@ class TrainingLoop:
         metrics_log = MetricsLog(config.metrics.sinks, run)
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         bar = ProgressBar(config.steps, "train", log_every=1, initial=self.step) if self.is_main else None
-        history = []
+        history, resumed_step = [], self.step
         self._last_checkpoint_time = time.monotonic()
         self._agreed_flags = None
         self._last_step = last_step  # saves a checkpoint: a logging step
@@ -112,8 +113,9 @@ class TrainingLoop:
                 if self.saved_step != self.step and (config.checkpoint_at_end or self.step != config.steps):
                     self.save()
                 self.writer.wait()
-            last = {k: v for k, v in history[-1].items() if k != "step"} if history else {}
-            metrics_log.summary({**last, "last_step": self.step, "preempted": self.preempted})
+            if self.step > resumed_step:  # nothing trained (a finished run resubmitted): the summary stays
+                last = {k: v for k, v in history[-1].items() if k != "step"} if history else {}
+                metrics_log.summary({**last, "last_step": self.step, "preempted": self.preempted})
         finally:
             self._last_step = None
             signal.signal(signal.SIGTERM, previous)
@@ -175,6 +177,7 @@ class TrainingLoop:
             "config": asdict(self.config),
             "skipped_steps": self.skipped_steps,
             "consecutive_skips": self.consecutive_skips,  # a streak goes on across a resume
+            "last_update_step": self.last_update_step,
         }
 
     def save(self) -> None:
@@ -238,6 +241,8 @@ class TrainingLoop:
             self.scaler.load_state_dict(extra["scaler"])
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         self.consecutive_skips = int(extra.get("consecutive_skips", 0))
+        # older checkpoints did not record it: as if every skip since the last update counted
+        self.last_update_step = int(extra.get("last_update_step", self.step - self.consecutive_skips))
         changes = config_changes(extra.get("config") or {}, json.loads(json.dumps(asdict(self.config))))
         changes.pop("resume_from", None)
         self._apply_optimizer_config()

@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import random
+import re
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -212,7 +213,8 @@ class RunSetUp:
         self.saved_step: int | None = None  # the step of the newest checkpoint this run loaded or saved
         self.preempted = False  # stopped by SIGTERM after checkpointing
         self.skipped_steps = 0  # optimizer steps skipped for non-finite gradients, this run
-        self.consecutive_skips = 0
+        self.consecutive_skips = 0  # skips in a row that count toward max_consecutive_skips
+        self.last_update_step = 0  # the last step whose optimizer update was applied (0: none)
         self.stop_requested = False
         self.recompute_plan = None
         self.balance = None
@@ -398,13 +400,20 @@ def _mib_at_least(num_bytes: int) -> str:
 def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """The optimizer's two param groups: ``weight_decay`` for matrices, 0 for biases, norms and
     other 1-D parameters. Each expert's parameters are judged by their own shape: the experts'
-    stacked biases (``b1_EF``, ``b2_ED``: 2-D, one row per expert) are biases."""
+    stacked biases (``b1_EF``, ``b2_ED``: 2-D, one row per expert) are biases. A norm is a parameter
+    of a norm layer (a class named ``...Norm`` or ``...Norm1d/2d/3d``: LayerNorm, RMSNorm, GroupNorm,
+    BatchNorm2d...), whatever its name and shape."""
     stacked = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters(False)}
+    norms = {id(p) for m in model.modules() if _is_norm_layer(m) for p in m.parameters(False)}
     decay, no_decay = [], []
-    for name, param in model.named_parameters():
+    for param in model.parameters():
         per_item_dims = param.dim() - (id(param) in stacked)
-        (no_decay if per_item_dims < 2 or "norm" in name else decay).append(param)
+        (no_decay if per_item_dims < 2 or id(param) in norms else decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _is_norm_layer(module: torch.nn.Module) -> bool:
+    return re.fullmatch(r".*Norm([123]d)?", type(module).__name__) is not None
 
 
 def adamw_implementation(model: torch.nn.Module) -> dict[str, bool]:

@@ -175,6 +175,7 @@ class TrainingStep:
             self._skip_step(loss_scale, losses)
         else:
             self.consecutive_skips = 0
+            self.last_update_step = self.step + 1
             with self.phases.phase("optimizer"):
                 if self.scaler is None:
                     self.optimizer.step()
@@ -224,10 +225,15 @@ class TrainingStep:
             self.consecutive_skips += 1
         limit = self.config.max_consecutive_skips
         if self.consecutive_skips >= limit:
+            in_a_row = self.step + 1 - self.last_update_step  # this one included
+            calibrations = in_a_row - self.consecutive_skips
+            excused = (
+                f", {calibrations} of them fp16 loss-scale calibration, not counted" if calibrations else ""
+            )
             raise NonFiniteGradientsError(
-                f"step {self.step + 1}: {self.consecutive_skips} consecutive steps had non-finite gradients "
-                f"(inf or NaN; max_consecutive_skips = {limit}); the weights are those of step "
-                f"{self.step + 1 - self.consecutive_skips}: check the data and the learning rate"
+                f"step {self.step + 1}: {in_a_row} consecutive steps had non-finite gradients "
+                f"(inf or NaN; max_consecutive_skips = {limit}{excused}); the weights are those of step "
+                f"{self.last_update_step}: check the data and the learning rate"
             )
         if self.is_main:
             log.warning(
