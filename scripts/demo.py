@@ -183,7 +183,7 @@ def main() -> None:
     )
     parser.add_argument("--eval-limit", type=int, help="caption only the first N held-out images")
     args = parser.parse_args()
-    out_dir = Path(args.out_dir)
+    out_dir = Path(args.out_dir).resolve()  # training runs from the repository root, evaluation here
     overrides = [*args.set, *([] if args.seed is None else [f"seed={args.seed}"])]
     start = time.perf_counter()
     train(out_dir, args.steps, args.ranks, overrides)

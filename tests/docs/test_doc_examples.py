@@ -205,14 +205,17 @@ def test_m6_manifest_check_and_index_command_with_a_glob_and_prune(tmp_path):
 @pytest.mark.timeout(240)
 def test_m6_demo_with_another_seed(tmp_path):
     """``python scripts/demo.py --seed N`` (m6.md, "The demo's accuracy over seeds"), 2 steps and
-    4 held-out images."""
+    4 held-out images, run from another directory with a relative ``--out-dir`` (as routing.md's
+    commands give it): the run lands there, and the evaluation finds it."""
     command = "python scripts/demo.py --seed N"
     assert f"`{command}`" in (ROOT / "docs" / "m6.md").read_text(encoding="utf-8")
     words = shlex.split(command.replace(" N", " 1"))
-    shorter = ["--steps", "2", "--eval-limit", "4", "--out-dir", str(tmp_path / "run")]
+    shorter = ["--steps", "2", "--eval-limit", "4", "--out-dir", "runs/demo_seed"]
     out = run_python([str(ROOT / words[1]), *words[2:], *shorter], tmp_path, timeout=200)
     assert "trained 2 steps (seed 1) on 2 ranks (ep_size 2)" in out, out[-2000:]
     assert "caption accuracy (exact match, held-out)" in out
+    assert (tmp_path / "runs" / "demo_seed" / "checkpoints").is_dir()
+    assert not (ROOT / "runs" / "demo_seed").exists()
 
 
 # ---- docs/planner.md -------------------------------------------------------------------------------
