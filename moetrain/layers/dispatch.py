@@ -36,13 +36,17 @@ from moetrain.layers.overlap import ChunkedExchange, OverlapSettings
 def compute_capacity(
     num_tokens: int, num_experts: int, top_k: int, capacity_factor: float | None, min_capacity: int
 ) -> int | None:
-    """Rows an expert keeps: ``max(min_capacity, ceil(capacity_factor * T * K / E))``.
+    """Rows an expert keeps: ``min(T * K, max(min_capacity, ceil(capacity_factor * T * K / E)))``
+    (no expert is routed more than the ``T * K`` slots, so a larger capacity keeps the same rows).
 
     ``None`` (dropless) when ``capacity_factor`` is ``None`` or 0.
     """
     if not capacity_factor:
         return None
-    return max(min_capacity, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+    slots = num_tokens * top_k
+    if capacity_factor >= num_experts:  # the bound T * K; also spares the float product an overflow
+        return slots
+    return min(slots, max(min_capacity, math.ceil(capacity_factor * slots / num_experts)))
 
 
 def token_priority_order(

@@ -67,12 +67,18 @@ def sequence_balance_loss(
 def _varlen_sequence_balance_loss(
     distribution_TE: torch.Tensor, expert_ids_TK: torch.Tensor, lengths_B: torch.Tensor
 ) -> torch.Tensor:
-    """:func:`sequence_balance_loss` for sequences of ``lengths_B`` tokens (no host sync)."""
+    """:func:`sequence_balance_loss` for sequences of ``lengths_B`` tokens (no host sync).
+
+    Token t belongs to sequence ``b = #{i : cumsum(lengths)[i] <= t}`` (clamped to ``B - 1``), so
+    lengths that do not sum to T (unchecked on a GPU or in compiled code) give a wrong loss, never
+    an out-of-bounds index."""
     num_tokens, num_experts = distribution_TE.shape
     sequences, top_k = lengths_B.shape[0], expert_ids_TK.shape[1]
-    sequence_T = torch.repeat_interleave(
-        torch.arange(sequences, device=lengths_B.device), lengths_B, output_size=num_tokens
-    )
+    if sequences == 0:  # only reachable with unchecked lengths (T > 0 tokens in no sequence)
+        return distribution_TE.sum() * 0.0
+    ends_B = lengths_B.cumsum(0)
+    token_T = torch.arange(num_tokens, device=ends_B.device, dtype=ends_B.dtype)
+    sequence_T = torch.searchsorted(ends_B, token_T, right=True).clamp_max_(sequences - 1)
     tokens_B = lengths_B.to(distribution_TE.dtype)
     prob_sum_BE = distribution_TE.new_zeros(sequences, num_experts).index_add_(0, sequence_T, distribution_TE)
     mean_prob_BE = prob_sum_BE / tokens_B.clamp_min(1)[:, None]

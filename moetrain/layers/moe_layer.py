@@ -257,8 +257,10 @@ class MoELayer(nn.Module):
 
 def check_sequence_lengths(lengths_B, tokens: int) -> None:
     """``MoELayer.forward``'s ``sequence_lengths``: a 1-D integer tensor; on the CPU (outside
-    compiled code) also its values, each >= 0 and summing to ``tokens`` (elsewhere that check would
-    wait for the device). Raises a one-line ``ValueError``."""
+    compiled code) also its values, each in ``[0, tokens]`` and summing to ``tokens`` (the bound
+    keeps the int64 sum from wrapping around to ``tokens``; elsewhere the check would wait for the
+    device, and lengths that break it give a meaningless loss, never an out-of-bounds access).
+    Raises a one-line ``ValueError``."""
     is_tensor = isinstance(lengths_B, torch.Tensor)
     fits = (
         is_tensor
@@ -266,7 +268,7 @@ def check_sequence_lengths(lengths_B, tokens: int) -> None:
         and not (lengths_B.is_floating_point() or lengths_B.is_complex() or lengths_B.dtype == torch.bool)
     )
     if fits and lengths_B.device.type == "cpu" and not torch.compiler.is_compiling():
-        fits = bool((lengths_B >= 0).all()) and int(lengths_B.sum()) == tokens
+        fits = bool(((lengths_B >= 0) & (lengths_B <= tokens)).all()) and int(lengths_B.sum()) == tokens
     if fits:
         return
     if not is_tensor:

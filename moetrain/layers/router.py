@@ -49,6 +49,13 @@ def check_expert_nodes(num_experts: int, top_k: int, nodes: int, max_nodes: int 
         )
 
 
+def top_k_lowest_index_ties(scores_TE: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Indices of the ``top_k`` largest ``scores`` along the last dim, in descending order of score;
+    equal scores in ascending order of index (a stable sort: the same on every device, where
+    ``torch.topk`` leaves the order of ties unspecified). Without ties, ``torch.topk``'s indices."""
+    return torch.sort(scores_TE, dim=-1, descending=True, stable=True).indices[..., :top_k]
+
+
 def node_limited_top_k(choice_TE: torch.Tensor, top_k: int, nodes: int, max_nodes: int) -> torch.Tensor:
     """``expert_ids_TK`` of node-limited routing (DeepSeek-V3, section 2.1.2: "each token will be
     sent to at most M nodes, which are selected according to the sum of the highest K_r/M affinity
@@ -63,7 +70,8 @@ def node_limited_top_k(choice_TE: torch.Tensor, top_k: int, nodes: int, max_node
     3. its K experts are those of highest ``choice`` among the kept nodes' ``M*E/N`` experts (ties:
        the lower expert index), in descending order of ``choice``.
 
-    Both selections are stable sorts, so ties are broken the same way on every device.
+    Both selections are :func:`top_k_lowest_index_ties`, so ties are broken the same way on every
+    device.
 
     ``choice_TE``: the scores the choice is made on (with aux-free biases when enabled). Needs
     ``M * E/N >= K`` (:func:`check_expert_nodes`)."""
@@ -71,17 +79,18 @@ def node_limited_top_k(choice_TE: torch.Tensor, top_k: int, nodes: int, max_node
     per_node = num_experts // nodes
     choice_TNe = choice_TE.view(num_tokens, nodes, per_node)
     node_score_TN = choice_TNe.topk(math.ceil(top_k / max_nodes), dim=-1).values.sum(dim=-1)
-    kept_TM = torch.sort(node_score_TN, dim=-1, descending=True, stable=True).indices[:, :max_nodes]
+    kept_TM = top_k_lowest_index_ties(node_score_TN, max_nodes)
     keep_TN = torch.zeros_like(node_score_TN, dtype=torch.bool).scatter_(1, kept_TM, True)
     masked_TE = choice_TNe.masked_fill(~keep_TN.unsqueeze(-1), float("-inf")).view(num_tokens, num_experts)
-    return torch.sort(masked_TE, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    return top_k_lowest_index_ties(masked_TE, top_k)
 
 
 class TopKRouter(nn.Module):
     """``logits_TE = x_TD @ weight_ED^T``; scores by softmax (per prototype group) or sigmoid; each
     of the G groups of E/G consecutive experts picks its top K/G experts (G = 1: plain top-k;
-    K = G: M6-T expert prototyping, "k top-1"). Gates are the chosen scores, divided by their sum
-    over the K choices when ``normalize_gates`` (auto: when K > 1).
+    K = G: M6-T expert prototyping, "k top-1"), in descending order of score, equal scores by the
+    lower expert index (:func:`top_k_lowest_index_ties`). Gates are the chosen scores, divided by
+    their sum over the K choices when ``normalize_gates`` (auto: when K > 1).
 
     Training-time jitter multiplies the router input by ``U(1 - eps, 1 + eps)`` (Switch).
 
@@ -185,10 +194,8 @@ class TopKRouter(nn.Module):
                             choice_TE, cfg.top_k, self.expert_nodes, cfg.max_nodes_per_token
                         )
                     else:
-                        top_index_TGk = (
-                            choice_TE.view(num_tokens, groups, per_group)
-                            .topk(cfg.top_k_per_prototype, dim=-1)
-                            .indices
+                        top_index_TGk = top_k_lowest_index_ties(
+                            choice_TE.view(num_tokens, groups, per_group), cfg.top_k_per_prototype
                         )
                         group_offset_G1 = (
                             torch.arange(groups, device=x_TD.device).mul_(per_group).view(groups, 1)
