@@ -202,6 +202,7 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         self.last_received = None  # the last chunked forward's received rows, D and element size
         self._overlap: OverlapSettings | None = None  # the last chunked forward's settings
         self._unchunked_bytes = 0
+        self._auto_links: dict[str, tuple] = {}  # device type -> (links, EP group layout), for "auto"
 
     def compute(self, x_TD, plan, gates_TK, experts):
         """With ``a2a_chunks`` other than 1 (eagerly, off ``meta``), the chunked exchange overlapped
@@ -251,9 +252,13 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         ``kept_PE [P, E]``, of ``x_ND``'s width and dtype, with the run's links
         (``ParallelConfig.a2a_links``; CPU ranks: the measured gloo fit)."""
         parallel = self.parallel
-        links = run_links(parallel.config.a2a_links, x_ND.device.type)
-        links = links.with_ranks_per_node(parallel.local_world_size)
-        layout = group_layout(sorted(parallel.ep_ranks), parallel.local_world_size)
+        if x_ND.device.type not in self._auto_links:  # fixed for the run: worked out once, not per call
+            links = run_links(parallel.config.a2a_links, x_ND.device.type)
+            self._auto_links[x_ND.device.type] = (
+                links.with_ranks_per_node(parallel.local_world_size),
+                group_layout(sorted(parallel.ep_ranks), parallel.local_world_size),
+            )
+        links, layout = self._auto_links[x_ND.device.type]
         row_bytes = wire_row_bytes(x_ND.shape[1], x_ND.dtype, self.comm_dtype)
         cost, expert_s = layer_overlap_inputs(
             links, layout, parallel.all_to_all, int(kept_PE.sum()), row_bytes, x_ND.shape[1],

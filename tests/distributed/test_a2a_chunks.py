@@ -191,3 +191,26 @@ def test_reported_comm_peak_matches_the_model_and_shrinks_with_chunks():
         for algorithm in ("flat", "hierarchical"):
             chunked = [peaks[(algorithm, None, n)] for n in (2, 3, 4, 6)]
             assert chunked == sorted(chunked, reverse=True) and chunked[-1] < chunked[0], (algorithm, chunked)
+
+
+def auto_layout_worker(rank, world):
+    import moetrain.layers.dispatch as dispatch
+
+    calls = []
+    counted = dispatch.group_layout
+    dispatch.group_layout = lambda *args: (calls.append(args), counted(*args))[1]
+    context = ParallelContext(ep_size=world, local_world_size=world, a2a_chunks="auto")
+    cfg = MoEConfig(d_model=D_MODEL, d_ff=D_FF, num_experts=EXPERTS, top_k=2, capacity_factor=None)
+    torch.manual_seed(0)
+    layer = shard_experts(MoELayer(cfg), context)
+    for step in range(3):
+        x = torch.randn(12 + rank, D_MODEL, generator=torch.Generator().manual_seed(step * world + rank))
+        layer(x.requires_grad_(True)).sum().backward()
+    return len(calls)
+
+
+@pytest.mark.timeout(120)
+def test_auto_chunks_work_out_the_group_layout_once_not_per_call():
+    """``a2a_chunks: auto`` proposes a count every forward; the EP group's node layout it models
+    (a loop over the group's ranks) is fixed for the run and worked out once."""
+    assert run_distributed(auto_layout_worker, 2) == [1, 1]
