@@ -12,7 +12,9 @@
 // D fp16 values followed by e_r stored in one 16-bit slot. Power-of-two scales are exact, so the
 // only error is fp16 rounding (relative 2^-11) for values within 2^-24 of their row's maximum.
 // e_r comes from frexp (exact, the CUDA twin's rule) and is at least kMinExponent, so 2^-e_r stays
-// finite: fp64 rows whose max is below 2^(kMinExponent + 15) (~1e-297) flush to zero instead.
+// finite: fp64 rows whose max is at most 2^(kMinExponent + 14) (~1.5e-297) are scaled less than
+// they need, so their values keep fp16's relative rounding only down to 2^-1014, become fp16
+// subnormals below it and arrive as zeros from 2^-1025 (moetrain/comm/compression.py).
 // NaN is ignored when taking the max (and arrives as NaN); rows holding inf are sent unscaled, so
 // non-finite values arrive as they left and still reach the loss scaler.
 #include <ATen/Parallel.h>

@@ -138,7 +138,8 @@ void launch_transpose(const at::Tensor& x, at::Tensor& out, const int64_t* src_o
 // ------------------------------------------------------------------------------------------------
 
 // ceil(log2(amax)) - 15 for finite amax > 0, else 0; exact (frexp: amax = m * 2^p, m in [0.5, 1)).
-// At least kMinExponent, so 2^-e stays finite for tiny fp64 rows (they flush to zero instead).
+// At least kMinExponent, so 2^-e stays finite for tiny fp64 rows (their smallest values then become
+// fp16 subnormals or zeros: csrc/a2a_layout.cpp).
 constexpr int kMinExponent = -1000;
 
 template <typename scalar_t>

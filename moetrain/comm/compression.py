@@ -9,12 +9,13 @@
   rows, or the frexp/ldexp twin, as ``kernels`` selects). The scale is exact, so the error is fp16
   rounding of ``x / 2^e``: relative 2^-11 (values more than ~2^28 times smaller than the row's
   largest fall below fp16's normal range: they lose bits or flush to zero), and no value of a
-  finite row overflows (fp64 rows whose max is below ~1e-297 flush to zero: the exponent stops at
-  -1000). A row holding
-  +-inf is sent unscaled, so its other values above 65504 arrive as inf too (the row is non-finite
-  already: a loss-scaled step skips it). bf16 rows (whose range fp16 lacks) are widened to
-  fp32 first and packed the same way, so ``comm_dtype="fp16"`` never overflows whatever the
-  activation dtype.
+  finite row overflows. ``e`` stops at -1000 (``2^-e`` stays a finite fp64), which only fp64 rows
+  reach (largest magnitude at most 2^-986, ~1.5e-297): their values keep the relative 2^-11 down
+  to 2^-1014 (~5.7e-306), are fp16 subnormals below it (absolute error at most 2^-1025) and
+  arrive as zeros at 2^-1025 (~2.8e-309) and below. A row holding +-inf is sent unscaled, so its
+  other values above 65504 arrive as inf too (the row is non-finite already: a loss-scaled step
+  skips it). bf16 rows (whose range fp16 lacks) are widened to fp32 first and packed the same
+  way, so ``comm_dtype="fp16"`` never overflows whatever the activation dtype.
 - fp16 rows with ``"bf16"`` are cast (the mantissa loses 3 bits); bf16 rounds values above 65408 up
   to 2^16, past fp16's largest value 65504, so on arrival those saturate to +-65504.
 """

@@ -59,7 +59,7 @@ import tempfile
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from moetrain.comm.chunking import ExchangeCost, hidden_seconds
+from moetrain.comm.chunking import ExchangeCost
 from moetrain.planner.comm import (
     DDP_BUCKET_BYTES,
     EXPERT_BUCKET_BYTES,
@@ -69,6 +69,7 @@ from moetrain.planner.comm import (
 )
 from moetrain.planner.hardware import ClusterSpec
 from moetrain.planner.model import ModelDescription, resolve_model
+from moetrain.planner.overlap import hidden_behind_experts
 from moetrain.planner.plan import Plan, make_plan
 from moetrain.planner.plan_layout import PlanLayout, layout_stage
 from moetrain.planner.reserve import FRAGMENTATION
@@ -504,7 +505,7 @@ class PhaseModel:
         cost, expert_s, chunks, rounds = self.overlap
         experts = expert_s * self.efficiency / min(e, 1.0)
         exchange = ExchangeCost(cost.latency, cost.transfer / f)
-        return rounds * hidden_seconds(exchange, experts, experts, experts, chunks)
+        return rounds * hidden_behind_experts(exchange, experts, chunks)
 
     def efficiency_at(self, f: float, compute: float) -> float:
         """``e`` that makes the plan's compute take ``compute`` (a run's forward + backward -

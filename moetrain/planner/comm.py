@@ -27,7 +27,9 @@ All-to-all, per exchange (bytes a rank sends to *other* ranks; its own share nev
 The per-expert counts travel the same way first (int64, ``El`` per peer; ``M * El`` per local peer
 and ``L * El`` per node for the 2-D algorithm), once per forward. Per MoE layer and micro-step:
 one count exchange and four row exchanges (dispatch and combine, forward and backward; a
-recomputed layer replays its rows and sends nothing more).
+recomputed layer replays its rows and sends nothing more). With ``a2a_chunks = n`` each row
+exchange is n exchanges of a chunk each (:mod:`moetrain.comm.overlap`): n times the calls and
+messages, the same bytes; the counts are exchanged once.
 
 All-reduce of ``S`` bytes over a group with grid (M, L) (the 2-D algorithm NCCL's trees and rings
 amount to): reduce-scatter and all-gather inside the node, all-reduce of each ``S / L`` shard across
@@ -117,19 +119,22 @@ def all_to_all_traffic(
     local_experts: int,
     exchanges: int,
     count_exchanges: int,
+    chunks: int = 1,
 ) -> tuple[Traffic, Traffic]:
     """(rows, counts) traffic of ``exchanges`` row exchanges and ``count_exchanges`` count
-    exchanges per step."""
+    exchanges per step. Each row exchange runs in ``chunks`` chunks (``a2a_chunks``; the counts
+    are never chunked): ``chunks`` times the calls and messages for the same bytes, so every chunk
+    pays the messages' latency again."""
     intra, inter, m_intra, m_inter = all_to_all_exchange(layout, algorithm, rows_per_peer * row_bytes)
     calls = 1 if algorithm == "flat" else 2
     rows = Traffic(
         "all_to_all",
-        exchanges * calls if layout.size > 1 else 0,
+        exchanges * chunks * calls if layout.size > 1 else 0,
         exchanges * intra,
         exchanges * inter,
-        exchanges * m_intra,
-        exchanges * m_inter,
-        exchanges * alpha_beta_seconds(cluster, intra, inter, m_intra, m_inter),
+        exchanges * chunks * m_intra,
+        exchanges * chunks * m_inter,
+        exchanges * alpha_beta_seconds(cluster, intra, inter, chunks * m_intra, chunks * m_inter),
     )
     c_intra, c_inter, c_m_intra, c_m_inter = all_to_all_exchange(layout, algorithm, local_experts * 8)
     counts = Traffic(

@@ -12,9 +12,9 @@ memory: capacity less ``settings.memory_headroom``).
 Rank r then needs ``3 * (n_r * f_own + (N / W) * f_expert) / (peak_r * compute_efficiency)`` seconds
 of compute per micro-step; :func:`moetrain.balance.balance_batch` minimises the largest, with the
 expert part as each rank's fixed overhead. The step time adds the time every rank waits for
-together (all-to-all, gradient sync, optimizer step: the slowest type's, from its plan at the
-uniform micro-batch). Caveat: memory limits assume EP peers run the same micro-batch (received
-rows depend on the others' batches).
+together (all-to-all less what its chunks hide behind the experts, gradient sync, optimizer step:
+the slowest type's, from its plan at the uniform micro-batch). Caveat: memory limits assume EP
+peers run the same micro-batch (received rows depend on the others' batches).
 """
 
 from __future__ import annotations
@@ -158,7 +158,9 @@ def plan_mixed_cluster(
         overheads += [expert_s] * ranks
         limits += [limit] * ranks
         plan = make_plan(model, cluster, settings.replace(micro_batch=min(uniform, limit), grad_accum=1))
-        waiting = plan.time["all_to_all_s"] + plan.time["grad_sync_s"] + plan.time["optimizer_exposed_s"]
+        t = plan.time
+        exposed_a2a = t["all_to_all_s"] - t["all_to_all_hidden_s"]  # with a2a_chunks, less what hides
+        waiting = exposed_a2a + t["grad_sync_s"] + t["optimizer_exposed_s"]
         common = max(common, waiting)
     assignment = balance_batch(global_batch, speeds, limits, overheads)
     return MixedClusterPlan(

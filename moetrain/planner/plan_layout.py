@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+
+from moetrain.comm import compression
 from moetrain.planner.activations import ActivationModel, LayerActivations, Workload, activation_model
 from moetrain.planner.comm import GroupLayout, choose_all_to_all, expert_groups, group_layout
 from moetrain.planner.hardware import ClusterSpec
@@ -18,6 +21,7 @@ from moetrain.planner.settings import ITEMSIZE, MODEL_CAPACITY, PlanSettings
 from moetrain.planner.split import split_plan_terms
 
 ADAM_STATE_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq, per parameter
+ROW_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # a precision's rows
 
 
 @dataclass(frozen=True)
@@ -175,7 +179,8 @@ def layout_stage(
     if moe_layers and ep > 1 and algorithm != "node_dedup":  # node_dedup is never chunked
         balanced = moe_layers[0].balanced_rows.sent
         overlap = layer_overlap_inputs(
-            cluster, ep_layout, algorithm, balanced, wire_row_bytes(arch.d_model, b, settings.comm_dtype),
+            cluster, ep_layout, algorithm, balanced,
+            wire_row_bytes(arch.d_model, settings.precision, settings.comm_dtype),
             arch.d_model, arch.moe.d_ff, arch.moe.activation, flops_per_s,
         )  # fmt: skip
         chunks = plan_chunks(settings.a2a_chunks, *overlap)
@@ -211,10 +216,18 @@ def _check_layout(model: ModelDescription, cluster: ClusterSpec, settings: PlanS
         raise ValueError(f"ep_size = {ep}: the model {model.name} has no MoE layer (use ep_size 1)")
 
 
-def wire_row_bytes(d_model: int, b: int, comm_dtype: str | None) -> int:
-    """Bytes of one row on the wire: ``D*b``; ``D*2`` for a bf16/fp16 wire. (A scaled fp16 row adds
-    one 16-bit column, ``(D+1)*2``, only for fp32 rows on the CPU: not a GPU case.)"""
-    return d_model * (b if comm_dtype is None else 2)
+def wire_row_bytes(d_model: int, precision: str, comm_dtype: str | None) -> int:
+    """Bytes of one row of ``precision`` on the wire, as the run sends it
+    (:func:`moetrain.comm.compression.wire_row_bytes`): ``D*b`` unencoded or on its own dtype's
+    wire, ``D*2`` on the bf16 wire, ``(D+1)*2`` on the scaled fp16 wire for fp32 and bf16 rows (the
+    exponent column)."""
+    return compression.wire_row_bytes(d_model, ROW_DTYPES[precision], comm_dtype)
+
+
+def wire_encodes(precision: str, comm_dtype: str | None) -> bool:
+    """Whether rows of ``precision`` are encoded into a buffer of their own before the wire (a wire
+    of another dtype: :func:`moetrain.comm.compression.encode_rows`)."""
+    return comm_dtype is not None and ROW_DTYPES[precision] != compression.WIRE_DTYPES[comm_dtype]
 
 
 def nodes_reached(moe, nodes: int, max_nodes: int | None) -> float:

@@ -18,7 +18,13 @@ from moetrain.planner.peak import (
     optimizer_step_peak,
     step_peak,
 )
-from moetrain.planner.plan_layout import ADAM_STATE_BYTES, PlanLayout, nodes_reached, wire_row_bytes
+from moetrain.planner.plan_layout import (
+    ADAM_STATE_BYTES,
+    PlanLayout,
+    nodes_reached,
+    wire_encodes,
+    wire_row_bytes,
+)
 from moetrain.planner.reserve import FRAGMENTATION, Communicator, reserve_terms
 from moetrain.planner.settings import PlanSettings
 from moetrain.recompute import RecomputeOption, solve_recompute
@@ -309,13 +315,13 @@ def _all_to_all_buffers(
     if not moe_layers or ep == 1:
         return 0
     rows = moe_layers[0].rows
-    row_bytes = wire_row_bytes(arch.d_model, b, settings.comm_dtype)
+    row_bytes = wire_row_bytes(arch.d_model, settings.precision, settings.comm_dtype)
     permuted = rows.sent * arch.d_model * b
     sent, received = rows.sent * row_bytes, rows.received * row_bytes
     stages = 2 if algorithm == "hierarchical" else 1
     if chunks > 1:
         return permuted + math.ceil(chunked_comm_bytes(sent, received, stages, chunks))
-    encoded = settings.comm_dtype is not None and b != 2
+    encoded = wire_encodes(settings.precision, settings.comm_dtype)
     total = permuted + math.ceil(unchunked_comm_bytes(sent, received, stages, encoded))
     if algorithm == "node_dedup":
         copies = rows.sent * nodes_reached(arch.moe, nodes, max_nodes) / arch.moe.top_k

@@ -1,14 +1,15 @@
 """The time stage of :func:`~moetrain.planner.plan.make_plan`: seconds per optimizer step (compute,
-recompute, all-to-all less what hides behind the experts, gradient sync, tensor-parallel
-all-reduces, the optimizer step or what of it the delayed update exposes, the pipeline's bubble
-and point-to-point), tokens and samples per second and the model FLOPs utilization."""
+recompute, all-to-all (with the latency its chunks add) less what hides behind the experts,
+gradient sync, tensor-parallel all-reduces, the optimizer step or what of it the delayed update
+exposes, the pipeline's bubble and point-to-point), tokens and samples per second and the model
+FLOPs utilization."""
 
 from __future__ import annotations
 
-from moetrain.comm.chunking import hidden_seconds
 from moetrain.planner.comm import Traffic
 from moetrain.planner.hardware import ClusterSpec
 from moetrain.planner.model import ModelDescription
+from moetrain.planner.overlap import chunk_latency_seconds, hidden_behind_experts
 from moetrain.planner.plan_layout import PlanLayout
 from moetrain.planner.plan_memory import RecomputeChoice
 
@@ -33,10 +34,11 @@ def time_stage(
     compute = accum * 3 * forward / flops_per_s
     recompute_s = accum * recompute.extra_flops / flops_per_s
     a2a_s = sum(t.seconds for t in traffic if t.name.startswith("all_to_all"))
-    hidden_s = 0.0
+    hidden_s = chunk_latency_s = 0.0  # chunk_latency_s: part of a2a_s
     if overlap is not None:  # per MoE layer and micro-step (see moetrain.planner.overlap)
         cost, expert_s = overlap
-        hidden_s = layers_here * accum * hidden_seconds(cost, expert_s, expert_s, expert_s, chunks)
+        hidden_s = layers_here * accum * hidden_behind_experts(cost, expert_s, chunks)
+        chunk_latency_s = layers_here * accum * chunk_latency_seconds(cost, chunks)
     sync_s = sum(t.seconds for t in traffic if t.name.endswith("all_reduce") and t.name != "tp_all_reduce")
     tp_s = sum(t.seconds for t in traffic if t.name == "tp_all_reduce")
     h2d_s = 0.0
@@ -72,6 +74,7 @@ def time_stage(
         "compute_s": compute,
         "recompute_s": recompute_s,
         "all_to_all_s": a2a_s,
+        "all_to_all_chunk_latency_s": chunk_latency_s,
         "all_to_all_hidden_s": hidden_s,
         "a2a_chunks": chunks,
         "grad_sync_s": sync_s,

@@ -76,9 +76,10 @@ def traffic_stage(model: ModelDescription, cluster: ClusterSpec, layout: PlanLay
 def _all_to_all_stage(
     model: ModelDescription, cluster: ClusterSpec, layout: PlanLayout
 ) -> tuple[list[Traffic], Traffic | None, tuple[str, float], Callable[[int | None], float] | None, list[str]]:
-    """The all-to-all's rows and counts (none without expert parallelism), the algorithm not chosen,
-    a per-slot algorithm with its inter-node bytes (the chosen one, else the alternative),
-    node_dedup's inter-node row bytes per node limit (a grid layout only, else None) and notes."""
+    """The all-to-all's rows and counts (none without expert parallelism), the algorithm not chosen
+    (both in ``layout.chunks`` chunks), a per-slot algorithm with its inter-node bytes (the chosen
+    one, else the alternative), node_dedup's inter-node row bytes per node limit (a grid layout
+    only, else None) and notes."""
     arch, settings, ep, ep_layout = model.arch, layout.settings, layout.ep, layout.ep_layout
     algorithm, moe_layers = layout.algorithm, layout.moe_layers
     traffic = []
@@ -90,13 +91,13 @@ def _all_to_all_stage(
     if moe_layers and ep > 1:
         rows = moe_layers[0].rows
         balanced_rows = moe_layers[0].balanced_rows.sent
-        row_bytes = wire_row_bytes(arch.d_model, layout.b, settings.comm_dtype)
-        n = layout.layers_here * accum
+        row_bytes = wire_row_bytes(arch.d_model, settings.precision, settings.comm_dtype)
+        n, chunks = layout.layers_here * accum, layout.chunks
         local_experts = arch.moe.num_experts // ep
 
-        def per_slot_traffic(name: str) -> tuple[Traffic, Traffic]:
+        def per_slot_traffic(name: str) -> tuple[Traffic, Traffic]:  # in the layout's chunks
             return all_to_all_traffic(
-                cluster, ep_layout, name, balanced_rows / ep, row_bytes, local_experts, 4 * n, n
+                cluster, ep_layout, name, balanced_rows / ep, row_bytes, local_experts, 4 * n, n, chunks
             )
 
         def dedup(limit: int | None) -> tuple[Traffic, Traffic]:
