@@ -67,7 +67,7 @@ def _train(args) -> int:
         exit_code,
         is_lost_connection,
     )
-    from moetrain.launch import report_to_launcher
+    from moetrain.launch import report_to_launcher, stop_with_launcher
     from moetrain.parallel import read_launch_environment
 
     overrides = list(args.set) + ([_resume_override(args.resume_from)] if args.resume_from else [])
@@ -87,22 +87,33 @@ def _train(args) -> int:
         log_path = attach_rank_log(config.out_dir, rank, args.log_level)
 
     def interrupt(signum, frame) -> None:  # outside the training loop, which checkpoints on SIGTERM
+        if trainer is not None and trainer.stop_requested:
+            return  # another SIGTERM once the loop has stopped for the first: the stop goes on
         raise Interrupted(f"{signal.Signals(signum).name} before training started: nothing new to checkpoint")
 
+    # Once a rank of several stops (pre-empted or failed), SIGTERM stays ignored until it exits:
+    # srun --kill-on-bad-exit and torchrun SIGTERM the ranks still running when one has exited, and
+    # a rank killed then would end with 143 instead of its code, maybe before releasing out_dir.
     previous = signal.signal(signal.SIGTERM, interrupt)
     trainer = watchdog = None
+    stopping = False
     try:
+        stop_with_launcher()  # under torchrun: SIGTERM when the launcher dies
         trainer = Trainer(
             config, position=position, on_out_dir_locked=start_log_file, auto=_auto_split(config)
         )
         trainer.train()
+        if trainer.preempted:
+            stopping = True
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         trainer.close()
         code = EXIT_PREEMPTED if trainer.preempted else EXIT_FINISHED
         if code == EXIT_PREEMPTED:
             report_to_launcher(f"SIGTERM: checkpoint saved at step {trainer.step}", code)
         return code
     except (Exception, Interrupted) as error:  # noqa: BLE001 - every failure becomes one line + the log file
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun SIGTERMs the others once one rank failed
+        stopping = True
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         watchdog = position.watchdog  # after a failed set-up: stopped, having looked (Trainer)
         if watchdog is not None and trainer is not None:
             watchdog.look_now(error)  # a crashed rank; a stall the timeout found before the look
@@ -116,7 +127,8 @@ def _train(args) -> int:
         report_to_launcher(line, code, log_path, caused_by_others=caused_by_others)
         return code
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if not (stopping and launch.world_size > 1):  # one process: nobody else will signal it
+            signal.signal(signal.SIGTERM, previous)
         if trainer is not None:
             trainer.release()
         trainer = position.model = None  # the model and its groups go before the groups are destroyed

@@ -77,7 +77,8 @@ class RunPosition:
     ``stall``: the watchdog's finding while this rank is stuck where it is (the ranks that stopped
     or lag behind; :class:`moetrain.watchdog.Watchdog`), None once it moves on. ``watchdog``: that
     watchdog while it runs, asked to look once more (``look_now()``) before an error line is written;
-    after a failed set-up, stopped, having looked already (:class:`moetrain.engine.Trainer`)."""
+    after a failed set-up, stopped, having looked already (:class:`moetrain.engine.Trainer`).
+    ``progress``: how many times ``phase`` changed since ``step`` began (kept by ``__setattr__``)."""
 
     rank: int = 0
     step: int | None = None
@@ -85,6 +86,17 @@ class RunPosition:
     model: nn.Module | None = None  # the model once built (to name the module that raised)
     stall: str | None = None
     watchdog: object | None = None
+    progress: int = 0
+
+    def __setattr__(self, name: str, value) -> None:
+        """Counts ``progress``: a new ``step`` resets it to 0, a new ``phase`` adds 1. Ranks pass
+        the same phases in the same order, so at one step the larger count is the rank further on
+        (:mod:`moetrain.watchdog` compares ``(step, progress)``, not phase names)."""
+        if name == "step" and value != getattr(self, "step", value):
+            object.__setattr__(self, "progress", 0)
+        elif name == "phase" and value != getattr(self, "phase", value):
+            object.__setattr__(self, "progress", getattr(self, "progress", 0) + 1)
+        object.__setattr__(self, name, value)
 
 
 def module_in_traceback(traceback: TracebackType | None, model: nn.Module | None) -> str | None:

@@ -17,19 +17,27 @@ directory, named in that line).
   and stop; the launch exits with ``EXIT_PREEMPTED`` (75), as one ``moetrain train`` process does,
   when a rank reported the checkpoint, else with ``128 + signal``.
 - A rendezvous that cannot start (its port in use, the store unreachable) is one line too, exit
-  code 1.
+  code 1. The rendezvous store lost once the ranks run (the launcher hosting it killed, its node
+  gone) is one line as well: the ranks are stopped with SIGTERM, and the launch exits 75 when a rank
+  reported the checkpoint, else 1.
+- A rank of ``moetrain train`` stops when its launcher dies: it asks the kernel for SIGTERM when its
+  parent dies (:func:`stop_with_launcher`), so a ``kill -9`` of the launcher makes its ranks
+  checkpoint and stop instead of training on as orphans holding ``out_dir``.
 
 The c10d rendezvous (``--rdzv-backend=c10d --rdzv-endpoint=HOST:PORT``, the SLURM templates' choice)
 needs a check of its own: when HOST's port is taken, torchrun falls back to joining whatever listens
 there as a client and, when that is not a rendezvous store, waits forever in the connection. So on
 the endpoint's host (unless ``--rdzv-conf is_host=...`` says otherwise) an occupied port is looked at
-before torchrun starts: a rendezvous store answering there (another launcher of the same job on
-this host hosts it) is fine, anything else ends the launch with the one-line error. The other
-nodes' launchers then end with the job (srun ``--kill-on-bad-exit``).
+before torchrun starts: a rendezvous store holding this job's rendezvous (``--rdzv-id``; another
+launcher of the same job on this host hosts it) is fine, anything else (another job's store
+included) ends the launch with the one-line error. The other nodes' launchers then end with the job
+(srun ``--kill-on-bad-exit``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import json
 import logging
@@ -52,6 +60,9 @@ PORT_IN_USE = (
     "the rendezvous port is already in use (another job?): choose a free --master-port / --rdzv-endpoint port"
 )
 STORE_ANSWER_S = 3  # how long a rendezvous store already on the port may take to answer a client
+LOST_STORE = "the launcher lost the rendezvous store (its host is gone?)"
+LAUNCHER_PID = "MOETRAIN_LAUNCHER_PID"  # set by main for its ranks: the process that started them
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def _first_line(error: BaseException) -> str:
@@ -126,21 +137,25 @@ def _port_is_taken(port: int) -> bool:
     return False
 
 
-def _a_store_answers(host: str, port: int) -> bool:
-    """Whether a c10d TCPStore answers a client at ``host:port`` within ``STORE_ANSWER_S`` seconds.
+def _a_store_answers(host: str, port: int, run_id: str) -> bool:
+    """Whether a c10d TCPStore at ``host:port`` holds the rendezvous of ``run_id`` (``--rdzv-id``:
+    its key ``torch.rendezvous.<run_id>``, written by the launcher that created the store as it
+    starts) within ``STORE_ANSWER_S`` seconds. Another job's store answers too, without that key.
 
     Asked from a child process: a TCPStore client connected to something that is not a store never
     returns, and a thread stuck in it would abort this process at exit. The child's alarm (default
     action: terminate) starts after its torch import."""
     probe = (
         "import datetime, signal, sys; from torch.distributed import TCPStore; "
-        f"signal.alarm({STORE_ANSWER_S}); "
+        f"signal.alarm({STORE_ANSWER_S + 1}); "
         f"TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, "
-        f"timeout=datetime.timedelta(seconds={STORE_ANSWER_S})).check(['moetrain-launch-probe'])"
+        f"timeout=datetime.timedelta(seconds={STORE_ANSWER_S})).wait(['torch.rendezvous.' + sys.argv[3]])"
     )
     try:
         result = subprocess.run(
-            [sys.executable, "-c", probe, host, str(port)], capture_output=True, timeout=STORE_ANSWER_S + 120
+            [sys.executable, "-c", probe, host, str(port), run_id],
+            capture_output=True,
+            timeout=STORE_ANSWER_S + 120,
         )
     except subprocess.TimeoutExpired:
         return False
@@ -149,7 +164,7 @@ def _a_store_answers(host: str, port: int) -> bool:
 
 def c10d_port_problem(argv: list[str]) -> str | None:
     """The one-line reason the c10d rendezvous of torchrun arguments ``argv`` cannot start on this
-    host (its port held by something that is not a rendezvous store), or None."""
+    host (its port held by something that is not this job's rendezvous store), or None."""
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
     from torch.distributed.run import parse_args
 
@@ -164,7 +179,7 @@ def c10d_port_problem(argv: list[str]) -> str | None:
     must_host = is_host in ("1", "true", "t", "yes", "y")
     if not (must_host or _is_this_host(host)) or not _port_is_taken(port):
         return None
-    return None if not must_host and _a_store_answers(host, port) else PORT_IN_USE
+    return None if not must_host and _a_store_answers(host, port, args.rdzv_id) else PORT_IN_USE
 
 
 def report_to_launcher(line: str, code: int, log_path=None, caused_by_others: bool = False) -> None:
@@ -208,9 +223,11 @@ def _rank_reports(failures: dict) -> list[tuple[int, dict, str]]:
     return found
 
 
-def failure_line(failures: dict) -> tuple[str, int]:
+def failure_line(failures: dict, killed_by_launcher: frozenset[int] = frozenset()) -> tuple[str, int]:
     """The launcher's last line and exit code for the failed ranks of torchrun's
-    ``ChildFailedError.failures`` (global rank -> ``ProcessFailure``)."""
+    ``ChildFailedError.failures`` (global rank -> ``ProcessFailure``). ``killed_by_launcher``: the
+    pids torchrun SIGKILLed itself, at the end of its shutdown timeout (:class:`_ForcedKills`): a
+    rank that did not end on SIGTERM (stopped, hung), not one that something else killed."""
     from moetrain.failures import EXIT_PREEMPTED, EXIT_RUN_FAILED
 
     reports = _rank_reports(failures)
@@ -218,8 +235,8 @@ def failure_line(failures: dict) -> tuple[str, int]:
         return f"moetrain: pre-empted: {reports[0][2]}, stopping", EXIT_PREEMPTED
     reports = [r for r in reports if r[1]["exit_code"] != EXIT_PREEMPTED]
     reported = {rank for rank, _, _ in reports}
-    killed = sorted(
-        (failure.timestamp, rank, failure)
+    killed = sorted(  # a rank killed by something else first: the launcher's kills came after
+        (failure.pid in killed_by_launcher, failure.timestamp, rank, failure)
         for rank, failure in failures.items()
         if rank not in reported and failure.exitcode < 0
     )
@@ -229,13 +246,17 @@ def failure_line(failures: dict) -> tuple[str, int]:
         rank, record, line = own[0]
         return f"moetrain: error: {line}", int(record["exit_code"])
     if killed:
-        _, rank, failure = killed[0]
+        by_launcher, _, rank, failure = killed[0]
         number = -failure.exitcode
         try:
             name = signal.Signals(number).name
         except ValueError:
             name = f"signal {number}"
-        text = f"moetrain: error: rank {rank} (pid {failure.pid}) was killed by signal {number} ({name})"
+        text = f"moetrain: error: rank {rank} (pid {failure.pid}) " + (
+            f"stopped responding and was killed by the launcher ({name}) after its shutdown timeout"
+            if by_launcher
+            else f"was killed by signal {number} ({name})"
+        )
         if lost:
             text += f"; rank {lost[0][0]} said: {lost[0][2]}"
         return text, EXIT_RUN_FAILED
@@ -248,6 +269,32 @@ def failure_line(failures: dict) -> tuple[str, int]:
         "no error line of moetrain's",
         failure.exitcode if 0 < failure.exitcode < 256 else EXIT_RUN_FAILED,
     )
+
+
+class _ForcedKills(logging.Handler):
+    """Collects the pids of the ranks torchrun SIGKILLs at the end of its shutdown timeout, from
+    its warning ``Unable to shutdown process <pid> via <signal>, forcefully exiting via <signal>``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pids: set[int] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith("Unable to shutdown process") and record.args:
+            with contextlib.suppress(TypeError, ValueError):
+                self.pids.add(int(record.args[0]))
+
+
+def _workers_started(log_dir: Path, since: float) -> bool:
+    """Whether torchrun started ranks under ``log_dir`` since ``since`` (it makes a
+    ``<run id>_*/attempt_<n>`` directory for every start)."""
+    for path in log_dir.glob("*/attempt_*"):
+        try:
+            if path.stat().st_mtime >= since - 1:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def _preempted_line(log_dir: Path, since: float) -> str | None:
@@ -310,49 +357,101 @@ def _log_dir(argv: list[str]) -> tuple[list[str], Path]:
     return ["--log-dir", directory, *argv], Path(directory)
 
 
-def _send_torch_records_to(path: Path) -> logging.Handler:
-    """torchrun's loggers (``torch.distributed.*``) write to ``path`` only, not to stderr."""
+def _send_torch_records_to(path: Path, *handlers: logging.Handler) -> logging.Handler:
+    """torchrun's loggers (``torch.distributed.*``) write to ``path`` only, not to stderr, and to
+    ``handlers``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     names = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher", __name__)
     for name in names:
         logger = logging.getLogger(name)
-        logger.addHandler(handler)
+        for each in (handler, *handlers):
+            logger.addHandler(each)
         logger.propagate = False
     return handler
 
 
+def _is_alive(pid: str | None) -> bool:
+    """Whether process ``pid`` (decimal text) exists; True when ``pid`` is not given."""
+    if not pid or not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process: it exists
+    return True
+
+
+def stop_with_launcher() -> None:
+    """Under torchrun (``TORCHELASTIC_RUN_ID`` set) on Linux: the kernel sends this rank SIGTERM
+    when its launcher (the parent process) dies (``prctl(PR_SET_PDEATHSIG)``), so a ``kill -9`` of
+    the launcher makes its ranks checkpoint and stop (exit 75) instead of training on as orphans
+    that hold ``out_dir``'s lock. A launcher already gone when this is called (this process's parent
+    changed meanwhile, or ``moetrain launch``'s process, ``MOETRAIN_LAUNCHER_PID``, no longer
+    exists: it died before this rank got here) gets this rank that SIGTERM at once. A no-op
+    elsewhere."""
+    if not sys.platform.startswith("linux") or not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return
+    parent = os.getppid()
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    except (OSError, AttributeError) as error:
+        log.debug("no SIGTERM when the launcher dies: %s", error)
+        return
+    if os.getppid() != parent or not _is_alive(os.environ.get(LAUNCHER_PID)):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> int:
-    from torch.distributed import DistError
+    from torch.distributed import DistError, DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
     from torch.distributed.run import main as torchrun_main
 
-    from moetrain.failures import EXIT_BAD_INPUT, EXIT_PREEMPTED
+    from moetrain.failures import EXIT_BAD_INPUT, EXIT_PREEMPTED, EXIT_RUN_FAILED
 
     argv = sys.argv[1:] if argv is None else argv
     argv, log_dir = _log_dir(argv)
     detail = log_dir / "launcher.log"
-    handler = _send_torch_records_to(detail)
+    forced_kills = _ForcedKills()
+    handler = _send_torch_records_to(detail, forced_kills)
     bad_arguments = argument_problem(argv)
     if bad_arguments is not None:
         print(f"moetrain: error: {bad_arguments}", file=sys.stderr)
         return EXIT_BAD_INPUT
     started = time.time()
     problem = None
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # for the ranks (stop_with_launcher)
     try:
         problem = c10d_port_problem(argv)
         if problem is None:
             torchrun_main(argv)
     except ChildFailedError as error:
         log.error("%s\n%s", error.format_msg(), traceback.format_exc())
-        line, code = failure_line(error.failures)
+        line, code = failure_line(error.failures, frozenset(forced_kills.pids))
         print(f"{line} (launcher detail: {detail})", file=sys.stderr)
         return code
     except (DistError, RendezvousError) as error:
-        problem = PORT_IN_USE if _says_in_use(error) else _first_line(error)
+        if not _workers_started(log_dir, started):
+            problem = PORT_IN_USE if _says_in_use(error) else _first_line(error)
+        else:  # once the ranks ran: torchrun stopped them (SIGTERM: they checkpoint) before raising
+            lost = isinstance(error, (DistNetworkError, RendezvousConnectionError))
+            what = LOST_STORE if lost else f"the rendezvous failed once the ranks ran: {_first_line(error)}"
+            log.error("%s\n%s", what, traceback.format_exc())
+            saved = _preempted_line(log_dir, started)
+            if saved is not None:
+                print(f"moetrain: pre-empted: {what}; {saved} (launcher detail: {detail})", file=sys.stderr)
+                return EXIT_PREEMPTED
+            print(
+                f"moetrain: error: {what}; no rank reported a checkpoint (launcher detail: {detail})",
+                file=sys.stderr,
+            )
+            return EXIT_RUN_FAILED
     except SignalException as error:
         signal_number = int(error.sigval)
         saved = _preempted_line(log_dir, started)

@@ -3,14 +3,17 @@ says who stopped.
 
 When one rank stops (a hung data loader, a killed or stopped process, a deadlock), the others wait
 in their next collective until ``dist_timeout_s`` and then fail with a transport error that names
-no one. Here each rank's :class:`Watchdog` thread writes ``(step, phase, time)`` into the rendezvous
-store every ``interval_s`` seconds. When its own rank has been in the same step and phase for
+no one. Here each rank's :class:`Watchdog` thread writes ``(step, phase, progress, time)`` into the
+rendezvous store every ``interval_s`` seconds (``progress``: the phase changes since the step began,
+:class:`moetrain.failures.RunPosition`). When its own rank has been in the same step and phase for
 ``stall_s`` seconds, it reads every rank's heartbeat (one ``multi_get``) and logs one error line
 naming the ranks that are silent (no heartbeat for ``stall_s``: stopped or gone) or behind (an
-earlier step or phase); when every rank is in the same place it only logs that they all wait there
-(a long phase, not a fault). Until it has found a silent rank it looks again every ``stall_s / 2``
-(a rank stopped just after this one started waiting is not yet silent at the first look), logging
-again only when the finding changes. The finding is kept on the run's position
+earlier ``(step, progress)``: at the same step, a rank in forward is behind one in backward, not the
+other way round); when no rank is silent or behind it only logs that they all wait at the same place
+(a long phase), or that the others are ahead of it (this rank is the slow one): not a fault.
+Until it has found a silent rank it looks again every ``stall_s / 2`` (a rank stopped just after
+this one started waiting is not yet silent at the first look), logging again only when the
+finding changes. The finding is kept on the run's position
 (``RunPosition.stall``) while the rank stays stuck, so the error line of the collective's timeout
 names the cause (:func:`moetrain.failures.describe_failure`); a failing rank calls
 :meth:`Watchdog.look_now` before it writes that line, as the timeout may come before the next
@@ -172,11 +175,13 @@ class Watchdog:
             raise
 
     def _where(self) -> tuple:
-        return (self.position.step, self.position.phase)
+        """``(step, phase, progress)`` of this rank now."""
+        position = self.position
+        return (position.step, position.phase, position.progress)
 
     def _publish(self) -> None:
-        step, phase = self._where()
-        beat = {"step": step, "phase": phase, "time": time.time()}
+        step, phase, progress = self._where()
+        beat = {"step": step, "phase": phase, "progress": progress, "time": time.time()}
         if self._ended is not None:
             beat["ended"] = self._ended
         if self._looked:
@@ -363,9 +368,10 @@ class Watchdog:
         return found
 
     def _report(self, where: tuple, waited_s: float) -> tuple[str, str, str | None]:
-        """Reads every heartbeat: ``(finding, line, cause)``; finding ``"silent"``, ``"behind"`` or
-        ``"waiting"`` (every rank at the same place, cause None), cause for ``position.stall``."""
-        silent, behind, causes, ended, lagging = [], [], [], [], []
+        """Reads every heartbeat: ``(finding, line, cause)``; finding ``"silent"``, ``"behind"``,
+        ``"ahead"`` (no rank silent or behind, some further on: this rank is the slow one, cause None)
+        or ``"waiting"`` (every rank at the same place, cause None), cause for ``position.stall``."""
+        silent, behind, ahead, causes, ended, lagging = [], [], [], [], [], []
         for rank, beat, age in self._read():
             if beat is None:
                 silent.append(f"rank {rank} (no heartbeat)")
@@ -378,13 +384,18 @@ class Watchdog:
             elif age >= self.stall_s:
                 silent.append(f"rank {rank} (last heard {age:.0f} s ago at {place})")
                 causes.append(_silent(rank, beat, age, where[0]))
-            elif (beat["step"], beat["phase"]) != where and (beat["step"] or 0) <= (where[0] or 0):
+            elif is_behind(beat, where):
                 behind.append(f"rank {rank} ({place})")
                 lagging.append(f"rank {rank} is behind at {place}")
+            elif (beat["step"], beat["phase"]) != where[:2]:
+                ahead.append(f"rank {rank} ({place})")
         here = f"step {where[0]}, {where[1]}"
-        finding = "silent" if silent else "behind" if behind else "waiting"
+        finding = "silent" if silent else "behind" if behind else "ahead" if ahead else "waiting"
         if finding == "waiting":
             line = f"rank {self.rank}: every rank has been at {here} for {waited_s:.0f} s (a long phase)"
+            return finding, line, None
+        if finding == "ahead":
+            line = f"rank {self.rank} has been at {here} for {waited_s:.0f} s; ahead of it: {_first(ahead)}"
             return finding, line, None
         parts = [f"rank {self.rank} has waited {waited_s:.0f} s at {here}"]
         if silent:
@@ -392,6 +403,15 @@ class Watchdog:
         if behind:
             parts.append(f"behind: {_first(behind)}")
         return finding, "; ".join(parts), _first(causes + ended + lagging)  # a crashed or stopped rank first
+
+
+def is_behind(beat: dict, where: tuple) -> bool:
+    """Whether the rank of heartbeat ``beat`` is behind ``where`` (``(step, phase, progress)`` of
+    this rank): an earlier step, or at the same step fewer phase changes (``progress``). Phase names
+    are not compared: at one step a rank in forward is behind one in backward, whatever the names'
+    order. Steps before training (None) count as 0."""
+    theirs = (beat["step"] or 0, beat.get("progress", 0))
+    return theirs < (where[0] or 0, where[2])
 
 
 def _silent(rank: int, beat: dict, age: float, run_step: int | None) -> str:

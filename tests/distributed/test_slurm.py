@@ -48,7 +48,8 @@ echo "${#gpus[@]}"
 
 # Stands in for `python -m moetrain.cli train`: `stub.sh OUT_DIR --config ... [trainer args]`.
 # Writes OUT_DIR/rank-$RANK.env (its rank environment and arguments) and .log (progress);
-# runs RUN_TICKS x 0.1 s, and on SIGTERM "checkpoints" (1 s) and exits 0, as the trainer does.
+# runs RUN_TICKS x 0.1 s, and on SIGTERM "checkpoints" (1 s) and exits 0 (the trainer exits 75:
+# test_per_task_template_sigterm_with_the_real_trainer_ends_75 runs it).
 STUB = r"""#!/bin/bash
 out=$1/rank-$RANK
 shift
@@ -445,11 +446,47 @@ def test_sigterm_reaches_every_rank(cluster, tmp_path, stub, config, fake_gpu_co
         lines = log.read_text().splitlines()
         assert "checkpointed" in lines and "finished" not in lines, (log.name, lines, output)
     # The torchrun launcher exits 128 + 15 after its ranks shut down on SIGTERM, with one line and no
-    # SignalException traceback; the per-task ranks exit 0.
+    # SignalException traceback; the per-task ranks (the stub) exit 0.
     assert state == ("COMPLETED" if template == "train_per_task" else "FAILED"), output
     if template == "train_torchrun":
         assert "Traceback" not in output and "SignalException" not in output, output
         assert "moetrain: the launcher got signal 15 and stopped after its ranks" in output, output
+
+
+@cluster_test
+def test_per_task_template_sigterm_with_the_real_trainer_ends_75(cpu_cluster, tmp_path):
+    """scancel --signal=TERM of the per-task template running the real trainer (2 ranks, CPU): every
+    task checkpoints and exits 75. srun --kill-on-bad-exit takes the first task's 75 for a bad exit
+    and SIGTERMs the other, which has stopped already and ignores it: the job ends FAILED with exit
+    code 75 (before: 143, the last task killed by that SIGTERM), out_dir's lock released."""
+    from tests.faults.launch import tiny_config, write_config
+
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path, tiny_config(run_dir, steps=100000, log_every=5, dist_timeout_s=60))
+    job_id = cpu_cluster.submit(
+        SLURM_DIR / "train_per_task.sbatch",
+        sbatch_args=[
+            *cpu_cluster.sbatch_args(nodes=1),
+            "--gpus-per-node=0",
+            "--ntasks-per-node=2",
+            "--cpus-per-task=1",
+        ],
+        env={"CONFIG": str(config), "OMP_NUM_THREADS": "1", **rendezvous_port()},
+        cwd=REPO_ROOT,
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < 4:
+        assert time.monotonic() < deadline, cpu_cluster.output(job_id)
+        time.sleep(0.5)
+    cpu_cluster.cancel(job_id, "TERM")
+    state = cpu_cluster.wait(job_id, timeout=120)
+    output = cpu_cluster.output(job_id)
+    assert state == "FAILED" and cpu_cluster.job_info(job_id)["ExitCode"] == "75:0", output
+    assert "Exited with exit code 75" in output and "Terminated" not in output, output  # no task killed
+    assert "moetrain: srun exited with status 75" in output
+    assert not (run_dir / ".lock").exists()
+    assert (run_dir / "summary.json").exists()
 
 
 @cluster_test

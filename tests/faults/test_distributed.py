@@ -181,9 +181,11 @@ def test_a_c10d_rendezvous_store_already_on_the_port_is_joined(tmp_path):
     from datetime import timedelta
 
     from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
     port = free_port()
     store = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, timeout=timedelta(seconds=30))
+    C10dRendezvousBackend(store, "probe")  # the first launcher's rendezvous of this job (--rdzv-id)
     command = [
         sys.executable, "-m", "moetrain.cli", "launch", "--nnodes", "1", "--nproc-per-node", "1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=probe", "--no-python",
@@ -215,9 +217,23 @@ def test_a_stopped_rank_serving_the_store_is_named_and_the_others_end(tmp_path):
 _SLOW_BEFORE_GROUP = """
 import os, sys, time
 import moetrain.engine.setup as setup
-if os.environ["RANK"] == "1":  # sleeps before the checkpoint writer builds its gloo group
+
+def until_rank_0_has_ended(pid, wait_s):  # its process gone or a zombie (not yet reaped by the test)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{{pid}}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.2)
+
+if os.environ["RANK"] == "1":  # waits for rank 0 to end before the checkpoint writer builds its gloo group
     built = setup.CheckpointWriter
-    setup.CheckpointWriter = lambda *args, **kwargs: (time.sleep({sleep_s}), built(*args, **kwargs))[1]
+    setup.CheckpointWriter = lambda *args, **kwargs: (
+        until_rank_0_has_ended({rank_0_pid}, {wait_s}), built(*args, **kwargs)
+    )[1]
 from moetrain.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -229,20 +245,23 @@ def test_a_rank_waiting_in_a_store_call_is_not_taken_for_a_silent_one(tmp_path):
     """Rank 1 is slow to reach a new group, so rank 0 waits in the group's rendezvous (a ``get`` on
     the store) and times out. Rank 0 kept beating meanwhile (the watchdog's own store connection:
     on the groups' connection its heartbeats waited behind that ``get``), so rank 1, failing later,
-    does not blame rank 0 for stopping."""
+    does not blame rank 0 for stopping. Rank 1 builds the group once rank 0 has ended (the store
+    gone with it): after a fixed 12 s, gloo's connect to a rank 0 that had given up the group but
+    still kept the store sometimes waited four times ``dist_timeout_s`` (a 60 s test in 3 runs of 10)."""
     config = write_config(tmp_path, tiny_config(tmp_path / "run", steps=5, dist_timeout_s=8))
-    port, script = free_port(), _SLOW_BEFORE_GROUP.format(sleep_s=12)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", script, "train", "--config", str(config)],
-            cwd=ROOT,
-            env=rank_environment(rank, 2, port),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for rank in range(2)
-    ]
+    port, procs = free_port(), []
+    for rank in range(2):
+        script = _SLOW_BEFORE_GROUP.format(rank_0_pid=procs[0].pid if procs else 0, wait_s=60)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", script, "train", "--config", str(config)],
+                cwd=ROOT,
+                env=rank_environment(rank, 2, port),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     (code0, err0), (code1, err1) = finish(procs, timeout=90)
     for code, err in ((code0, err0), (code1, err1)):
         assert code == 1 and len(error_lines(err)) == 1, err
