@@ -3,10 +3,10 @@
 The wheel is what README's ``pip install --no-build-isolation .`` builds: setup.py run by pip in
 this checkout against the test run's torch, so ninja finds ``make build``'s object files in
 build/temp and only links (a fresh compile took ~4 of the suite's minutes). It is installed, not
-editable, in a fresh virtualenv beside the same torch release (hard links to the test run's torch
-files, which pip sees installed), and from a directory that has its own ``models/`` package (as
-many user projects do) the installed ``moetrain`` command trains the LM (without the ``[m6]``
-extra's Pillow: no warning) and the M6 model (with it) one step each.
+editable, in a fresh virtualenv beside the same torch release, pip and build tools (hard links to
+the test run's files, which pip sees installed), and from a directory that has its own ``models/``
+package (as many user projects do) the installed ``moetrain`` command trains the LM (without the
+``[m6]`` extra's Pillow: no warning) and the M6 model (with it) one step each.
 """
 
 from __future__ import annotations
@@ -119,8 +119,8 @@ def _site_packages(python: Path) -> Path:
     )
 
 
-def _link_distributions(name: str, site_packages: Path) -> set[str]:
-    """Installs distribution ``name`` and those it requires (their extras left out) into
+def _link_distributions(names: list[str], site_packages: Path) -> set[str]:
+    """Installs the distributions ``names`` and those they require (their extras left out) into
     ``site_packages`` as hard links to this interpreter's files, RECORD included, so pip sees them
     installed: the test run's torch in a second where ``pip install torch`` unpacks and byte-compiles
     ~900 MB in ~45 s. Files outside the distribution's site-packages (console scripts) are left out;
@@ -131,7 +131,7 @@ def _link_distributions(name: str, site_packages: Path) -> set[str]:
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
-    done, todo = set(), [name]
+    done, todo = set(), list(names)
     while todo:
         dist = metadata.distribution(todo.pop())
         key = canonicalize_name(dist.metadata["Name"])
@@ -160,15 +160,19 @@ def _link_distributions(name: str, site_packages: Path) -> set[str]:
 @pytest.mark.timeout(900)
 def test_wheel_in_a_fresh_virtualenv_trains_next_to_a_users_models_package(tmp_path):
     import torch
+    from packaging.requirements import Requirement
 
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", str(venv)], tmp_path, 120)
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], tmp_path, 120)
     python = venv / "bin" / "python"
     pip = [str(python), "-m", "pip", "--disable-pip-version-check", "--quiet"]
     torch_release = torch.__version__.split("+")[0]
-    linked = _link_distributions("torch", _site_packages(python))
-    assert "torch" in linked and "sympy" in linked
-    _run([*pip, "install", f"torch=={torch_release}", *BUILD_TOOLS], tmp_path, 600)  # torch: already there
+    # pip and the build tools linked as torch is (ensurepip and pip's install of them took ~8 s)
+    tools = [Requirement(tool).name for tool in BUILD_TOOLS]
+    linked = _link_distributions(["pip", "torch", *tools], _site_packages(python))
+    assert "torch" in linked and "sympy" in linked and "numpy" in linked
+    assert "pillow" not in linked  # the first run below is without the [m6] extra
+    _run([*pip, "install", f"torch=={torch_release}", *BUILD_TOOLS], tmp_path, 600)  # all there already
 
     env = {**os.environ, "MAX_JOBS": "2"}
     env.pop("PYTHONPATH", None)
