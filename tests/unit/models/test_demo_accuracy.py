@@ -7,8 +7,9 @@ decay that ends at the last step (the schedule's shape), on seeds 0 and 1, then 
 images greedily as ``scripts/demo.py`` does and asserts the floors below. They sit under what the
 short run reached when measured (2026-11-27, docs/m6.md "The demo's accuracy over seeds": seed 0
 30.0% exact match, colour 100%, position 100%; seed 1 29.0%, colour 100%, position 99%; shape
-30% on both), where with the patch positions at their old ``N(0, 0.02)`` position was still at
-chance after 600 steps. So a change that slows the demo's learning (its schedule, its batch, the
+30% on both; re-measured 2026-11-28, after the loss became token-weighted across ranks (a1dafde):
+seed 0 37% exact, colour 97%, position 96%; seed 1 31%, colour 99%, position 98%), where with
+the patch positions at their old ``N(0, 0.02)`` position was still at chance after 600 steps. So a change that slows the demo's learning (its schedule, its batch, the
 image stem, the patch positions' scale, the task mix) fails here.
 """
 
