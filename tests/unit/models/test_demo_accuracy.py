@@ -9,8 +9,9 @@ short run reached when measured (2026-11-27, docs/m6.md "The demo's accuracy ove
 30.0% exact match, colour 100%, position 100%; seed 1 29.0%, colour 100%, position 99%; shape
 30% on both; re-measured 2026-11-28, after the loss became token-weighted across ranks (a1dafde):
 seed 0 37% exact, colour 97%, position 96%; seed 1 31%, colour 99%, position 98%), where with
-the patch positions at their old ``N(0, 0.02)`` position was still at chance after 600 steps. So a change that slows the demo's learning (its schedule, its batch, the
-image stem, the patch positions' scale, the task mix) fails here.
+the patch positions at their old ``N(0, 0.02)`` position was still at chance after 600 steps.
+So a change that slows the demo's learning (its schedule, its batch, the image stem, the patch
+positions' scale, the task mix) fails here.
 """
 
 from __future__ import annotations
