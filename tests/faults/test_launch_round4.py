@@ -30,6 +30,7 @@ from moetrain.launch import LAUNCHER_PID, _ForcedKills, failure_line, main, repo
 from moetrain.watchdog import Watchdog, is_behind
 from tests.faults.launch import ROOT, finish, rank_environment, start_ranks, tiny_config, write_config
 from tests.helpers.dist_utils import free_port
+from tests.unit.engine.test_watchdog import DictStore
 
 LOCK = ".lock"
 
@@ -219,24 +220,10 @@ def test_at_the_same_step_the_rank_in_forward_is_behind_the_rank_in_backward():
     assert not is_behind({"step": None, "phase": "model set-up", "progress": 3}, (None, "start-up checks", 2))
 
 
-class _DictStore:
-    def __init__(self):
-        self.values = {}
-
-    def set(self, key, value):
-        self.values[key] = value.encode("utf-8") if isinstance(value, str) else value
-
-    def check(self, keys):
-        return all(key in self.values for key in keys)
-
-    def multi_get(self, keys):
-        return [self.values[key] for key in keys]
-
-
 def test_the_slow_rank_does_not_name_the_waiting_rank_as_behind():
     """Rank 1 is slow in forward at step 8; rank 0 waits for it in backward. Rank 1's look names
     rank 0 as ahead (no cause for its error line); rank 0's names rank 1 as behind."""
-    store = _DictStore()
+    store = DictStore()
     slow = RunPosition(rank=1, step=8, phase="checkpoint")
     slow.phase, slow.phase = "data loading", "forward"
     waiting = RunPosition(rank=0, step=8, phase="checkpoint")

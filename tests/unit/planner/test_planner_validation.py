@@ -25,6 +25,7 @@ from moetrain.layers import MoELayer
 from moetrain.planner import ClusterSpec, PlanSettings, make_plan
 from moetrain.planner.hardware import GPU_PRESETS
 from moetrain.recompute import apply_recompute_plan, measure_saved_bytes, remove_recompute
+from tests.helpers.collectives import counting_all_to_all
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.planner_peak_cases import CASES, ExchangeBuffers, fixed_routing, plan_for, run_case
 
@@ -242,26 +243,11 @@ def test_world1_m6_tiny_matches_measurement(precision):
 
 
 def _count_all_to_all(local_world: int, log: dict):
+    """Counts every ``all_to_all_single`` into ``log``; returns the original function."""
     import torch.distributed as dist
 
     original = dist.all_to_all_single
-    me = dist.get_rank()
-
-    def counting(output, tensor, output_split_sizes=None, input_split_sizes=None, group=None, **kwargs):
-        ranks = (
-            dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        )
-        rows = tensor.shape[0]
-        splits = input_split_sizes or [rows // len(ranks)] * len(ranks)
-        row_bytes = tensor.numel() // rows * tensor.element_size() if rows else 0
-        for dest, count in zip(ranks, splits, strict=True):
-            if dest != me:
-                key = "intra" if dest // local_world == me // local_world else "inter"
-                log[key] += count * row_bytes
-        log["calls"] += 1
-        return original(output, tensor, output_split_sizes, input_split_sizes, group, **kwargs)
-
-    dist.all_to_all_single = counting
+    dist.all_to_all_single = counting_all_to_all(log, local_world)
     return original
 
 

@@ -18,6 +18,7 @@ from moetrain.planner import PlanSettings, cluster_preset, make_plan
 from moetrain.planner.mixed import plan_mixed_cluster
 from moetrain.planner.model import resolve_model
 from moetrain.planner.plan_layout import wire_row_bytes
+from tests.helpers.collectives import counting_all_to_all
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.paths import ROOT
 from tests.helpers.planner_peak_cases import fixed_routing
@@ -135,35 +136,10 @@ def test_a_plan_counts_the_fp16_wire_s_exponent_column(tiny_lm, precision):
     assert wire_rows.intra_bytes * d_model * b == pytest.approx(rows.intra_bytes * width * 2)
 
 
-def counting_all_to_all(log: dict, local_world: int):
-    """``dist.all_to_all_single`` that also adds to ``log`` its call, its messages to other ranks
-    and their bytes, intra- and inter-node."""
-    import torch.distributed as dist
-
-    original, me = dist.all_to_all_single, dist.get_rank()
-
-    def counting(output, tensor, output_split_sizes=None, input_split_sizes=None, group=None, **kw):
-        ranks = (
-            dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        )
-        rows = tensor.shape[0]
-        splits = input_split_sizes or [rows // len(ranks)] * len(ranks)
-        row_bytes = tensor.numel() // rows * tensor.element_size() if rows else 0
-        for dest, count in zip(ranks, splits, strict=True):
-            if dest != me:
-                key = "intra" if dest // local_world == me // local_world else "inter"
-                log[key] += count * row_bytes
-                log[f"{key}_messages"] += 1
-        log["calls"] += 1
-        return original(output, tensor, output_split_sizes, input_split_sizes, group, **kw)
-
-    return counting
-
-
 def count_worker(rank, world, local_world, cases):
     """Per case, one forward and backward of a 2-layer MoE LM (fixed balanced routing, dropless)
-    with every ``all_to_all_single`` counted (:func:`counting_all_to_all`), and the plan's figures
-    for the same settings."""
+    with every ``all_to_all_single`` counted (``tests.helpers.collectives.counting_all_to_all``),
+    and the plan's figures for the same settings."""
     import torch.distributed as dist
 
     from moetrain.layers import shard_experts
