@@ -17,22 +17,9 @@ import signal
 import sys
 import time
 
-import torch
+from inf_gradient import InfGradient  # beside this script, which runs as __main__
 
 from moetrain.registry import get_model, register_model
-
-
-class _InfGradient(torch.autograd.Function):
-    """Identity whose backward returns an inf gradient."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * math.inf
-
 
 fault, args = sys.argv[1], sys.argv[2:]
 if fault != "none":
@@ -85,7 +72,7 @@ if fault != "none":
             if hit and kind == "kill9-rank":
                 os.kill(os.getpid(), signal.SIGKILL)
             if hit and kind == "overflow-grad":
-                return _InfGradient.apply(loss)
+                return InfGradient.apply(loss)
             return loss * (math.inf if kind == "inf-loss" else math.nan) if hit else loss
 
         return model, batches, faulty_loss

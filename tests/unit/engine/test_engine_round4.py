@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from models.moe_lm.model import lm_loss
 from moetrain.config import TrainConfig, config_from_dict
 from moetrain.engine import NonFiniteGradientsError, Trainer
 from moetrain.engine.setup import weight_decay_groups
+from tests.faults.inf_gradient import InfGradient
 from tests.unit.engine.test_engine import tiny
 
 
@@ -43,18 +43,6 @@ def test_a_finished_run_resubmitted_keeps_its_summary(tmp_path):
     assert summary["last_step"] == 3 and "loss" in summary and "lr" in summary
 
 
-class _InfGrad(torch.autograd.Function):
-    """Identity forward; an inf gradient backward (the fp16 scaled backward overflowing)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * math.inf
-
-
 def _faulty_loss(trainer: Trainer, faults: dict[int, str]):
     """``lm_loss``, but NaN at the steps ``faults`` maps to "nan" and a finite loss whose backward
     overflows at those it maps to "overflow" (one micro-step per step)."""
@@ -64,7 +52,7 @@ def _faulty_loss(trainer: Trainer, faults: dict[int, str]):
         if fault == "nan":
             return lm_loss(logits, targets) * float("nan")
         if fault == "overflow":
-            return lm_loss(_InfGrad.apply(logits), targets)
+            return lm_loss(InfGradient.apply(logits), targets)
         return lm_loss(logits, targets)
 
     return loss_fn
