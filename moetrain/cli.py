@@ -230,9 +230,12 @@ def main(argv: list[str] | None = None) -> int:
         commands.add_parser(kind, help=summary, add_help=False)
     arguments = sys.argv[1:] if argv is None else argv
     if arguments[:1] == ["launch"]:
-        from moetrain.launch import main as launch_main
+        from moetrain.launch import launch
 
-        return launch_main(arguments[1:])
+        code, line = launch(arguments[1:])
+        if line is not None:
+            print(line, file=sys.stderr)
+        return code
     if arguments[:1] and arguments[0] in MODEL_COMMANDS:
         try:
             return _model_command(arguments[0], arguments[1:])

@@ -406,7 +406,9 @@ def stop_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def main(argv: list[str] | None = None) -> int:
+def launch(argv: list[str] | None = None) -> tuple[int, str | None]:
+    """torchrun with ``argv`` (default ``sys.argv[1:]``): ``(exit code, the one line that ends the
+    launch on stderr, or None when it succeeded)``; the command line prints the line."""
     from torch.distributed import DistError, DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -422,8 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = _send_torch_records_to(detail, forced_kills)
     bad_arguments = argument_problem(argv)
     if bad_arguments is not None:
-        print(f"moetrain: error: {bad_arguments}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_BAD_INPUT, f"moetrain: error: {bad_arguments}"
     started = time.time()
     problem = None
     os.environ[LAUNCHER_PID] = str(os.getpid())  # for the ranks (stop_with_launcher)
@@ -434,8 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as error:
         log.error("%s\n%s", error.format_msg(), traceback.format_exc())
         line, code = failure_line(error.failures, frozenset(forced_kills.pids))
-        print(f"{line} (launcher detail: {detail})", file=sys.stderr)
-        return code
+        return code, f"{line} (launcher detail: {detail})"
     except (DistError, RendezvousError) as error:
         if not _workers_started(log_dir, started):
             problem = PORT_IN_USE if _says_in_use(error) else _first_line(error)
@@ -445,32 +445,29 @@ def main(argv: list[str] | None = None) -> int:
             log.error("%s\n%s", what, traceback.format_exc())
             saved = _preempted_line(log_dir, started)
             if saved is not None:
-                print(f"moetrain: pre-empted: {what}; {saved} (launcher detail: {detail})", file=sys.stderr)
-                return EXIT_PREEMPTED
-            print(
+                return EXIT_PREEMPTED, f"moetrain: pre-empted: {what}; {saved} (launcher detail: {detail})"
+            return (
+                EXIT_RUN_FAILED,
                 f"moetrain: error: {what}; no rank reported a checkpoint (launcher detail: {detail})",
-                file=sys.stderr,
             )
-            return EXIT_RUN_FAILED
     except SignalException as error:
         signal_number = int(error.sigval)
         saved = _preempted_line(log_dir, started)
         if saved is not None:
-            print(f"moetrain: pre-empted: the launcher got signal {signal_number}; {saved}", file=sys.stderr)
-            return EXIT_PREEMPTED
-        print(
+            return EXIT_PREEMPTED, f"moetrain: pre-empted: the launcher got signal {signal_number}; {saved}"
+        return 128 + signal_number, (
             f"moetrain: the launcher got signal {signal_number} and stopped after its ranks; no rank "
-            f"reported a checkpoint (launcher detail: {detail})",
-            file=sys.stderr,
+            f"reported a checkpoint (launcher detail: {detail})"
         )
-        return 128 + signal_number
     finally:
         handler.flush()
     if problem is not None:
-        print(f"moetrain: the launcher could not start the rendezvous: {problem}", file=sys.stderr)
-        return 1
-    return 0
+        return 1, f"moetrain: the launcher could not start the rendezvous: {problem}"
+    return 0, None
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m moetrain.launch (the SLURM scripts); as moetrain launch does
+    exit_code, last_line = launch()
+    if last_line is not None:
+        print(last_line, file=sys.stderr)
+    sys.exit(exit_code)

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pytest
 
+from moetrain.cli import main
 from moetrain.failures import EXIT_PREEMPTED, EXIT_RUN_FAILED, RunPosition
-from moetrain.launch import LAUNCHER_PID, _ForcedKills, failure_line, main, report_to_launcher
+from moetrain.launch import LAUNCHER_PID, _ForcedKills, failure_line, report_to_launcher
 from moetrain.watchdog import Watchdog, is_behind
 from tests.faults.launch import ROOT, finish, rank_environment, start_ranks, tiny_config, write_config
 from tests.helpers.dist_utils import free_port
@@ -153,7 +154,7 @@ def _launch_losing_the_store(tmp_path, monkeypatch, capsys, *, ranks_started: bo
 
     monkeypatch.setattr("torch.distributed.run.main", torchrun)
     monkeypatch.setenv(LAUNCHER_PID, "")  # main sets it for its ranks; restored after the test
-    code = main(["--nproc-per-node", "1", "--log-dir", str(log_dir), "-m", "moetrain.cli"])
+    code = main(["launch", "--nproc-per-node", "1", "--log-dir", str(log_dir), "-m", "moetrain.cli"])
     lines = capsys.readouterr().err.strip().splitlines()
     return code, lines, log_dir / "launcher.log"
 

@@ -11,8 +11,9 @@ import time
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from moetrain.cli import main
 from moetrain.failures import EXIT_BAD_INPUT, EXIT_RUN_FAILED
-from moetrain.launch import argument_problem, failure_line, main
+from moetrain.launch import argument_problem, failure_line
 from moetrain.parallel import first_host, read_launch_environment
 from moetrain.run_dir import LOCK_NAME, RunLock
 
@@ -34,7 +35,7 @@ def test_bad_torchrun_arguments_are_one_line_naming_the_flag(argv, flag):
 
 
 def test_launch_with_bad_nproc_per_node_exits_2_with_one_line(tmp_path, capsys):
-    code = main(["--log-dir", str(tmp_path), "--nproc-per-node", "0", str(tmp_path / "x.py")])
+    code = main(["launch", "--log-dir", str(tmp_path), "--nproc-per-node", "0", str(tmp_path / "x.py")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == EXIT_BAD_INPUT
     assert len(err) == 1 and err[0].startswith("moetrain: error: --nproc-per-node must be")
