@@ -11,6 +11,7 @@ installed (no root or no apt-get); each cluster starts in about a second once it
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import shlex
@@ -174,6 +175,18 @@ def trainer_args(env: dict[str, str]) -> list[str]:
 def test_every_template_is_there():
     names = {path.name for path in TEMPLATES}
     assert {"train_torchrun.sbatch", "train_per_task.sbatch", "m6_1t_480gpu.sbatch"} <= names
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=lambda path: path.name)
+def test_the_test_jobs_time_limit_outlasts_the_templates_signal_lead(template):
+    """The jobs here run under ``LocalSlurmCluster.sbatch_args``'s time limit, not the template's;
+    one shorter than the template's ``--signal`` lead has SLURM SIGTERM the job steps seconds after
+    they start (the M6 template's preflight and ranks were cancelled so, now and then, under a
+    5-minute limit)."""
+    signal = re.search(r"^#SBATCH --signal=(?:B:)?TERM@(\d+)", template.read_text(), re.MULTILINE)
+    lead_s = int(signal.group(1))
+    limit_minutes = inspect.signature(LocalSlurmCluster.sbatch_args).parameters["time"].default
+    assert int(limit_minutes) * 60 >= lead_s + 300, (template.name, lead_s, limit_minutes)
 
 
 @pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda path: path.name)

@@ -215,8 +215,13 @@ class LocalSlurmCluster:
             )
         return result.stdout
 
-    def sbatch_args(self, nodes: int = 1, gpus_per_node: int | None = None, time: str = "5") -> list[str]:
-        """sbatch options that fit the templates' ``#SBATCH`` requests onto this one small node."""
+    def sbatch_args(self, nodes: int = 1, gpus_per_node: int | None = None, time: str = "30") -> list[str]:
+        """sbatch options that fit the templates' ``#SBATCH`` requests onto this one small node.
+
+        ``time`` (minutes) must outlast every template's ``--signal=TERM@<lead seconds>``: with a
+        limit shorter than the lead, SLURM signals the job steps at its first periodic check, some
+        seconds into the job (a 5-minute limit under the M6 template's 600 s lead cancelled its
+        preflight or its ranks whenever they ran past that check)."""
         args = [f"--partition={self.partition}", f"--nodes={nodes}", f"--time={time}", "--mem=0"]
         if gpus_per_node is not None:
             args += [
