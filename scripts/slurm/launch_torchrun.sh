@@ -3,8 +3,9 @@
 # root after setting their parameters:   source scripts/slurm/launch_torchrun.sh "$@"
 # ("$@": trainer arguments, appended after those below).
 #
-# Set by the template: CONFIG, TRAIN_CMD, SHUTDOWN_TIMEOUT; optional OUT_DIR and DIST_TIMEOUT_S
-# (passed to the trainer as --set out_dir=... / --set dist_timeout_s=... when not empty).
+# Set by the template: CONFIG, TRAIN_CMD, SHUTDOWN_TIMEOUT, SIGNAL_LEAD_S (the seconds of its
+# #SBATCH --signal=TERM@...); optional OUT_DIR and DIST_TIMEOUT_S (passed to the trainer as
+# --set out_dir=... / --set dist_timeout_s=... when not empty).
 # Read from the environment, with these defaults:
 #   GPUS_PER_NODE   GPUs each node must have: what SLURM granted (--gpus-per-node, --gres), 8 where
 #                   the cluster does not manage GPUs. 0: CPU-only run (no GPU check, gloo)
@@ -71,6 +72,31 @@ echo "moetrain: job $SLURM_JOB_ID (restart count ${SLURM_RESTART_COUNT:-0}), $SL
     "OMP_NUM_THREADS=$OMP_NUM_THREADS"
 if [[ $GPUS_PER_NODE -eq 0 ]]; then
     echo "moetrain: GPUS_PER_NODE=0: CPU-only run, no GPU check"
+fi
+
+# A time limit that is not longer than the SIGTERM lead has SLURM signal the ranks at its first
+# periodic check, seconds into the job: they checkpoint at their first step and stop (a short
+# --time on a debug partition does this). Said once; sbatch --signal may have shortened the lead.
+seconds_of_slurm_time() { # [days-][hours:]minutes:seconds -> seconds; nothing for UNLIMITED etc.
+    local time=$1 days=0 total=0 part
+    [[ $time =~ ^([0-9]+-)?[0-9]+(:[0-9]+){1,2}$ ]] || return 0
+    if [[ $time == *-* ]]; then
+        days=${time%%-*}
+        time=${time#*-}
+    fi
+    IFS=: read -r -a parts <<<"$time"
+    for part in "${parts[@]}"; do
+        total=$((total * 60 + 10#$part))
+    done
+    echo $((10#$days * 86400 + total))
+}
+time_limit=$(squeue --noheader --jobs="$SLURM_JOB_ID" --format=%l 2>/dev/null || true)
+time_limit_s=$(seconds_of_slurm_time "$time_limit")
+if [[ -n $time_limit_s && -n ${SIGNAL_LEAD_S:-} && $time_limit_s -le $SIGNAL_LEAD_S ]]; then
+    echo "moetrain: warning: this job's time limit ($time_limit) is not longer than the template's" \
+        "SIGTERM lead (--signal=TERM@$SIGNAL_LEAD_S): SLURM will SIGTERM the ranks within a minute of" \
+        "their start and they stop after one checkpoint; ask for a longer --time, or pass sbatch a" \
+        "shorter --signal=TERM@<seconds>" >&2
 fi
 
 # SIGTERM to this batch shell (scancel, the end of a pre-emption's grace time) must not end the

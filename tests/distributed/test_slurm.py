@@ -562,6 +562,35 @@ def test_m6_template_preflight_stops_a_node_with_fewer_gpus(cluster, tmp_path, s
     assert "preflight failed on the node(s) named above; no rank was started" in output
     assert not list(out.iterdir())
     assert not list((tmp_path / "run").glob(".preflight-*"))  # its marker file is gone
+    assert "time limit" not in output  # 30 minutes: longer than the template's 600 s SIGTERM lead
+
+
+@cluster_test
+def test_m6_template_warns_when_the_time_limit_is_within_its_sigterm_lead(cluster, tmp_path, stub):
+    """--time=5 (minutes) under the template's --signal=TERM@600: SLURM would SIGTERM the ranks
+    seconds into the job; the batch shell says so in one line before the preflight."""
+    job_id, state, output = cluster.run(
+        M6_TEMPLATE,
+        sbatch_args=[*cluster.sbatch_args(nodes=1, time="5"), f"--gpus-per-node={GPUS}"],
+        env={"TRAIN_CMD": f"bash {stub} {tmp_path}", "GPU_COUNT_CMD": "echo 0"},
+        cwd=REPO_ROOT,
+        timeout=120,
+    )
+    warnings = [line for line in output.splitlines() if line.startswith("moetrain: warning:")]
+    assert warnings == [
+        "moetrain: warning: this job's time limit (5:00) is not longer than the template's SIGTERM lead "
+        "(--signal=TERM@600): SLURM will SIGTERM the ranks within a minute of their start and they stop "
+        "after one checkpoint; ask for a longer --time, or pass sbatch a shorter --signal=TERM@<seconds>"
+    ], output
+
+
+@pytest.mark.parametrize("template", ["train_torchrun.sbatch", "m6_1t_480gpu.sbatch"])
+def test_a_torchrun_templates_signal_lead_variable_is_its_sbatch_signal(template):
+    """launch_torchrun.sh's time-limit warning compares against SIGNAL_LEAD_S: the template's own
+    #SBATCH --signal lead."""
+    text = (SLURM_DIR / template).read_text()
+    lead = re.search(r"^#SBATCH --signal=TERM@(\d+)", text, re.MULTILINE).group(1)
+    assert re.search(r"^SIGNAL_LEAD_S=(\d+) ", text, re.MULTILINE).group(1) == lead
 
 
 @cluster_test
