@@ -35,7 +35,7 @@ from moetrain.layers.experts import DenseFFN
 from moetrain.layers.moe_layer import MoELayer
 from moetrain.planner.comm import all_reduce_traffic, group_layout
 from moetrain.planner.hardware import ClusterSpec
-from moetrain.planner.model import ModelDescription, build_on_meta
+from moetrain.planner.model import ModelDescription
 from moetrain.planner.settings import ITEMSIZE, PlanSettings
 
 HEAD_STATS = 3  # all-reduces of per-row fp32 statistics in the parallel cross-entropy
@@ -89,7 +89,7 @@ def split_units(model: ModelDescription, settings: PlanSettings) -> list[SplitUn
     dense FFNs outside MoE layers (not SwiGLU), vocabulary embeddings not tied to the output, and
     the output head."""
     arch = model.arch
-    meta = build_on_meta(model.build)
+    meta = model.meta_model
     rows = _rows(model, settings)
     generic = arch.generic
     inside_moe = {
@@ -324,7 +324,7 @@ def split_plan_terms(model: ModelDescription, settings: PlanSettings, cluster: C
     tp = settings.tp_size
     kinds = {}
     if tp > 1:
-        assignments = resolve_strategy(build_on_meta(model.build), settings.strategy)
+        assignments = resolve_strategy(model.meta_model, settings.strategy)
         kinds = {a.name: a.kind for a in assignments}
     chosen = [u for u in split_units(model, settings) if all(kinds.get(k) == v for k, v in u.modules.items())]
     sequences = settings.micro_batch
