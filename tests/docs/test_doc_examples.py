@@ -19,11 +19,9 @@ import pytest
 import torch
 from torch import nn
 
-from moetrain.cli import main as moetrain_main
-from moetrain.logs import detach_handlers
 from tests.faults.launch import tiny_config, write_config
 from tests.helpers.dist_utils import run_distributed
-from tests.helpers.doc_commands import doc_block, run_moetrain, shell_commands
+from tests.helpers.doc_commands import doc_block, moetrain_in_process, run_moetrain, shell_commands
 from tests.helpers.paths import ROOT
 
 DATA = "/data/"
@@ -36,14 +34,6 @@ def run_block(page: str, key: str, namespace: dict | None = None) -> dict:
     namespace = {} if namespace is None else namespace
     exec(compile(block.text, block.where, "exec"), namespace)  # noqa: S102 - our own docs
     return namespace
-
-
-def moetrain_in_process(words: list[str]) -> int:
-    """A documented ``moetrain ...`` command run by the CLI's ``main`` in this process."""
-    try:
-        return moetrain_main(words[1:])
-    finally:
-        detach_handlers()
 
 
 def run_python(argv: list[str], cwd: Path, timeout: float) -> str:

@@ -16,6 +16,7 @@ import pytest
 from PIL import Image
 
 from m6_moe.synthetic import write_synthetic_dataset
+from tests.helpers.doc_commands import moetrain_in_process
 from tests.helpers.paths import ROOT
 
 DOC = ROOT / "docs" / "m6.md"
@@ -66,7 +67,9 @@ def write_captions(data: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_walkthrough_trains_evaluates_and_generates(tmp_path):
+def test_walkthrough_trains_evaluates_and_generates(tmp_path, capsys, monkeypatch):
+    """The training run by the installed ``moetrain`` command; the evaluations and generations,
+    which only print, by the command line's ``main`` in this process."""
     assert MOETRAIN.is_file(), f"the moetrain command is not installed next to {sys.executable}"
     data = tmp_path / "data"
     write_captions(data)
@@ -74,14 +77,16 @@ def test_walkthrough_trains_evaluates_and_generates(tmp_path):
     moved = str(data) + "/"
     (tmp_path / "captions.yaml").write_text(config.replace(DATA, moved), encoding="utf-8")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    outputs = []
-    for words in commands:
-        argv = [str(MOETRAIN), *(word.replace(DATA, moved) for word in words[1:])]
-        if words[1] == "train":
-            argv += [item for setting in SHORT_TRAINING for item in ("--set", setting)]
-        result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-        assert result.returncode == 0, f"{shlex.join(words)}\n{result.stderr[-3000:]}"
-        outputs.append(result.stdout)
+    train, *printing = ([word.replace(DATA, moved) for word in words] for words in commands)
+    argv = [str(MOETRAIN), *train[1:], *(item for setting in SHORT_TRAINING for item in ("--set", setting))]
+    result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, f"{shlex.join(train)}\n{result.stderr[-3000:]}"
+    outputs = [result.stdout]
+    monkeypatch.chdir(tmp_path)
+    for words in printing:
+        capsys.readouterr()
+        assert moetrain_in_process(words) == 0, shlex.join(words)
+        outputs.append(capsys.readouterr().out)
 
     assert (tmp_path / "runs" / "captions" / "checkpoints" / "step_00000004").is_dir()
     heldout = data / "captions" / "heldout.jsonl"

@@ -1,17 +1,19 @@
 """docs/parallelize.md run as written: every command of its bash block, in order, from a fresh
 working directory (repository files addressed by absolute path; ``> FILE`` writes the command's
-output there, as the shell would)."""
+output there, as the shell would; ``moetrain plan`` runs in this process)."""
 
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 
 import pytest
 
-from tests.helpers.doc_commands import MOETRAIN, ROOT, bash_commands, run_moetrain
+from tests.helpers.doc_commands import MOETRAIN, ROOT, bash_commands, moetrain_in_process, run_moetrain
 
 DOC = ROOT / "docs" / "parallelize.md"
+LOCAL = ("scripts/", "configs/")  # the repository's files the commands name
 
 
 def documented_commands() -> list[list[str]]:
@@ -28,14 +30,22 @@ def test_the_page_runs_the_example_then_plans_and_trains():
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_documented_commands_run(tmp_path):
+def test_documented_commands_run(tmp_path, capsys, monkeypatch):
+    """The launches by the installed ``moetrain`` command; ``moetrain plan``, which only prints, by
+    the command line's ``main`` in this process."""
     assert MOETRAIN.is_file(), f"the moetrain command is not installed next to {sys.executable}"
+    monkeypatch.chdir(tmp_path)
     outputs = []
     for words in documented_commands():
         target = None
         if ">" in words:
             words, target = words[: words.index(">")], words[words.index(">") + 1]
-        stdout, _ = run_moetrain(words, tmp_path, ("scripts/", "configs/"))
+        if words[1] == "plan":
+            capsys.readouterr()
+            assert moetrain_in_process(words, LOCAL) == 0, shlex.join(words)
+            stdout = capsys.readouterr().out
+        else:
+            stdout, _ = run_moetrain(words, tmp_path, LOCAL)
         if target is not None:
             (tmp_path / target).write_text(stdout)
         outputs.append(stdout)

@@ -1,6 +1,6 @@
 """docs/pipeline.md run as written: a pp2 run on two ranks, then its checkpoint resumed in one
 process (pp 1), from a fresh working directory; the planner's figures its prose quotes are the two
-documented ``moetrain plan`` commands' output."""
+documented ``moetrain plan`` commands' output (run in this process, as the resume)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import re
 
 import pytest
 
-from moetrain.cli import main
-from tests.helpers.doc_commands import ROOT, bash_commands, run_moetrain
+from tests.helpers.doc_commands import ROOT, bash_commands, moetrain_in_process, run_moetrain
 
 DOC = ROOT / "docs" / "pipeline.md"
+LOCAL = ("configs/", "models/")  # the repository's files the commands name
 
 
 def documented_commands() -> list[list[str]]:
@@ -30,22 +30,26 @@ def test_the_page_trains_with_stages_then_resumes_in_one_process():
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_documented_commands_run(tmp_path):
-    outputs = []
-    for words in documented_commands():
-        stdout, stderr = run_moetrain(words, tmp_path, ("configs/", "models/"))
-        outputs.append(stdout + stderr)
+def test_documented_commands_run(tmp_path, capsys, monkeypatch):
+    """The two runs on two ranks by the installed ``moetrain launch``, the resume by the command
+    line's ``main`` in this process (the two ``moetrain plan`` commands: the test below)."""
+    launch_pp2, resume, launch_m6 = documented_commands()[:3]
+    run_moetrain(launch_pp2, tmp_path, LOCAL)
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert moetrain_in_process(resume, LOCAL) == 0
+    resumed = capsys.readouterr()
+    run_moetrain(launch_m6, tmp_path, LOCAL)
     run = tmp_path / "runs" / "pp2" / "checkpoints"
     assert (run / "step_00000003").is_dir() and (run / "step_00000005").is_dir()
-    assert "resumed from step 3" in outputs[1]
+    assert "resumed from step 3" in resumed.out + resumed.err
     assert (tmp_path / "runs" / "m6pp2" / "checkpoints" / "step_00000002").is_dir()
-    assert "pipeline: 2 ranks x 1 stage(s), 1f1b, 16 micro-batches" in outputs[3]
 
 
 def _plan_output(words: list[str], capsys) -> str:
     """A documented ``moetrain plan`` command run in this process: what it prints."""
     capsys.readouterr()
-    assert main([str(ROOT / w) if w.startswith("models/") else w for w in words[1:]]) == 0
+    assert moetrain_in_process(words, LOCAL) == 0
     captured = capsys.readouterr()
     return captured.out + captured.err
 
@@ -60,6 +64,7 @@ def test_the_quoted_plan_figures_are_the_commands_output(capsys):
     """GiB per GPU (both layouts), bubble, stage transfers and tokens/s of each layout, as the
     prose quotes them (whitespace and line breaks aside)."""
     staged, replicas = (_plan_output(words, capsys) for words in documented_commands()[3:5])
+    assert "pipeline: 2 ranks x 1 stage(s), 1f1b, 16 micro-batches" in staged
     total = r"total / usable\s+([\d.]+) /"
     gib = _number(total, staged)
     assert _number(total, replicas) == gib

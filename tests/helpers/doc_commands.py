@@ -12,6 +12,8 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from tests.helpers.paths import ROOT
 
 MOETRAIN = Path(sys.executable).parent / "moetrain"  # the venv's entry point, whatever PATH says
@@ -27,17 +29,39 @@ def bash_commands(page: Path) -> list[list[str]]:
     return [words for words in commands if words]
 
 
+def _absolute(words: list[str], local: tuple[str, ...]) -> list[str]:
+    """``words`` with those starting with ``local`` (repository paths) made absolute."""
+    return [str(ROOT / word) if word.startswith(local) else word for word in words]
+
+
 def run_moetrain(
     words: list[str], cwd: Path, local: tuple[str, ...], timeout: float = 300
 ) -> tuple[str, str]:
     """Runs a documented ``moetrain ...`` command with the venv's entry point in ``cwd`` (one
     thread per process), the words starting with ``local`` (repository paths) made absolute;
     asserts it exits 0 (else shows its output's tails). Returns its stdout and its stderr."""
-    argv = [str(MOETRAIN)] + [str(ROOT / word) if word.startswith(local) else word for word in words[1:]]
+    argv = [str(MOETRAIN), *_absolute(words[1:], local)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"{shlex.join(words)}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
     return result.stdout, result.stderr
+
+
+def moetrain_in_process(words: list[str], local: tuple[str, ...] = ()) -> int:
+    """A documented ``moetrain ...`` command run by the CLI's ``main`` in this process, from the
+    current working directory, the words starting with ``local`` made absolute (as
+    :func:`run_moetrain`); what it prints goes to this process's stdout and stderr (capsys reads
+    them). The logging handlers the command line added are detached and torch's thread count (a
+    run sets it) restored afterwards. Returns its exit code."""
+    from moetrain.cli import main
+    from moetrain.logs import detach_handlers
+
+    threads = torch.get_num_threads()
+    try:
+        return main(_absolute(words[1:], local))
+    finally:
+        detach_handlers()
+        torch.set_num_threads(threads)
 
 
 # ---- every runnable fenced block of README.md and docs/*.md, by a stable key --------------------

@@ -22,7 +22,7 @@ from moetrain.cli import main
 from moetrain.failures import EXIT_BAD_INPUT
 from moetrain.hf_export import checkpoint_location, export_hf
 from moetrain.moefy import RECORD_KEY
-from tests.helpers.doc_commands import ROOT, run_moetrain
+from tests.helpers.doc_commands import ROOT, moetrain_in_process, run_moetrain
 from tests.unit.machinery.test_moefy import tiny_gpt2
 
 transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
@@ -44,11 +44,14 @@ def example():
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A run of 6 steps with checkpoints at steps 3 and 6."""
+    """A run of 6 steps with checkpoints at steps 3 and 6 (`moetrain train` in this process)."""
     out = tmp_path_factory.mktemp("hf_moefy") / "run"
     overrides = [f"out_dir={out}", "steps=6", "checkpoint_every=3", "optim.warmup_steps=1"]
     words = ["moetrain", "train", "--config", "scripts/examples/hf_moefy/config.yaml"]
-    run_moetrain(words + [arg for o in overrides for arg in ("--set", o)], out.parent, ("scripts/",))
+    words += [arg for o in overrides for arg in ("--set", o)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(out.parent)
+        assert moetrain_in_process(words, ("scripts/",)) == 0
     return out
 
 
