@@ -1,6 +1,6 @@
 """An identity whose backward returns an inf gradient: an fp16 loss-scaled backward overflowing
-while the loss itself stays finite. Shared by ``inject.py`` (run as a script, beside this file)
-and the engine's tests."""
+while the loss itself stays finite. Shared by ``inject.py`` (run as a script beside this file, or
+imported by the fault tests' forked ranks) and the engine's tests."""
 
 import math
 

@@ -9,7 +9,10 @@ loss of step S: for launches where every rank runs the same command); ``kill9-se
 process of RANK R kills itself with SIGKILL in the model builder: set-up, after the watchdog
 started); ``slow-build@N`` (the model builder writes ``slow-build.started`` beside ``out_dir``,
 then sleeps N seconds: set-up in progress, the out_dir lock held). Otherwise only this process is
-affected (the tests pass the fault to one rank)."""
+affected (the tests pass the fault to one rank).
+
+Ranks forked from the tests' fork server (``launch.start_ranks``) call :func:`install` and then
+moetrain's ``main`` themselves."""
 
 import math
 import os
@@ -17,12 +20,18 @@ import signal
 import sys
 import time
 
-from inf_gradient import InfGradient  # beside this script, which runs as __main__
+if __name__ == "__main__":
+    from inf_gradient import InfGradient  # beside this script
+else:
+    from tests.faults.inf_gradient import InfGradient
 
 from moetrain.registry import get_model, register_model
 
-fault, args = sys.argv[1], sys.argv[2:]
-if fault != "none":
+
+def install(fault: str) -> None:
+    """Registers ``moe_lm`` again, its builder injecting ``fault`` (``none``: changes nothing)."""
+    if fault == "none":
+        return
     kind, _, step_text = fault.partition("@")
     if kind in ("kill9-rank", "kill9-setup"):
         victim, _, step_text = step_text.partition(":")
@@ -81,6 +90,10 @@ if fault != "none":
         "moe_lm", spec.config_class, faulty_builder, describe=spec.describe, strategy=spec.strategy
     )
 
-from moetrain.cli import main  # noqa: E402
 
-sys.exit(main(args))
+if __name__ == "__main__":
+    install(sys.argv[1])
+
+    from moetrain.cli import main
+
+    sys.exit(main(sys.argv[2:]))

@@ -7,6 +7,7 @@ launcher with its static and its c10d rendezvous."""
 
 from __future__ import annotations
 
+import functools
 import re
 import signal
 import socket
@@ -18,9 +19,10 @@ import pytest
 
 from tests.faults.launch import (
     ROOT,
+    Rank,
     error_lines,
     finish,
-    rank_environment,
+    start_rank,
     start_ranks,
     tiny_config,
     write_config,
@@ -28,7 +30,7 @@ from tests.faults.launch import (
 from tests.helpers.dist_utils import free_port
 
 
-def _survivor_after_stopping(procs: list[subprocess.Popen], stopped: int, out_dir, timeout: float):
+def _survivor_after_stopping(procs: list[Rank], stopped: int, out_dir, timeout: float):
     """Stops rank ``stopped`` of two (SIGSTOP) once the run has logged 3 steps and the watchdogs
     have published a training step (steps take milliseconds: 2 s more), waits for the other rank
     to end; ``(its exit code, its stderr, seconds from the stop to its end)``."""
@@ -214,29 +216,24 @@ def test_a_stopped_rank_serving_the_store_is_named_and_the_others_end(tmp_path):
     assert elapsed < 12 + 20, elapsed  # the timeout, plus the watchdog's store deadlines and slack
 
 
-_SLOW_BEFORE_GROUP = """
-import os, sys, time
-import moetrain.engine.setup as setup
+def _wait_for_rank_0_before_the_checkpoint_group(rank_0_pid: int, wait_s: float) -> None:
+    """Rank 1's ``prepare``: its checkpoint writer builds its gloo group only once rank 0 has ended
+    (its process gone or a zombie), or after ``wait_s`` seconds."""
+    import moetrain.engine.setup as setup
 
-def until_rank_0_has_ended(pid, wait_s):  # its process gone or a zombie (not yet reaped by the test)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{{pid}}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return
-        except FileNotFoundError:
-            return
-        time.sleep(0.2)
+    def until_rank_0_has_ended():
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{rank_0_pid}/stat") as stat:
+                    if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        return
+            except FileNotFoundError:
+                return
+            time.sleep(0.2)
 
-if os.environ["RANK"] == "1":  # waits for rank 0 to end before the checkpoint writer builds its gloo group
     built = setup.CheckpointWriter
-    setup.CheckpointWriter = lambda *args, **kwargs: (
-        until_rank_0_has_ended({rank_0_pid}, {wait_s}), built(*args, **kwargs)
-    )[1]
-from moetrain.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
+    setup.CheckpointWriter = lambda *args, **kwargs: (until_rank_0_has_ended(), built(*args, **kwargs))[1]
 
 
 @pytest.mark.slow
@@ -249,20 +246,12 @@ def test_a_rank_waiting_in_a_store_call_is_not_taken_for_a_silent_one(tmp_path):
     gone with it): after a fixed 12 s, gloo's connect to a rank 0 that had given up the group but
     still kept the store sometimes waited four times ``dist_timeout_s`` (a 60 s test in 3 runs of 10)."""
     config = write_config(tmp_path, tiny_config(tmp_path / "run", steps=5, dist_timeout_s=8))
-    port, procs = free_port(), []
-    for rank in range(2):
-        script = _SLOW_BEFORE_GROUP.format(rank_0_pid=procs[0].pid if procs else 0, wait_s=60)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", script, "train", "--config", str(config)],
-                cwd=ROOT,
-                env=rank_environment(rank, 2, port),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    (code0, err0), (code1, err1) = finish(procs, timeout=90)
+    port = free_port()
+    rank_0 = start_rank(config, 0, 2, port)
+    waiting = functools.partial(_wait_for_rank_0_before_the_checkpoint_group, rank_0.pid, 60)
+    (code0, err0), (code1, err1) = finish(
+        [rank_0, start_rank(config, 1, 2, port, prepare=waiting)], timeout=90
+    )
     for code, err in ((code0, err0), (code1, err1)):
         assert code == 1 and len(error_lines(err)) == 1, err
     assert error_lines(err0)[0].startswith("moetrain: error: rank 0, model set-up: "), err0

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -29,33 +30,34 @@ from moetrain.cli import main
 from moetrain.failures import EXIT_PREEMPTED, EXIT_RUN_FAILED, RunPosition
 from moetrain.launch import LAUNCHER_PID, _ForcedKills, failure_line, report_to_launcher
 from moetrain.watchdog import Watchdog, is_behind
-from tests.faults.launch import ROOT, finish, rank_environment, start_ranks, tiny_config, write_config
+from tests.faults.launch import ROOT, finish, start_ranks, tiny_config, write_config
 from tests.helpers.dist_utils import free_port
 from tests.unit.engine.test_watchdog import DictStore
 
 LOCK = ".lock"
 
-# `python sleeper.py RANK STEP SECONDS moetrain-args...`: the process of RANK sleeps SECONDS in the
-# loss of STEP (its forward phase), with its watchdog thread beating; the others run as usual.
-SLEEPER = """
-import os, sys, time
-from moetrain.registry import get_model, register_model
-victim, at_step, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-spec = get_model("moe_lm")
-original = spec.builder
-def builder(config, shard):
-    model, batches, loss_fn = original(config, shard)
-    calls = {"n": 0}
-    def loss(logits, targets):
-        calls["n"] += 1
-        if int(os.environ["RANK"]) == victim and (calls["n"] - 1) // config.grad_accum + 1 == at_step:
-            time.sleep(seconds)
-        return loss_fn(logits, targets)
-    return model, batches, loss
-register_model("moe_lm", spec.config_class, builder, describe=spec.describe, strategy=spec.strategy)
-from moetrain.cli import main
-sys.exit(main(sys.argv[4:]))
-"""
+
+def _sleep_in_the_loss(victim: int, at_step: int, seconds: float) -> None:
+    """A forked rank's ``prepare``: the process of RANK ``victim`` sleeps ``seconds`` in the loss of
+    step ``at_step`` (its forward phase), with its watchdog thread beating; the others run as usual."""
+    from moetrain.registry import get_model, register_model
+
+    spec = get_model("moe_lm")
+    original = spec.builder
+
+    def builder(config, shard):
+        model, batches, loss_fn = original(config, shard)
+        calls = {"n": 0}
+
+        def loss(logits, targets):
+            calls["n"] += 1
+            if int(os.environ["RANK"]) == victim and (calls["n"] - 1) // config.grad_accum + 1 == at_step:
+                time.sleep(seconds)
+            return loss_fn(logits, targets)
+
+        return model, batches, loss
+
+    register_model("moe_lm", spec.config_class, builder, describe=spec.describe, strategy=spec.strategy)
 
 
 def _wait_for_metrics(path: Path, lines: int, procs, timeout: float = 90) -> None:
@@ -255,22 +257,9 @@ def test_the_slow_rank_does_not_name_the_waiting_rank_as_behind():
 def test_a_slow_rank_logs_the_others_as_ahead_not_behind(tmp_path):
     """Real ranks (per-task): rank 1 sleeps 15 s in the forward of step 6 (stall_s = 10 s), rank 0
     waits for it in backward. Both look while they wait; rank 1 must not say rank 0 is behind."""
-    script = tmp_path / "sleeper.py"
-    script.write_text(SLEEPER)
     out_dir = tmp_path / "run"
     config = write_config(tmp_path, tiny_config(out_dir, steps=8, dist_timeout_s=20))
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), "1", "6", "15", "train", "--config", str(config)],
-            cwd=ROOT,
-            env=rank_environment(rank, 2, port),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for rank in range(2)
-    ]
+    procs = start_ranks([config, config], prepare=functools.partial(_sleep_in_the_loss, 1, 6, 15))
     results = finish(procs, timeout=120)
     assert [code for code, _ in results] == [0, 0], results
     logs = [(out_dir / "logs" / f"rank_{rank}.log").read_text() for rank in range(2)]

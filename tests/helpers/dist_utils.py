@@ -35,6 +35,7 @@ def _serialize(value) -> bytes:
 _CONTEXT = mp.get_context("forkserver")
 # The engine (with DCP) and the pipelining package cost a rank about 2 CPU-seconds to import, more
 # than most ranks compute: importing them once here halved the engine, pipeline and parallelize tests.
+# The registry and the example LM (entry point): what a fault test's `moetrain train` rank imports.
 _CONTEXT.set_forkserver_preload(
     [
         "torch",
@@ -43,8 +44,18 @@ _CONTEXT.set_forkserver_preload(
         "moetrain",
         "moetrain.cli",
         "moetrain.engine",
+        "moetrain.registry",
+        "moe_lm",
     ]
 )
+
+
+def start_forked(target, *args):
+    """Starts ``target(*args)`` in a new process forked from the fork server; returns the
+    ``multiprocessing`` process (not a daemon: it may start processes of its own)."""
+    process = _CONTEXT.Process(target=target, args=args)
+    process.start()
+    return process
 
 
 def _entry(fn, rank, world_size, port, results, args, environ):
