@@ -78,7 +78,7 @@ fi
 # periodic check, seconds into the job: they checkpoint at their first step and stop (a short
 # --time on a debug partition does this). Said once; sbatch --signal may have shortened the lead.
 seconds_of_slurm_time() { # [days-][hours:]minutes:seconds -> seconds; nothing for UNLIMITED etc.
-    local time=$1 days=0 total=0 part
+    local time=$1 days=0 total=0 part parts
     [[ $time =~ ^([0-9]+-)?[0-9]+(:[0-9]+){1,2}$ ]] || return 0
     if [[ $time == *-* ]]; then
         days=${time%%-*}
